@@ -1,0 +1,52 @@
+//! Map keys and values shared by the kernel programs (`proxy-ebpf`) and the daemon
+//! (`proxy-userland`).
+//!
+//! Every type is `#[repr(C)]` with its padding spelled out, so both sides agree on the layout
+//! byte for byte; `bytemuck::Pod` refuses to derive on a type with hidden padding, and each type
+//! carries a size assertion. Addresses and ports are stored in network byte order, exactly as
+//! the kernel hands them to a `sock_addr` program, so the hot path never swaps bytes.
+//!
+//! - [`service`]: the service map (frontend + backend slot -> master entry or backend id).
+//! - [`backend`]: the backend map (backend id -> address, port).
+//! - [`revnat`]: reverse translation for sockets (cookie + backend -> service).
+//! - [`maps`]: names and sizes of the maps, shared so the loader and programs cannot drift.
+#![no_std]
+
+pub mod backend;
+pub mod maps;
+pub mod revnat;
+pub mod service;
+
+pub use backend::{Backend4, Backend6, BackendId};
+pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
+pub use service::{Service4Key, Service6Key, ServiceValue};
+
+/// IP protocol numbers as used in the maps (the same as `IPPROTO_*`).
+pub mod proto {
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+    pub const SCTP: u8 = 132;
+}
+
+/// Implements `aya::Pod` for the daemon side. Sound because every type here is also
+/// `bytemuck::Pod`, which proves it has no padding and no invalid bit patterns.
+macro_rules! user_pod {
+    ($($t:ty),* $(,)?) => {
+        $(
+            #[cfg(feature = "user")]
+            unsafe impl aya::Pod for $t {}
+        )*
+    };
+}
+
+user_pod!(
+    Service4Key,
+    Service6Key,
+    ServiceValue,
+    Backend4,
+    Backend6,
+    SockRevNat4Key,
+    SockRevNat4Value,
+    SockRevNat6Key,
+    SockRevNat6Value,
+);

@@ -1,0 +1,100 @@
+//! What every hook shares: which protocol a socket speaks, and how a backend slot is picked.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::bpf_sock_addr,
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+};
+use proxy_common::{ServiceValue, proto};
+
+use crate::{PROCEED, REJECT};
+
+const SOCK_STREAM: u32 = 1;
+const SOCK_DGRAM: u32 = 2;
+const ECONNREFUSED: i32 = 111;
+
+/// The socket's protocol as the service map spells it, or `None` for sockets we never
+/// translate (raw, ICMP, ...). Some kernels report protocol 0 for the default protocol, so
+/// the socket type decides then.
+#[inline(always)]
+pub fn socket_proto(sa: &bpf_sock_addr) -> Option<u8> {
+    match sa.protocol {
+        6 => Some(proto::TCP),
+        17 => Some(proto::UDP),
+        132 => Some(proto::SCTP),
+        0 => match sa.type_ {
+            SOCK_STREAM => Some(proto::TCP),
+            SOCK_DGRAM => Some(proto::UDP),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// A backend slot in `1..=count`, uniformly.
+#[inline(always)]
+pub fn pick_slot(count: u16) -> u16 {
+    let r = unsafe { bpf_get_prandom_u32() };
+    (r % u32::from(count)) as u16 + 1
+}
+
+/// Refuse the socket call with ECONNREFUSED, as kube-proxy's REJECT rule does for a service
+/// without endpoints: the client fails at once instead of waiting for a timeout. Kernels
+/// without bpf_set_retval report EPERM instead, which still fails fast.
+#[inline(always)]
+pub fn refuse() -> i32 {
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    REJECT
+}
+
+/// What differs between IPv4 and IPv6: how an address is read from and written to the
+/// socket context, and which maps hold it. The translation itself is written once, in
+/// [`translate`] and [`rev_translate`].
+pub trait Family {
+    type Addr: Copy;
+
+    /// The destination the application asked for (address, port in network byte order).
+    fn read_user(sa: *const bpf_sock_addr) -> (Self::Addr, u16);
+    fn write_user(sa: *mut bpf_sock_addr, addr: Self::Addr, port: u16);
+    /// The master or slot entry of a frontend.
+    fn service(addr: Self::Addr, port: u16, proto: u8, slot: u16) -> Option<ServiceValue>;
+    fn backend(id: u32) -> Option<(Self::Addr, u16)>;
+    /// Remembers that this socket's traffic to `backend` is really traffic to `frontend`.
+    fn remember(cookie: u64, backend: (Self::Addr, u16), frontend: (Self::Addr, u16), rev: u16);
+    /// The frontend this socket meant when it talks to `backend`, if it was translated.
+    fn recall(cookie: u64, backend: (Self::Addr, u16)) -> Option<(Self::Addr, u16)>;
+}
+
+/// connect and sendmsg: turn a service frontend into one of its backends.
+#[inline(always)]
+pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
+    let sa = ctx.sock_addr;
+    let Some(proto) = socket_proto(unsafe { &*sa }) else {
+        return Ok(PROCEED);
+    };
+    let (addr, port) = F::read_user(sa);
+    let Some(master) = F::service(addr, port, proto, 0) else {
+        return Ok(PROCEED);
+    };
+    if master.count == 0 {
+        return Ok(refuse());
+    }
+    let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
+    let backend = F::backend(slot.backend_id).ok_or(())?;
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    F::remember(cookie, backend, (addr, port), master.rev_nat_index);
+    F::write_user(sa, backend.0, backend.1);
+    Ok(PROCEED)
+}
+
+/// recvmsg and getpeername: show the application the frontend it asked for.
+#[inline(always)]
+pub fn rev_translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
+    let sa = ctx.sock_addr;
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if let Some((addr, port)) = F::recall(cookie, F::read_user(sa)) {
+        F::write_user(sa, addr, port);
+    }
+    Ok(PROCEED)
+}

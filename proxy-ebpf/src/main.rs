@@ -1,0 +1,73 @@
+//! fastpath's kernel programs.
+//!
+//! - [`sock4`]: cgroup `sock_addr` hooks for IPv4 (connect, sendmsg, recvmsg, getpeername):
+//!   ClusterIP translation at the socket, before a packet exists.
+//! - [`lb`]: backend selection shared by every hook.
+//! - [`maps`]: the maps, laid out in `proxy-common`.
+//!
+//! Each entry point is a thin wrapper that calls a `try_*` function and turns its error into
+//! "let the socket call proceed untouched": a bug or a missing entry must never take down
+//! traffic that is not ours.
+#![no_std]
+#![no_main]
+
+mod lb;
+mod maps;
+mod sock4;
+mod sock6;
+
+use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+
+/// Return values of cgroup sock_addr programs.
+pub(crate) const PROCEED: i32 = 1;
+pub(crate) const REJECT: i32 = 0;
+
+#[cgroup_sock_addr(connect4)]
+pub fn fp_connect4(ctx: SockAddrContext) -> i32 {
+    sock4::try_connect4(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn fp_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock4::try_sendmsg4(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn fp_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock4::try_rev_translate4(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn fp_getpeer4(ctx: SockAddrContext) -> i32 {
+    sock4::try_rev_translate4(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn fp_connect6(ctx: SockAddrContext) -> i32 {
+    sock6::try_connect6(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn fp_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::try_sendmsg6(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn fp_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock6::try_rev_translate6(&ctx).unwrap_or(PROCEED)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn fp_getpeer6(ctx: SockAddrContext) -> i32 {
+    sock6::try_rev_translate6(&ctx).unwrap_or(PROCEED)
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

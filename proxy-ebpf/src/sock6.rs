@@ -1,0 +1,92 @@
+//! IPv6 socket hooks: the [`Family`] glue between `bpf_sock_addr` and the v6 maps.
+
+use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
+
+use aya_ebpf::{bindings::bpf_sock_addr, programs::SockAddrContext};
+use proxy_common::{Service6Key, ServiceValue, SockRevNat6Key, SockRevNat6Value};
+
+use crate::{
+    lb::{self, Family},
+    maps::{BACKENDS6, SERVICES6, SOCK_REVNAT6},
+};
+
+pub struct V6;
+
+/// The context holds the address as four network-order words; the maps as 16 bytes. Both are
+/// the same bytes in memory.
+#[inline(always)]
+fn words_to_bytes(w: [u32; 4]) -> [u8; 16] {
+    unsafe { core::mem::transmute(w) }
+}
+
+#[inline(always)]
+fn bytes_to_words(b: [u8; 16]) -> [u32; 4] {
+    unsafe { core::mem::transmute(b) }
+}
+
+impl Family for V6 {
+    type Addr = [u8; 16];
+
+    #[inline(always)]
+    fn read_user(sa: *const bpf_sock_addr) -> ([u8; 16], u16) {
+        unsafe {
+            let p = addr_of!((*sa).user_ip6) as *const u32;
+            let w = [
+                read_volatile(p),
+                read_volatile(p.add(1)),
+                read_volatile(p.add(2)),
+                read_volatile(p.add(3)),
+            ];
+            let port = read_volatile(addr_of!((*sa).user_port));
+            (words_to_bytes(w), port as u16)
+        }
+    }
+
+    #[inline(always)]
+    fn write_user(sa: *mut bpf_sock_addr, addr: [u8; 16], port: u16) {
+        let w = bytes_to_words(addr);
+        unsafe {
+            let p = addr_of_mut!((*sa).user_ip6) as *mut u32;
+            write_volatile(p, w[0]);
+            write_volatile(p.add(1), w[1]);
+            write_volatile(p.add(2), w[2]);
+            write_volatile(p.add(3), w[3]);
+            write_volatile(addr_of_mut!((*sa).user_port), u32::from(port));
+        }
+    }
+
+    #[inline(always)]
+    fn service(addr: [u8; 16], port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
+        unsafe { SERVICES6.get(&Service6Key::new(addr, port, proto, slot)) }.copied()
+    }
+
+    #[inline(always)]
+    fn backend(id: u32) -> Option<([u8; 16], u16)> {
+        unsafe { BACKENDS6.get(&id) }.map(|b| (b.address, b.port))
+    }
+
+    #[inline(always)]
+    fn remember(cookie: u64, backend: ([u8; 16], u16), frontend: ([u8; 16], u16), rev: u16) {
+        let key = SockRevNat6Key { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };
+        let value = SockRevNat6Value { address: frontend.0, port: frontend.1, rev_nat_index: rev };
+        let _ = SOCK_REVNAT6.insert(&key, &value, 0);
+    }
+
+    #[inline(always)]
+    fn recall(cookie: u64, backend: ([u8; 16], u16)) -> Option<([u8; 16], u16)> {
+        let key = SockRevNat6Key { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };
+        unsafe { SOCK_REVNAT6.get(&key) }.map(|v| (v.address, v.port))
+    }
+}
+
+pub fn try_connect6(ctx: &SockAddrContext) -> Result<i32, ()> {
+    lb::translate::<V6>(ctx)
+}
+
+pub fn try_sendmsg6(ctx: &SockAddrContext) -> Result<i32, ()> {
+    lb::translate::<V6>(ctx)
+}
+
+pub fn try_rev_translate6(ctx: &SockAddrContext) -> Result<i32, ()> {
+    lb::rev_translate::<V6>(ctx)
+}

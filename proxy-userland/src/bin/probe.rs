@@ -1,0 +1,539 @@
+//! `fastpath-probe`: a tiny client and server for seeing where a service address leads.
+//!
+//! `serve` answers every TCP connection with its name and a newline, and every UDP datagram
+//! with its name. `tcp` and `udp` send requests and print one line per attempt:
+//!
+//! ```text
+//! ok <reply> peer=<getpeername>                     (tcp)
+//! ok <reply> from=<recvfrom source> peer=<getpeername or ->   (udp)
+//! err <ERRNO_NAME> <message>
+//! ```
+//!
+//! The client always exits 0 (the lines say what happened); bad usage, or failing to set up
+//! (cgroup, namespace, bind), prints an error and exits 2. With `--cgroup` and `--netns` it first joins a
+//! cgroup v2 and a named network namespace, so the test bed can run it as a "pod" or as a
+//! client under the proxy's cgroup programs.
+
+use std::{
+    fs,
+    io::{self, ErrorKind, Read as _, Write as _},
+    mem,
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+    process::ExitCode,
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+/// Longest reply we read, and longest we print.
+const MAX_REPLY: usize = 256;
+const MAX_PRINTED: usize = 64;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "fastpath-probe",
+    version,
+    about = "Probe where service addresses lead"
+)]
+struct Cli {
+    /// Join this cgroup v2 first (writes our pid to PATH/cgroup.procs).
+    #[arg(long, global = true, value_name = "PATH")]
+    cgroup: Option<PathBuf>,
+
+    /// Then enter the network namespace /run/netns/NAME (before making any socket).
+    #[arg(long, global = true, value_name = "NAME")]
+    netns: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Answer TCP connections with "NAME\n" and UDP datagrams with "NAME", until killed.
+    Serve {
+        /// The name to reply with (no spaces).
+        #[arg(long)]
+        name: String,
+        /// Listen for TCP here (e.g. 0.0.0.0:8080 or [::]:8080); repeatable.
+        #[arg(long, value_name = "ADDR:PORT")]
+        tcp: Vec<SocketAddr>,
+        /// Answer UDP here; repeatable.
+        #[arg(long, value_name = "ADDR:PORT")]
+        udp: Vec<SocketAddr>,
+    },
+    /// Connect, read the reply line, report the peer; once per attempt.
+    Tcp {
+        addr: SocketAddr,
+        #[command(flatten)]
+        attempts: Attempts,
+    },
+    /// Send "ping", wait for the reply, report its source; once per attempt.
+    Udp {
+        addr: SocketAddr,
+        #[command(flatten)]
+        attempts: Attempts,
+        /// connect() the socket and use send(), instead of sendto() on an unconnected socket.
+        #[arg(long)]
+        connected: bool,
+        /// A new socket for every attempt (default: one socket for all).
+        #[arg(long)]
+        fresh_socket: bool,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct Attempts {
+    /// How many attempts.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    count: u32,
+    /// Time limit for each connect and each reply, in milliseconds.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    timeout_ms: u64,
+    /// Pause between attempts, in milliseconds.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    interval_ms: u64,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::Serve { name, tcp, udp } = &cli.command {
+        if let Err(e) = check_name(name) {
+            eprintln!("fastpath-probe: {e}");
+            return ExitCode::from(2);
+        }
+        if tcp.is_empty() && udp.is_empty() {
+            eprintln!("fastpath-probe: serve needs at least one --tcp or --udp address");
+            return ExitCode::from(2);
+        }
+    }
+    if let Err(e) = enter(cli.cgroup.as_deref(), cli.netns.as_deref()) {
+        eprintln!("fastpath-probe: {e:#}");
+        return ExitCode::from(2);
+    }
+    match cli.command {
+        Command::Serve { name, tcp, udp } => match serve(&name, &tcp, &udp) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("fastpath-probe: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Tcp { addr, attempts } => {
+            each_attempt(&attempts, |timeout| tcp_attempt(addr, timeout));
+            ExitCode::SUCCESS
+        }
+        Command::Udp {
+            addr,
+            attempts,
+            connected,
+            fresh_socket,
+        } => {
+            let mut shared = None;
+            each_attempt(&attempts, |timeout| {
+                let line = udp_attempt(addr, timeout, connected, &mut shared);
+                if fresh_socket {
+                    shared = None;
+                }
+                line
+            });
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+fn check_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > MAX_PRINTED {
+        bail!("--name must have 1 to {MAX_PRINTED} characters");
+    }
+    if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        bail!("--name must not contain spaces or control characters");
+    }
+    Ok(())
+}
+
+/// Joins the cgroup, then the network namespace. We are single-threaded here, and no socket
+/// exists yet, so everything made afterwards lives in the namespace.
+fn enter(cgroup: Option<&Path>, netns: Option<&str>) -> Result<()> {
+    if let Some(cgroup) = cgroup {
+        let procs = cgroup.join("cgroup.procs");
+        fs::write(&procs, format!("{}\n", std::process::id())).with_context(|| {
+            format!(
+                "joining cgroup {} (writing {})",
+                cgroup.display(),
+                procs.display()
+            )
+        })?;
+    }
+    if let Some(name) = netns {
+        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+            bail!("bad --netns name {name:?}");
+        }
+        let path = Path::new("/run/netns").join(name);
+        let file = fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: the fd is valid for the call; setns has no memory-safety preconditions.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            let err = io::Error::last_os_error();
+            bail!("entering network namespace {name}: {err}");
+        }
+    }
+    Ok(())
+}
+
+fn each_attempt(attempts: &Attempts, mut attempt: impl FnMut(Duration) -> String) {
+    let timeout = Duration::from_millis(attempts.timeout_ms);
+    let mut stdout = io::stdout().lock();
+    for i in 0..attempts.count {
+        if i > 0 && attempts.interval_ms > 0 {
+            thread::sleep(Duration::from_millis(attempts.interval_ms));
+        }
+        let line = attempt(timeout);
+        if writeln!(stdout, "{line}")
+            .and_then(|()| stdout.flush())
+            .is_err()
+        {
+            return; // stdout closed: nobody is listening
+        }
+    }
+}
+
+// ---- client -------------------------------------------------------------------------------
+
+fn tcp_attempt(addr: SocketAddr, timeout: Duration) -> String {
+    let mut stream = match TcpStream::connect_timeout(&addr, timeout) {
+        Ok(stream) => stream,
+        Err(e) => return err_line("connect", &e, timeout),
+    };
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "-".to_string(), |p| p.to_string());
+    if let Err(e) = stream.set_read_timeout(Some(timeout)) {
+        return err_line("setsockopt", &e, timeout);
+    }
+    let mut buf = [0u8; MAX_REPLY];
+    let mut len = 0;
+    while len < buf.len() && !buf[..len].contains(&b'\n') {
+        match stream.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return format!("{} (peer={peer})", err_line("read", &e, timeout)),
+        }
+    }
+    format!("ok {} peer={peer}", printable(&buf[..len]))
+}
+
+fn udp_attempt(
+    addr: SocketAddr,
+    timeout: Duration,
+    connected: bool,
+    shared: &mut Option<UdpSocket>,
+) -> String {
+    if shared.is_none() {
+        let local: SocketAddr = if addr.is_ipv4() {
+            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+        } else {
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+        };
+        let socket = match UdpSocket::bind(local) {
+            Ok(s) => s,
+            Err(e) => return err_line("bind", &e, timeout),
+        };
+        if connected && let Err(e) = socket.connect(addr) {
+            return err_line("connect", &e, timeout);
+        }
+        *shared = Some(socket);
+    }
+    let socket = shared.as_ref().expect("made above");
+    drain(socket);
+    let sent = if connected {
+        socket.send(b"ping")
+    } else {
+        socket.send_to(b"ping", addr)
+    };
+    if let Err(e) = sent {
+        return err_line("send", &e, timeout);
+    }
+    if let Err(e) = socket.set_read_timeout(Some(timeout)) {
+        return err_line("setsockopt", &e, timeout);
+    }
+    let mut buf = [0u8; MAX_REPLY];
+    loop {
+        match socket.recv_from(&mut buf) {
+            Ok((n, from)) => {
+                let peer = if connected {
+                    socket
+                        .peer_addr()
+                        .map_or_else(|_| "-".to_string(), |p| p.to_string())
+                } else {
+                    "-".to_string()
+                };
+                return format!("ok {} from={from} peer={peer}", printable(&buf[..n]));
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return err_line("recv", &e, timeout),
+        }
+    }
+}
+
+/// Drops late replies to earlier attempts, so each attempt reads its own answer.
+fn drain(socket: &UdpSocket) {
+    if socket.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut buf = [0u8; MAX_REPLY];
+    for _ in 0..1000 {
+        if socket.recv_from(&mut buf).is_err() {
+            break;
+        }
+    }
+    let _ = socket.set_nonblocking(false);
+}
+
+/// The reply's first line, trimmed, with anything that would break the output format
+/// replaced; `-` if empty.
+fn printable(bytes: &[u8]) -> String {
+    let line = bytes.split(|&b| b == b'\n').next().unwrap_or_default();
+    let text = String::from_utf8_lossy(line);
+    let text: String = text
+        .trim()
+        .chars()
+        .take(MAX_PRINTED)
+        .map(|c| {
+            if c.is_whitespace() || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect();
+    if text.is_empty() {
+        "-".to_string()
+    } else {
+        text
+    }
+}
+
+fn err_line(op: &str, e: &io::Error, timeout: Duration) -> String {
+    let ms = timeout.as_millis();
+    match (e.raw_os_error(), e.kind()) {
+        (Some(code), _) if code == libc::EAGAIN || code == libc::EWOULDBLOCK => {
+            format!("err ETIMEDOUT {op}: no answer within {ms} ms")
+        }
+        (Some(code), _) => format!("err {} {op}: {}", errno_name(code), strip_os_error(e)),
+        (None, ErrorKind::TimedOut | ErrorKind::WouldBlock) => {
+            format!("err ETIMEDOUT {op}: no answer within {ms} ms")
+        }
+        (None, kind) => format!("err EOTHER {op}: {kind}: {e}"),
+    }
+}
+
+/// "Connection refused (os error 111)" -> "Connection refused".
+fn strip_os_error(e: &io::Error) -> String {
+    let text = e.to_string();
+    match text.rfind(" (os error ") {
+        Some(i) => text[..i].to_string(),
+        None => text,
+    }
+}
+
+fn errno_name(code: i32) -> String {
+    let name = match code {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EBADF => "EBADF",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EINVAL => "EINVAL",
+        libc::EPIPE => "EPIPE",
+        libc::ENOBUFS => "ENOBUFS",
+        libc::EMSGSIZE => "EMSGSIZE",
+        libc::EPROTO => "EPROTO",
+        libc::EPROTONOSUPPORT => "EPROTONOSUPPORT",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        libc::EAFNOSUPPORT => "EAFNOSUPPORT",
+        libc::EADDRINUSE => "EADDRINUSE",
+        libc::EADDRNOTAVAIL => "EADDRNOTAVAIL",
+        libc::ENETDOWN => "ENETDOWN",
+        libc::ENETUNREACH => "ENETUNREACH",
+        libc::ENETRESET => "ENETRESET",
+        libc::ECONNABORTED => "ECONNABORTED",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::EISCONN => "EISCONN",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::EHOSTDOWN => "EHOSTDOWN",
+        libc::EHOSTUNREACH => "EHOSTUNREACH",
+        libc::EALREADY => "EALREADY",
+        libc::EINPROGRESS => "EINPROGRESS",
+        _ => return format!("E{code}"),
+    };
+    name.to_string()
+}
+
+// ---- server -------------------------------------------------------------------------------
+
+fn serve(name: &str, tcp: &[SocketAddr], udp: &[SocketAddr]) -> Result<()> {
+    let mut listeners = Vec::new();
+    for &addr in tcp {
+        let fd = bound_socket(addr, libc::SOCK_STREAM).with_context(|| format!("TCP {addr}"))?;
+        // SAFETY: listen on a valid socket fd.
+        if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+            return Err(io::Error::last_os_error())
+                .with_context(|| format!("listen on TCP {addr}"));
+        }
+        listeners.push(TcpListener::from(fd));
+    }
+    let mut sockets = Vec::new();
+    for &addr in udp {
+        let fd = bound_socket(addr, libc::SOCK_DGRAM).with_context(|| format!("UDP {addr}"))?;
+        sockets.push(UdpSocket::from(fd));
+    }
+
+    let mut threads = Vec::new();
+    for listener in listeners {
+        let reply = format!("{name}\n");
+        threads.push(thread::spawn(move || {
+            tcp_server(&listener, reply.as_bytes())
+        }));
+    }
+    for socket in sockets {
+        let reply = name.to_string();
+        threads.push(thread::spawn(move || udp_server(&socket, reply.as_bytes())));
+    }
+    let mut stdout = io::stdout().lock();
+    writeln!(stdout, "ready")
+        .and_then(|()| stdout.flush())
+        .context("writing to stdout")?;
+    drop(stdout);
+    for t in threads {
+        let _ = t.join();
+    }
+    bail!("all servers stopped")
+}
+
+fn tcp_server(listener: &TcpListener, reply: &[u8]) {
+    loop {
+        match listener.accept() {
+            Ok((mut conn, _)) => {
+                let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = conn.write_all(reply);
+                let _ = conn.shutdown(std::net::Shutdown::Write);
+            }
+            Err(e) => {
+                eprintln!("fastpath-probe: accept: {e}");
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn udp_server(socket: &UdpSocket, reply: &[u8]) {
+    let mut buf = [0u8; 2048];
+    loop {
+        match socket.recv_from(&mut buf) {
+            Ok((_, from)) => {
+                if let Err(e) = socket.send_to(reply, from) {
+                    eprintln!("fastpath-probe: reply to {from}: {e}");
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => {
+                eprintln!("fastpath-probe: recv: {e}");
+                thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+/// A socket bound to `addr`, with SO_REUSEADDR, and IPV6_V6ONLY for IPv6 (so that
+/// `0.0.0.0:P` and `[::]:P` can be served side by side).
+fn bound_socket(addr: SocketAddr, kind: libc::c_int) -> io::Result<OwnedFd> {
+    let domain = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: plain syscall; the returned fd is checked and then owned.
+    let raw = unsafe { libc::socket(domain, kind | libc::SOCK_CLOEXEC, 0) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a fresh fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    set_int_opt(&fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, 1)?;
+    if addr.is_ipv6() {
+        set_int_opt(&fd, libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, 1)?;
+    }
+    let rc = match addr {
+        SocketAddr::V4(a) => {
+            // SAFETY: sockaddr_in is plain data; all-zero is valid.
+            let mut sa: libc::sockaddr_in = unsafe { mem::zeroed() };
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_port = a.port().to_be();
+            sa.sin_addr = libc::in_addr {
+                s_addr: u32::from_ne_bytes(a.ip().octets()),
+            };
+            // SAFETY: the pointer and length describe `sa`.
+            unsafe {
+                libc::bind(
+                    fd.as_raw_fd(),
+                    (&raw const sa).cast(),
+                    mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                )
+            }
+        }
+        SocketAddr::V6(a) => {
+            // SAFETY: sockaddr_in6 is plain data; all-zero is valid.
+            let mut sa: libc::sockaddr_in6 = unsafe { mem::zeroed() };
+            sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sa.sin6_port = a.port().to_be();
+            sa.sin6_flowinfo = a.flowinfo();
+            sa.sin6_addr = libc::in6_addr {
+                s6_addr: a.ip().octets(),
+            };
+            sa.sin6_scope_id = a.scope_id();
+            // SAFETY: the pointer and length describe `sa`.
+            unsafe {
+                libc::bind(
+                    fd.as_raw_fd(),
+                    (&raw const sa).cast(),
+                    mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+                )
+            }
+        }
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+fn set_int_opt(
+    fd: &OwnedFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> io::Result<()> {
+    // SAFETY: the pointer and length describe `value`.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            (&raw const value).cast(),
+            mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}

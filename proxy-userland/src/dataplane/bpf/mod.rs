@@ -1,0 +1,48 @@
+//! The eBPF dataplane: socket-level load balancing through cgroup `sock_addr` programs.
+//!
+//! - [`loader`]: loads the embedded object and attaches the programs to a cgroup v2.
+//! - [`maps`]: typed access to the service, backend and reverse-NAT maps, written in the
+//!   order that keeps every lookup consistent.
+//! - [`program`]: what is programmed now, and the diff that brings it to the model.
+
+pub mod loader;
+pub mod maps;
+pub mod program;
+
+use std::path::Path;
+
+pub use loader::LoadError;
+
+use self::{loader::Attached, maps::ServiceMaps, program::Programmer};
+use super::{Dataplane, Scope, SyncReport};
+use crate::model::{NodeInfo, ProxyState};
+
+pub struct BpfDataplane {
+    programmer: Programmer,
+    // Held for its links: dropping it detaches the programs and frees the maps.
+    _attached: Attached,
+}
+
+impl BpfDataplane {
+    /// Loads and attaches the programs to the cgroup v2 at `cgroup`. Every socket created by
+    /// a process in that cgroup or below it is load-balanced from then on.
+    pub fn attach(cgroup: &Path) -> Result<Self, LoadError> {
+        let mut attached = loader::load_and_attach(cgroup)?;
+        let maps = ServiceMaps::take(attached.ebpf_mut())?;
+        Ok(Self { programmer: Programmer::new(maps), _attached: attached })
+    }
+
+    pub fn programmer(&self) -> &Programmer {
+        &self.programmer
+    }
+}
+
+impl Dataplane for BpfDataplane {
+    fn name(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        self.programmer.sync(state, node, scope)
+    }
+}

@@ -1,0 +1,421 @@
+//! What is programmed in the maps, and the diff that brings the maps to the model.
+//!
+//! Per frontend (address, port, protocol) the update order is Cilium's: backends first, then
+//! the slots, then the master entry that publishes the new count, then the slots and
+//! backends that are no longer referenced. A program racing with an update therefore sees
+//! either the old or the new backend set, never a count that points at a missing slot. If a
+//! write fails midway the frontend is rolled back to what it was, so a full map leaves the
+//! service as it was and says so, instead of half-programmed.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::IpAddr,
+};
+
+use aya::maps::MapError;
+use proxy_common::{BackendId, ServiceValue, service::flags};
+
+use super::maps::{Occupancy, ServiceMaps};
+use crate::{
+    dataplane::{Scope, SyncReport},
+    model::{EndpointSet, NodeInfo, Protocol, ProxyState, Service, ServiceKey, select},
+};
+
+/// A service address as the socket programs match it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Frontend {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub proto: Protocol,
+}
+
+/// Where a backend slot sends traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendAddr {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub proto: Protocol,
+}
+
+/// What a frontend should look like.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredFrontend {
+    pub backends: Vec<BackendAddr>,
+    pub affinity_timeout: Option<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProgramError {
+    #[error("{frontend} is already used by service {owner}")]
+    Conflict { frontend: String, owner: ServiceKey },
+    #[error("{frontend}: {count} backends is more than the {max} a frontend can hold")]
+    TooManyBackends { frontend: String, count: usize, max: usize },
+    #[error("no free reverse-NAT index (65535 frontends programmed)")]
+    RevNatExhausted,
+    #[error("writing {what} for {frontend} failed: {source} (map full?)")]
+    Map { what: &'static str, frontend: String, source: MapError },
+}
+
+struct FrontendState {
+    owner: ServiceKey,
+    rev_nat_index: u16,
+    backends: Vec<BackendAddr>,
+    ids: Vec<BackendId>,
+    affinity_timeout: Option<u32>,
+}
+
+struct BackendRef {
+    id: BackendId,
+    refs: u32,
+}
+
+/// A pool of small integers, reusing freed ones first so ids stay dense.
+struct IdPool {
+    next: u32,
+    max: u32,
+    free: Vec<u32>,
+}
+
+impl IdPool {
+    fn new(max: u32) -> Self {
+        Self { next: 1, max, free: Vec::new() }
+    }
+
+    fn alloc(&mut self) -> Option<u32> {
+        self.free.pop().or_else(|| {
+            (self.next <= self.max).then(|| {
+                self.next += 1;
+                self.next - 1
+            })
+        })
+    }
+
+    fn release(&mut self, id: u32) {
+        self.free.push(id);
+    }
+}
+
+pub struct Programmer {
+    maps: ServiceMaps,
+    frontends: HashMap<Frontend, FrontendState>,
+    owners: HashMap<ServiceKey, BTreeSet<Frontend>>,
+    backends: HashMap<BackendAddr, BackendRef>,
+    backend_ids: IdPool,
+    rev_nat_ids: IdPool,
+}
+
+fn frontend_name(fe: &Frontend) -> String {
+    match fe.ip {
+        IpAddr::V4(ip) => format!("{ip}:{}/{}", fe.port, fe.proto),
+        IpAddr::V6(ip) => format!("[{ip}]:{}/{}", fe.port, fe.proto),
+    }
+}
+
+impl std::fmt::Display for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&frontend_name(self))
+    }
+}
+
+/// The frontends one service needs on this node and the backends of each: every ClusterIP
+/// of every port, with the endpoints ClusterIP traffic may use here, of the same family.
+pub fn desired_frontends(
+    svc: &Service,
+    endpoints: Option<&EndpointSet>,
+    node: &NodeInfo,
+) -> BTreeMap<Frontend, DesiredFrontend> {
+    let mut out = BTreeMap::new();
+    for port in &svc.ports {
+        let port_eps = endpoints.map(|set| select::endpoints_for_port(set, port)).unwrap_or_default();
+        let chosen = select::internal_backends(svc, &port_eps, node);
+        for &ip in &svc.cluster_ips {
+            let mut backends: Vec<BackendAddr> = chosen
+                .iter()
+                .filter(|e| e.ip.is_ipv4() == ip.is_ipv4())
+                .map(|e| BackendAddr { ip: e.ip, port: e.port, proto: port.protocol })
+                .collect();
+            backends.sort();
+            backends.dedup();
+            let fe = Frontend { ip, port: port.port, proto: port.protocol };
+            out.insert(fe, DesiredFrontend { backends, affinity_timeout: svc.affinity_timeout });
+        }
+    }
+    out
+}
+
+impl Programmer {
+    pub fn new(maps: ServiceMaps) -> Self {
+        Self {
+            maps,
+            frontends: HashMap::new(),
+            owners: HashMap::new(),
+            backends: HashMap::new(),
+            backend_ids: IdPool::new(proxy_common::maps::BACKENDS_MAX),
+            rev_nat_ids: IdPool::new(u32::from(u16::MAX)),
+        }
+    }
+
+    pub fn maps(&self) -> &ServiceMaps {
+        &self.maps
+    }
+
+    pub fn occupancy(&self) -> Occupancy {
+        self.maps.occupancy()
+    }
+
+    /// The backends a frontend is programmed with, for tests and diagnostics.
+    pub fn programmed(&self, fe: &Frontend) -> Option<&[BackendAddr]> {
+        self.frontends.get(fe).map(|s| s.backends.as_slice())
+    }
+
+    pub fn frontend_count(&self) -> usize {
+        self.frontends.len()
+    }
+
+    pub fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        let keys: Vec<ServiceKey> = match scope {
+            Scope::Full => {
+                let mut all: BTreeSet<ServiceKey> = state.services.keys().cloned().collect();
+                all.extend(self.owners.keys().cloned());
+                all.into_iter().collect()
+            }
+            Scope::Changed(set) => set.iter().cloned().collect(),
+        };
+        let mut report = SyncReport::default();
+        for key in keys {
+            let desired = state
+                .services
+                .get(&key)
+                .map(|svc| desired_frontends(svc, state.endpoints.get(&key).map(|e| &**e), node))
+                .unwrap_or_default();
+            report.services_synced += 1;
+            if let Err(e) = self.sync_service(&key, &desired, &mut report) {
+                report.failed.push((key, e.to_string()));
+            }
+        }
+        report
+    }
+
+    fn sync_service(
+        &mut self,
+        key: &ServiceKey,
+        desired: &BTreeMap<Frontend, DesiredFrontend>,
+        report: &mut SyncReport,
+    ) -> Result<(), ProgramError> {
+        // Refuse a frontend another service holds before writing anything.
+        for fe in desired.keys() {
+            if let Some(st) = self.frontends.get(fe)
+                && st.owner != *key
+            {
+                return Err(ProgramError::Conflict {
+                    frontend: frontend_name(fe),
+                    owner: st.owner.clone(),
+                });
+            }
+        }
+        for (fe, want) in desired {
+            if self.write_frontend(key, fe, want)? {
+                report.frontends_written += 1;
+            }
+        }
+        let stale: Vec<Frontend> = self
+            .owners
+            .get(key)
+            .map(|set| set.iter().filter(|fe| !desired.contains_key(fe)).copied().collect())
+            .unwrap_or_default();
+        for fe in stale {
+            self.remove_frontend(&fe)?;
+            report.frontends_removed += 1;
+        }
+        Ok(())
+    }
+
+    /// Writes one frontend if it differs from what is programmed; true if it wrote.
+    fn write_frontend(
+        &mut self,
+        key: &ServiceKey,
+        fe: &Frontend,
+        want: &DesiredFrontend,
+    ) -> Result<bool, ProgramError> {
+        let old = self.frontends.get(fe);
+        if let Some(old) = old
+            && old.backends == want.backends
+            && old.affinity_timeout == want.affinity_timeout
+        {
+            return Ok(false);
+        }
+        let max = usize::from(u16::MAX);
+        if want.backends.len() > max {
+            return Err(ProgramError::TooManyBackends {
+                frontend: frontend_name(fe),
+                count: want.backends.len(),
+                max,
+            });
+        }
+        let (old_ids, old_backends) =
+            old.map(|o| (o.ids.clone(), o.backends.clone())).unwrap_or_default();
+        let (rev_nat_index, new_rev) = match old {
+            Some(o) => (o.rev_nat_index, false),
+            None => (self.rev_nat_ids.alloc().ok_or(ProgramError::RevNatExhausted)? as u16, true),
+        };
+
+        let result = self.publish(fe, want, rev_nat_index, &old_ids);
+        let ids = match result {
+            Ok(ids) => ids,
+            Err(e) => {
+                if new_rev {
+                    self.rev_nat_ids.release(u32::from(rev_nat_index));
+                }
+                return Err(e);
+            }
+        };
+
+        // Readers now use the new set: drop what it no longer needs.
+        for slot in ids.len() + 1..=old_ids.len() {
+            let _ = self.maps.del_service(fe, slot as u16);
+        }
+        for b in &old_backends {
+            self.release_backend(b);
+        }
+        self.frontends.insert(
+            *fe,
+            FrontendState {
+                owner: key.clone(),
+                rev_nat_index,
+                backends: want.backends.clone(),
+                ids,
+                affinity_timeout: want.affinity_timeout,
+            },
+        );
+        self.owners.entry(key.clone()).or_default().insert(*fe);
+        Ok(true)
+    }
+
+    /// Backends, slots, then the master entry. On failure everything written is undone and
+    /// the frontend reads exactly as before.
+    fn publish(
+        &mut self,
+        fe: &Frontend,
+        want: &DesiredFrontend,
+        rev_nat_index: u16,
+        old_ids: &[BackendId],
+    ) -> Result<Vec<BackendId>, ProgramError> {
+        let mut ids = Vec::with_capacity(want.backends.len());
+        let undo = |this: &mut Self, ids: &[BackendId], slots_written: usize| {
+            for slot in 1..=slots_written {
+                match old_ids.get(slot - 1) {
+                    Some(&id) => {
+                        let _ = this.maps.put_service(fe, slot as u16, ServiceValue::slot(id));
+                    }
+                    None => {
+                        let _ = this.maps.del_service(fe, slot as u16);
+                    }
+                }
+            }
+            for b in &want.backends[..ids.len()] {
+                this.release_backend(b);
+            }
+        };
+        for b in &want.backends {
+            match self.acquire_backend(b) {
+                Ok(id) => ids.push(id),
+                Err(source) => {
+                    undo(self, &ids, 0);
+                    return Err(ProgramError::Map {
+                        what: "a backend",
+                        frontend: frontend_name(fe),
+                        source,
+                    });
+                }
+            }
+        }
+        for (i, &id) in ids.iter().enumerate() {
+            if old_ids.get(i) == Some(&id) {
+                continue;
+            }
+            if let Err(source) = self.maps.put_service(fe, (i + 1) as u16, ServiceValue::slot(id))
+            {
+                undo(self, &ids, i);
+                return Err(ProgramError::Map {
+                    what: "a backend slot",
+                    frontend: frontend_name(fe),
+                    source,
+                });
+            }
+        }
+        let (flag_bits, timeout) = match want.affinity_timeout {
+            Some(t) => (flags::AFFINITY, t),
+            None => (0, 0),
+        };
+        let master = ServiceValue::master(ids.len() as u16, rev_nat_index, flag_bits, timeout);
+        if let Err(source) = self.maps.put_service(fe, 0, master) {
+            undo(self, &ids, ids.len());
+            return Err(ProgramError::Map {
+                what: "the master entry",
+                frontend: frontend_name(fe),
+                source,
+            });
+        }
+        Ok(ids)
+    }
+
+    /// Master first, so lookups stop at once; then the slots and backends behind it.
+    fn remove_frontend(&mut self, fe: &Frontend) -> Result<(), ProgramError> {
+        let Some(st) = self.frontends.remove(fe) else {
+            return Ok(());
+        };
+        let map_err = |source| ProgramError::Map {
+            what: "removing the master entry",
+            frontend: frontend_name(fe),
+            source,
+        };
+        if let Err(e) = self.maps.del_service(fe, 0) {
+            self.frontends.insert(*fe, st);
+            return Err(map_err(e));
+        }
+        for slot in 1..=st.ids.len() {
+            let _ = self.maps.del_service(fe, slot as u16);
+        }
+        for b in &st.backends {
+            self.release_backend(b);
+        }
+        self.rev_nat_ids.release(u32::from(st.rev_nat_index));
+        if let Some(set) = self.owners.get_mut(&st.owner) {
+            set.remove(fe);
+            if set.is_empty() {
+                self.owners.remove(&st.owner);
+            }
+        }
+        Ok(())
+    }
+
+    fn acquire_backend(&mut self, b: &BackendAddr) -> Result<BackendId, MapError> {
+        if let Some(r) = self.backends.get_mut(b) {
+            r.refs += 1;
+            return Ok(r.id);
+        }
+        let id = self.backend_ids.alloc().ok_or(MapError::OutOfBounds {
+            index: proxy_common::maps::BACKENDS_MAX,
+            max_entries: proxy_common::maps::BACKENDS_MAX,
+        })?;
+        if let Err(e) = self.maps.put_backend(id, b) {
+            self.backend_ids.release(id);
+            return Err(e);
+        }
+        self.backends.insert(*b, BackendRef { id, refs: 1 });
+        Ok(id)
+    }
+
+    fn release_backend(&mut self, b: &BackendAddr) {
+        let Some(r) = self.backends.get_mut(b) else {
+            return;
+        };
+        r.refs -= 1;
+        if r.refs == 0 {
+            let id = r.id;
+            self.backends.remove(b);
+            let _ = self.maps.del_backend(id, b);
+            self.backend_ids.release(id);
+        }
+    }
+}

@@ -1,0 +1,61 @@
+//! The one dataplane interface the sync loop drives, and its backends.
+//!
+//! The sync loop hands every backend the same [`ProxyState`] plus the services that changed
+//! since the last sync; how that becomes kernel state is the backend's business. Chosen once
+//! at start-up, dispatched through [`Proxier`] without dynamic dispatch.
+
+pub mod bpf;
+
+use std::collections::BTreeSet;
+
+use crate::model::{NodeInfo, ProxyState, ServiceKey};
+
+/// What one sync did, for logs and metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// Services whose frontends were (re)computed.
+    pub services_synced: usize,
+    /// Frontends (address, port, protocol) written or rewritten.
+    pub frontends_written: usize,
+    pub frontends_removed: usize,
+    /// Services that could not be programmed; they keep their previous state and are retried.
+    pub failed: Vec<(ServiceKey, String)>,
+}
+
+/// Which services a sync must look at.
+#[derive(Clone, Copy, Debug)]
+pub enum Scope<'a> {
+    /// Everything in the state, and anything programmed that the state no longer has.
+    Full,
+    /// Only these services.
+    Changed(&'a BTreeSet<ServiceKey>),
+}
+
+/// A backend that turns the model into kernel state.
+pub trait Dataplane {
+    /// A short name for logs ("ebpf", "iptables", "userspace").
+    fn name(&self) -> &'static str;
+
+    /// Brings the kernel in line with `state` for the services in `scope`. Services that fail
+    /// are listed in the report and left as they were; the rest are programmed.
+    fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport;
+}
+
+/// The dataplane chosen at start-up.
+pub enum Proxier {
+    Bpf(bpf::BpfDataplane),
+}
+
+impl Dataplane for Proxier {
+    fn name(&self) -> &'static str {
+        match self {
+            Proxier::Bpf(d) => d.name(),
+        }
+    }
+
+    fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        match self {
+            Proxier::Bpf(d) => d.sync(state, node, scope),
+        }
+    }
+}

@@ -1,0 +1,51 @@
+//! Endpoints, normalized from discovery.k8s.io/v1 EndpointSlice.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use super::service::Protocol;
+
+/// A port as an EndpointSlice lists it: every endpoint of that slice serves it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: String,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+/// One endpoint address with its conditions, as kube-proxy reads them: a missing `ready`
+/// means ready, a missing `serving` means the value of `ready`, a missing `terminating`
+/// means false.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub ip: IpAddr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node_name: Option<String>,
+    pub zone: Option<String>,
+    /// hints.forZones[].name
+    pub zone_hints: Vec<String>,
+}
+
+/// One EndpointSlice, reduced to what routing needs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceInfo {
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<Endpoint>,
+}
+
+/// Every slice of one service, by slice name. A service's endpoints may be split over
+/// several slices, and an address may appear in more than one.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EndpointSet {
+    pub slices: BTreeMap<String, SliceInfo>,
+}
+
+/// An endpoint resolved for one service port: where to send, plus the conditions that
+/// decide whether to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortEndpoint {
+    pub ip: IpAddr,
+    pub port: u16,
+    pub endpoint: Endpoint,
+}

@@ -1,0 +1,98 @@
+//! Services, normalized from v1 Service.
+
+use std::{fmt, net::IpAddr};
+
+/// A Service's identity: namespace and name (kube-proxy's NamespacedName).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceKey {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl ServiceKey {
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self { namespace: namespace.into(), name: name.into() }
+    }
+}
+
+impl fmt::Display for ServiceKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+    Sctp,
+}
+
+impl Protocol {
+    /// The IP protocol number, as the BPF maps and iptables spell it.
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => proxy_common::proto::TCP,
+            Protocol::Udp => proxy_common::proto::UDP,
+            Protocol::Sctp => proxy_common::proto::SCTP,
+        }
+    }
+
+    /// Parses the Kubernetes spelling; a missing protocol means TCP, as the API defaults it.
+    pub fn from_k8s(s: Option<&str>) -> Option<Self> {
+        match s {
+            None | Some("TCP") => Some(Protocol::Tcp),
+            Some("UDP") => Some(Protocol::Udp),
+            Some("SCTP") => Some(Protocol::Sctp),
+            Some(_) => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One port of a service. `name` matches the EndpointSlice port of the same name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServicePort {
+    /// May be empty for a single-port service.
+    pub name: String,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub node_port: Option<u16>,
+}
+
+/// A service this proxy serves. Headless, ExternalName and other proxies' services never
+/// become one of these.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Service {
+    pub key: ServiceKey,
+    /// spec.clusterIPs (dual-stack: up to one per family).
+    pub cluster_ips: Vec<IpAddr>,
+    pub ports: Vec<ServicePort>,
+    pub external_ips: Vec<IpAddr>,
+    /// status.loadBalancer.ingress[].ip
+    pub load_balancer_ips: Vec<IpAddr>,
+    /// spec.loadBalancerSourceRanges as (network address, prefix length).
+    pub load_balancer_source_ranges: Vec<(IpAddr, u8)>,
+    /// Some(seconds) when sessionAffinity is ClientIP.
+    pub affinity_timeout: Option<u32>,
+    /// externalTrafficPolicy: Local
+    pub external_policy_local: bool,
+    /// internalTrafficPolicy: Local
+    pub internal_policy_local: bool,
+    pub health_check_node_port: Option<u16>,
+    /// trafficDistribution: PreferClose (or topology-mode Auto hints).
+    pub prefer_close: bool,
+}

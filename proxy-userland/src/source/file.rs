@@ -1,0 +1,861 @@
+//! Services and EndpointSlices read from manifest files, so that the proxy runs (and can be
+//! tested) without a cluster.
+//!
+//! The path is one file or a folder of `*.yaml`, `*.yml` and `*.json` files (not recursive;
+//! dot files, such as editor swap files, are left out). Files hold what `kubectl apply -f`
+//! takes: multi-document YAML, JSON, and `List` objects with `items`. Only v1 Service and
+//! discovery.k8s.io/v1 EndpointSlice are read; other kinds are ignored, so a folder of
+//! ordinary application manifests works as is.
+//!
+//! Errors are per object: one malformed document is reported and the others still load.
+//! Refusing the whole file would take every service in it down because of one typo, and
+//! with a watched folder a half-saved file would do the same until the next save.
+
+use std::{
+    fmt, fs,
+    future::Future,
+    io,
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use k8s_openapi::api::{core::v1::Service as K8sService, discovery::v1::EndpointSlice};
+use serde_yaml::Value;
+use tokio::{sync::watch, time::MissedTickBehavior};
+use tracing::{debug, error, info, warn};
+
+use crate::model::{
+    Service, ServiceKey, SliceInfo,
+    convert::{self, ConvertError},
+};
+
+/// Everything read from the path in one go.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub services: Vec<Service>,
+    pub slices: Vec<(ServiceKey, String, SliceInfo)>,
+    /// Problems found, each naming where; the objects listed above loaded regardless.
+    pub errors: Vec<LoadError>,
+    /// Services and EndpointSlices that are well formed but not proxied (headless,
+    /// ExternalName, another proxy's, FQDN slices, slices without a service).
+    pub skipped: usize,
+}
+
+/// Where in the input a problem is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub path: PathBuf,
+    /// 1-based position of the YAML document in the file.
+    pub document: usize,
+    /// 1-based line at which the document starts.
+    pub line: usize,
+    /// 0-based index in `items` when the document is a List.
+    pub item: Option<usize>,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: document {} (line {})",
+            self.path.display(),
+            self.document,
+            self.line
+        )?;
+        if let Some(item) = self.item {
+            write!(f, ", items[{item}]")?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The file or folder could not be read (missing, permissions, not UTF-8).
+    #[error("{}: {source}", path.display())]
+    Read { path: PathBuf, source: io::Error },
+
+    /// The document is not valid YAML (or JSON).
+    #[error("{at}: invalid YAML: {source}")]
+    Syntax {
+        at: Location,
+        source: serde_yaml::Error,
+    },
+
+    /// The document is YAML but not a Kubernetes object.
+    #[error("{at}: not a Kubernetes object: {reason}")]
+    NotAnObject { at: Location, reason: &'static str },
+
+    /// A Service or EndpointSlice whose fields do not have the right types.
+    #[error("{at}: {object}: {source}")]
+    Decode {
+        at: Location,
+        object: String,
+        source: serde_yaml::Error,
+    },
+
+    /// A Service or EndpointSlice whose values are invalid (out of range, not an IP, ...).
+    #[error("{at}: {source}")]
+    Convert { at: Location, source: ConvertError },
+}
+
+impl LoadError {
+    /// The file (or folder) the problem is in.
+    pub fn path(&self) -> &Path {
+        match self {
+            Self::Read { path, .. } => path,
+            Self::Syntax { at, .. }
+            | Self::NotAnObject { at, .. }
+            | Self::Decode { at, .. }
+            | Self::Convert { at, .. } => &at.path,
+        }
+    }
+}
+
+/// Reads `path` (a manifest file or a folder of them). Never fails as a whole: problems are
+/// collected in [`Loaded::errors`] next to whatever did load.
+pub fn load(path: &Path) -> Loaded {
+    let mut loaded = Loaded::default();
+    let files = if path.is_dir() {
+        match manifest_files(path) {
+            Ok(files) => files,
+            Err(source) => {
+                loaded.errors.push(LoadError::Read {
+                    path: path.to_owned(),
+                    source,
+                });
+                return loaded;
+            }
+        }
+    } else {
+        vec![path.to_owned()]
+    };
+    for file in files {
+        match fs::read_to_string(&file) {
+            Ok(text) => loaded.load_text(&file, &text),
+            Err(source) => loaded.errors.push(LoadError::Read { path: file, source }),
+        }
+    }
+    loaded
+}
+
+/// The manifests in `dir`, sorted so that later files override earlier ones predictably.
+fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        let is_manifest = Path::new(name)
+            .extension()
+            .and_then(|e| e.to_str())
+            .is_some_and(|e| {
+                ["yaml", "yml", "json"]
+                    .iter()
+                    .any(|m| e.eq_ignore_ascii_case(m))
+            });
+        // is_file follows symlinks, which is how ConfigMap volumes present their keys.
+        if is_manifest && !name.starts_with('.') && path.is_file() {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Splits a multi-document YAML text into (first line, text) per document.
+///
+/// serde_yaml's own document iterator cannot be used for this: after a syntax error it
+/// yields the same error forever and never reaches the next document, which would turn one
+/// typo into a lost file. A line starting with `---` is always a document marker (YAML
+/// forbids that line inside a scalar), so cutting there is exact. A leading chunk with no
+/// content (comments before the first `---`) is not a document.
+fn split_documents(text: &str) -> Vec<(usize, &str)> {
+    let mut docs = Vec::new();
+    let (mut start, mut start_line, mut offset) = (0, 1, 0);
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        let is_marker = line
+            .strip_prefix("---")
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with([' ', '\t', '\r', '\n']));
+        if is_marker && offset > 0 {
+            docs.push((start_line, &text[start..offset]));
+            (start, start_line) = (offset, i + 1);
+        }
+        offset += line.len();
+    }
+    docs.push((start_line, &text[start..]));
+    if docs.len() > 1 && !has_content(docs[0].1) {
+        docs.remove(0);
+    }
+    docs
+}
+
+fn has_content(text: &str) -> bool {
+    text.lines()
+        .map(str::trim_start)
+        .any(|l| !l.is_empty() && !l.starts_with('#'))
+}
+
+/// Pads `text` so that serde_yaml's "at line N" counts from the start of the file. Only
+/// done to re-parse for an error message, which keeps the common path linear.
+fn at_file_line(line: usize, text: &str) -> String {
+    let mut padded = "\n".repeat(line - 1);
+    padded.push_str(text);
+    padded
+}
+
+/// `Kind namespace/name`, as far as the document says, for error messages.
+fn describe(kind: &str, value: &Value) -> String {
+    let meta = value.get("metadata");
+    let field = |k| {
+        meta.and_then(|m| m.get(k))
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+    };
+    format!(
+        "{kind} {}/{}",
+        field("namespace").unwrap_or("default"),
+        field("name").unwrap_or("<unnamed>")
+    )
+}
+
+/// Where an object's text is: a whole document is decoded from its text, for errors with
+/// field paths and line numbers; List items only exist as values.
+#[derive(Clone, Copy)]
+enum Source<'a> {
+    Document { line: usize, text: &'a str },
+    Item,
+}
+
+impl Source<'_> {
+    fn decode<T: serde::de::DeserializeOwned>(self, value: &Value) -> Result<T, serde_yaml::Error> {
+        match self {
+            Source::Document { line, text } => serde_yaml::from_str(text).map_err(|e| {
+                serde_yaml::from_str::<T>(&at_file_line(line, text))
+                    .err()
+                    .unwrap_or(e)
+            }),
+            Source::Item => T::deserialize(value),
+        }
+    }
+}
+
+impl Loaded {
+    fn load_text(&mut self, path: &Path, text: &str) {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        // JSON is YAML, but a JSON file is one document; no line of it can start with
+        // `---`, so the split is harmless.
+        for (index, (line, doc)) in split_documents(text).into_iter().enumerate() {
+            let at = Location {
+                path: path.to_owned(),
+                document: index + 1,
+                line,
+                item: None,
+            };
+            let value: Value = match serde_yaml::from_str(doc) {
+                Ok(value) => value,
+                Err(e) => {
+                    let source = serde_yaml::from_str::<Value>(&at_file_line(line, doc))
+                        .err()
+                        .unwrap_or(e);
+                    self.errors.push(LoadError::Syntax { at, source });
+                    continue;
+                }
+            };
+            self.load_value(at, Source::Document { line, text: doc }, value, None);
+        }
+    }
+
+    /// Loads one object. `list` is the (apiVersion, kind) of the typed List (ServiceList)
+    /// the value is an item of, since the API server leaves those out of the items.
+    fn load_value(
+        &mut self,
+        at: Location,
+        source: Source<'_>,
+        value: Value,
+        list: Option<(&str, &str)>,
+    ) {
+        if value.is_null() {
+            return; // an empty document, e.g. after a trailing `---`
+        }
+        if !value.is_mapping() {
+            self.errors.push(LoadError::NotAnObject {
+                at,
+                reason: "not a mapping",
+            });
+            return;
+        }
+        let str_field = |k| {
+            value
+                .get(k)
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+        };
+        let (Some(api_version), Some(kind)) = (
+            str_field("apiVersion").or(list.map(|l| l.0)),
+            str_field("kind").or(list.map(|l| l.1)),
+        ) else {
+            self.errors.push(LoadError::NotAnObject {
+                at,
+                reason: "apiVersion or kind is missing",
+            });
+            return;
+        };
+        let (api_version, kind) = (api_version.to_owned(), kind.to_owned());
+
+        if kind == "List" || (kind.ends_with("List") && value.get("items").is_some()) {
+            self.load_list(at, &api_version, &kind, value);
+            return;
+        }
+        match (api_version.as_str(), kind.as_str()) {
+            ("v1", "Service") => {
+                let Some(svc) = self.decode::<K8sService>(&at, "Service", source, &value) else {
+                    return;
+                };
+                match convert::service(&svc, None) {
+                    Ok(Some(svc)) => self.services.push(svc),
+                    Ok(None) => self.skipped += 1,
+                    Err(source) => self.errors.push(LoadError::Convert { at, source }),
+                }
+            }
+            ("discovery.k8s.io/v1", "EndpointSlice") => {
+                let Some(slice) =
+                    self.decode::<EndpointSlice>(&at, "EndpointSlice", source, &value)
+                else {
+                    return;
+                };
+                match convert::endpoint_slice(&slice) {
+                    Ok(Some(slice)) => self.slices.push(slice),
+                    Ok(None) => self.skipped += 1,
+                    Err(source) => self.errors.push(LoadError::Convert { at, source }),
+                }
+            }
+            _ => {
+                debug!(location = %at, api_version, kind, "ignoring object of a kind the proxy does not use")
+            }
+        }
+    }
+
+    fn load_list(&mut self, at: Location, api_version: &str, kind: &str, mut value: Value) {
+        if at.item.is_some() {
+            self.errors.push(LoadError::NotAnObject {
+                at,
+                reason: "a List inside a List",
+            });
+            return;
+        }
+        let items = match value.get_mut("items").map(std::mem::take) {
+            None | Some(Value::Null) => return,
+            Some(Value::Sequence(items)) => items,
+            Some(_) => {
+                self.errors.push(LoadError::NotAnObject {
+                    at,
+                    reason: "List items is not a sequence",
+                });
+                return;
+            }
+        };
+        // ServiceList items default to v1 Service; a plain List has no such default.
+        let item_type = kind
+            .strip_suffix("List")
+            .filter(|k| !k.is_empty())
+            .map(|k| (api_version, k));
+        for (i, item) in items.into_iter().enumerate() {
+            let at = Location {
+                item: Some(i),
+                ..at.clone()
+            };
+            self.load_value(at, Source::Item, item, item_type);
+        }
+    }
+
+    fn decode<T: serde::de::DeserializeOwned>(
+        &mut self,
+        at: &Location,
+        kind: &str,
+        source: Source<'_>,
+        value: &Value,
+    ) -> Option<T> {
+        match source.decode(value) {
+            Ok(object) => Some(object),
+            Err(source) => {
+                self.errors.push(LoadError::Decode {
+                    at: at.clone(),
+                    object: describe(kind, value),
+                    source,
+                });
+                None
+            }
+        }
+    }
+}
+
+/// What a poll compares to decide whether to re-read: the file list and each file's
+/// identity, size and times. Inode and ctime catch a file replaced by rename (how editors
+/// and ConfigMap volumes update) even when mtime and size happen to match.
+#[derive(Debug, PartialEq, Eq)]
+struct Fingerprint(Vec<(PathBuf, Option<Stamp>)>);
+
+#[derive(Debug, PartialEq, Eq)]
+struct Stamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+    ctime: (i64, i64),
+}
+
+fn fingerprint(path: &Path) -> Fingerprint {
+    let files = if path.is_dir() {
+        match manifest_files(path) {
+            Ok(files) => files,
+            Err(_) => return Fingerprint(vec![(path.to_owned(), None)]),
+        }
+    } else {
+        vec![path.to_owned()]
+    };
+    Fingerprint(
+        files
+            .into_iter()
+            .map(|file| {
+                let stamp = fs::metadata(&file).ok().map(|m| Stamp {
+                    modified: m.modified().ok(),
+                    len: m.len(),
+                    inode: m.ino(),
+                    ctime: (m.ctime(), m.ctime_nsec()),
+                });
+                (file, stamp)
+            })
+            .collect(),
+    )
+}
+
+/// Polls below this would spin; a watched manifest folder does not need it.
+const MIN_POLL: Duration = Duration::from_millis(10);
+
+/// Loads `path`, sends the result, then checks every `poll` whether any file changed
+/// (appeared, vanished, or was modified) and re-loads and sends when one did. Returns when
+/// `shutdown` resolves.
+///
+/// Polling rather than inotify keeps this dependency-free and works on every file system,
+/// including the symlink swaps of ConfigMap volumes; manifests change rarely and a poll is
+/// a handful of `stat` calls. Each problem is logged once per change, not once per poll.
+pub async fn watch(
+    path: PathBuf,
+    poll: Duration,
+    tx: watch::Sender<Arc<Loaded>>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut ticker = tokio::time::interval(poll.max(MIN_POLL));
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut last: Option<Fingerprint> = None;
+
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut shutdown => return,
+            _ = ticker.tick() => {}
+        }
+        let (p, previous) = (path.clone(), last.take());
+        // Fingerprint before loading: a change during the load is then seen by the next
+        // poll instead of being lost.
+        let work = tokio::task::spawn_blocking(move || {
+            let now = fingerprint(&p);
+            let loaded = (previous.as_ref() != Some(&now)).then(|| load(&p));
+            (now, loaded)
+        });
+        let (now, loaded) = tokio::select! {
+            biased;
+            () = &mut shutdown => return,
+            done = work => match done {
+                Ok(done) => done,
+                Err(e) => {
+                    error!(path = %path.display(), "loading manifests failed: {e}");
+                    continue;
+                }
+            },
+        };
+        last = Some(now);
+        if let Some(loaded) = loaded {
+            report(&path, &loaded);
+            tx.send_replace(Arc::new(loaded));
+        }
+    }
+}
+
+fn report(path: &Path, loaded: &Loaded) {
+    for err in &loaded.errors {
+        error!("{err}");
+    }
+    let (services, slices, skipped, errors) = (
+        loaded.services.len(),
+        loaded.slices.len(),
+        loaded.skipped,
+        loaded.errors.len(),
+    );
+    if errors == 0 {
+        info!(path = %path.display(), services, slices, skipped, "manifests loaded");
+    } else {
+        warn!(path = %path.display(), services, slices, skipped, errors, "manifests loaded with errors");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A fresh folder under the system temp dir, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new() -> Self {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let name = format!(
+                "fastpath-file-test-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            let path = std::env::temp_dir().join(name);
+            let _ = fs::remove_dir_all(&path);
+            fs::create_dir_all(&path).unwrap();
+            Self(path)
+        }
+
+        fn write(&self, name: &str, text: &str) -> PathBuf {
+            let path = self.0.join(name);
+            fs::write(&path, text).unwrap();
+            path
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn service_yaml(name: &str, ip: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: shop\nspec:\n  clusterIP: {ip}\n  ports:\n  - name: http\n    port: 80\n"
+        )
+    }
+
+    fn slice_yaml(service: &str, name: &str, ip: &str) -> String {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: shop\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: http\n  port: 8080\nendpoints:\n- addresses: [{ip}]\n"
+        )
+    }
+
+    fn names(loaded: &Loaded) -> (Vec<String>, Vec<String>) {
+        (
+            loaded.services.iter().map(|s| s.key.to_string()).collect(),
+            loaded
+                .slices
+                .iter()
+                .map(|(owner, name, _)| format!("{owner}:{name}"))
+                .collect(),
+        )
+    }
+
+    fn messages(loaded: &Loaded) -> Vec<String> {
+        loaded.errors.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn multi_document_file() {
+        let dir = TempDir::new();
+        let text = format!(
+            "# a comment before the first document\n---\n{}---\n{}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: other}}\n---\n# empty\n---\n",
+            service_yaml("web", "10.96.0.10"),
+            slice_yaml("web", "web-abc", "10.1.0.1"),
+        );
+        let path = dir.write("app.yaml", &text);
+        let loaded = load(&path);
+        assert!(loaded.errors.is_empty(), "{:?}", messages(&loaded));
+        assert_eq!(
+            names(&loaded),
+            (vec!["shop/web".into()], vec!["shop/web:web-abc".into()])
+        );
+        assert_eq!(loaded.skipped, 0);
+        let (_, _, slice) = &loaded.slices[0];
+        assert_eq!(slice.endpoints[0].ip.to_string(), "10.1.0.1");
+        assert_eq!(loaded.services[0].cluster_ips[0].to_string(), "10.96.0.10");
+    }
+
+    #[test]
+    fn folder_of_files() {
+        let dir = TempDir::new();
+        dir.write("b.yml", &slice_yaml("web", "web-abc", "10.1.0.1"));
+        dir.write("a.yaml", &service_yaml("web", "10.96.0.10"));
+        dir.write("c.json", r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api", "namespace": "shop"},
+            "spec": {"clusterIP": "10.96.0.11", "ports": [{"port": 443}]}}"#);
+        dir.write("notes.txt", "not: yaml: at: all: [");
+        dir.write(".a.yaml.swp", "not: yaml: at: all: [");
+        fs::create_dir(dir.0.join("nested.yaml")).unwrap();
+        dir.write(
+            "nested.yaml/ignored.yaml",
+            &service_yaml("nested", "10.96.0.12"),
+        );
+
+        let loaded = load(&dir.0);
+        assert!(loaded.errors.is_empty(), "{:?}", messages(&loaded));
+        assert_eq!(
+            names(&loaded),
+            (
+                vec!["shop/web".into(), "shop/api".into()],
+                vec!["shop/web:web-abc".into()]
+            ),
+            "files are read in name order, not recursively"
+        );
+    }
+
+    #[test]
+    fn malformed_documents_are_reported_and_the_rest_loads() {
+        let dir = TempDir::new();
+        let text = [
+            service_yaml("good-1", "10.96.0.1"),
+            service_yaml("bad-port", "10.96.0.2").replace("port: 80", "port: 70000"),
+            service_yaml("wrong-type", "10.96.0.3").replace("port: 80", "port: eighty"),
+            "apiVersion: v1\nkind: Service\nmetadata: {name: broken\nspec: [\n".to_owned(),
+            service_yaml("good-2", "10.96.0.4"),
+            "just a string\n".to_owned(),
+            "metadata: {name: kindless}\n".to_owned(),
+            slice_yaml("good-1", "good-1-x", "10.1.0.1"),
+        ]
+        .join("---\n");
+        let path = dir.write("mixed.yaml", &text);
+        let loaded = load(&path);
+        assert_eq!(
+            names(&loaded),
+            (
+                vec!["shop/good-1".into(), "shop/good-2".into()],
+                vec!["shop/good-1:good-1-x".into()]
+            )
+        );
+        let p = path.display();
+        // Line numbers count from the start of the file, also inside serde_yaml's messages.
+        let want = [
+            format!(
+                "{p}: document 2 (line 11): Service shop/bad-port: spec.ports[0].port 70000 is out of range 1-65535"
+            ),
+            format!(
+                "{p}: document 3 (line 22): Service shop/wrong-type: spec.ports[0].port: invalid type: string \"eighty\", expected i32 at line 32 column 11"
+            ),
+            format!(
+                "{p}: document 4 (line 33): invalid YAML: did not find expected ',' or '}}' at line 37 column 5, while parsing a flow mapping at line 36 column 11"
+            ),
+            format!("{p}: document 6 (line 49): not a Kubernetes object: not a mapping"),
+            format!(
+                "{p}: document 7 (line 51): not a Kubernetes object: apiVersion or kind is missing"
+            ),
+        ];
+        assert_eq!(messages(&loaded), want);
+        assert!(matches!(loaded.errors[0], LoadError::Convert { .. }));
+        assert!(matches!(loaded.errors[1], LoadError::Decode { .. }));
+        assert!(matches!(loaded.errors[2], LoadError::Syntax { .. }));
+        assert!(loaded.errors.iter().all(|e| e.path() == path));
+    }
+
+    #[test]
+    fn list_kinds() {
+        let dir = TempDir::new();
+        let text = r#"
+apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata: {name: web}
+  spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}
+- apiVersion: v1
+  kind: Service
+  metadata: {name: bad, namespace: shop}
+  spec: {clusterIP: 10.96.0.2, ports: [{port: 80, protocol: QUIC}]}
+- apiVersion: discovery.k8s.io/v1
+  kind: EndpointSlice
+  metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}
+  addressType: IPv4
+  endpoints: [{addresses: [10.1.0.1]}]
+- apiVersion: v1
+  kind: Service
+  metadata: {name: typo}
+  spec: {ports: {port: 80}}
+- apiVersion: apps/v1
+  kind: Deployment
+  metadata: {name: ignored}
+---
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata: {name: listed}
+  spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}
+- metadata: {name: headless}
+  spec: {clusterIP: None}
+"#;
+        let path = dir.write("lists.yaml", text);
+        let loaded = load(&path);
+        assert_eq!(
+            names(&loaded),
+            (
+                vec!["default/web".into(), "default/listed".into()],
+                vec!["default/web:web-1".into()]
+            )
+        );
+        assert_eq!(loaded.skipped, 1, "the headless service");
+        let p = path.display();
+        assert_eq!(
+            messages(&loaded),
+            [
+                format!(
+                    "{p}: document 1 (line 1), items[1]: Service shop/bad: spec.ports[0].protocol \"QUIC\" is not a supported protocol (TCP, UDP or SCTP)"
+                ),
+                format!(
+                    "{p}: document 1 (line 1), items[3]: Service default/typo: invalid type: map, expected a sequence"
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn unreadable_paths_are_errors() {
+        let dir = TempDir::new();
+        let missing = dir.0.join("missing.yaml");
+        let loaded = load(&missing);
+        assert_eq!(loaded.errors.len(), 1);
+        assert!(matches!(&loaded.errors[0], LoadError::Read { path, .. } if *path == missing));
+
+        fs::write(dir.0.join("binary.yaml"), [0xff, 0xfe, 0x00]).unwrap();
+        dir.write("ok.yaml", &service_yaml("web", "10.96.0.1"));
+        let loaded = load(&dir.0);
+        assert_eq!(
+            loaded.services.len(),
+            1,
+            "one unreadable file does not hide the others"
+        );
+        assert!(matches!(&loaded.errors[..], [LoadError::Read { .. }]));
+    }
+
+    #[test]
+    fn document_splitting() {
+        let docs = |text| {
+            split_documents(text)
+                .into_iter()
+                .map(|(line, t)| (line, t.to_owned()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(docs("a: 1\n"), [(1, "a: 1\n".to_owned())]);
+        assert_eq!(docs(""), [(1, String::new())]);
+        assert_eq!(
+            docs("# c\n---\na: 1\n---\nb: 2"),
+            [(2, "---\na: 1\n".to_owned()), (4, "---\nb: 2".to_owned())]
+        );
+        assert_eq!(
+            docs("a: 1\n--- # x\n---\t\n--- |\n  text\n"),
+            [
+                (1, "a: 1\n".to_owned()),
+                (2, "--- # x\n".to_owned()),
+                (3, "---\t\n".to_owned()),
+                (4, "--- |\n  text\n".to_owned()),
+            ]
+        );
+        assert_eq!(
+            docs("a: ---\n----\n ---\nb: 1\r\n---\r\nc: 2\n").len(),
+            2,
+            "only `---` at line start is a marker"
+        );
+    }
+
+    #[test]
+    fn windows_line_endings_and_bom() {
+        let dir = TempDir::new();
+        let text = format!(
+            "\u{feff}{}---\r\n{}",
+            service_yaml("a", "10.96.0.1"),
+            service_yaml("b", "10.96.0.2")
+        )
+        .replace('\n', "\r\n")
+        .replace("\r\r\n", "\r\n");
+        let loaded = load(&dir.write("crlf.yaml", &text));
+        assert!(loaded.errors.is_empty(), "{:?}", messages(&loaded));
+        assert_eq!(loaded.services.len(), 2);
+    }
+
+    async fn next(rx: &mut watch::Receiver<Arc<Loaded>>) -> Arc<Loaded> {
+        tokio::time::timeout(Duration::from_secs(10), rx.changed())
+            .await
+            .expect("a new Loaded within 10s")
+            .expect("sender alive");
+        rx.borrow_and_update().clone()
+    }
+
+    #[tokio::test]
+    async fn watch_reloads_on_change_only() {
+        let dir = TempDir::new();
+        let file = dir.write("svc.yaml", &service_yaml("web", "10.96.0.1"));
+        let (tx, mut rx) = watch::channel(Arc::new(Loaded::default()));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(watch(dir.0.clone(), Duration::from_millis(20), tx, async {
+            let _ = stop_rx.await;
+        }));
+
+        let first = next(&mut rx).await;
+        assert_eq!(names(&first).0, ["shop/web"]);
+
+        // Polls that find nothing new send nothing.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(!rx.has_changed().unwrap());
+
+        fs::write(
+            &file,
+            format!(
+                "{}---\n{}",
+                service_yaml("web", "10.96.0.1"),
+                service_yaml("api", "10.96.0.2")
+            ),
+        )
+        .unwrap();
+        let second = next(&mut rx).await;
+        assert_eq!(names(&second).0, ["shop/web", "shop/api"]);
+
+        // A new file in the folder counts as a change too, and so does a broken one.
+        dir.write("z.yaml", "kind: [\n");
+        let third = next(&mut rx).await;
+        assert_eq!(third.services.len(), 2);
+        assert_eq!(third.errors.len(), 1);
+
+        fs::remove_file(dir.0.join("z.yaml")).unwrap();
+        assert!(next(&mut rx).await.errors.is_empty());
+
+        stop_tx.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("watch stops on shutdown")
+            .unwrap();
+    }
+
+    #[tokio::test]
+    async fn watch_a_single_file_that_appears_later() {
+        let dir = TempDir::new();
+        let file = dir.0.join("later.yaml");
+        let (tx, mut rx) = watch::channel(Arc::new(Loaded::default()));
+        let task = tokio::spawn(watch(
+            file.clone(),
+            Duration::from_millis(20),
+            tx,
+            std::future::pending(),
+        ));
+
+        let first = next(&mut rx).await;
+        assert!(matches!(&first.errors[..], [LoadError::Read { .. }]));
+        fs::write(&file, service_yaml("web", "10.96.0.1")).unwrap();
+        let second = next(&mut rx).await;
+        assert!(second.errors.is_empty());
+        assert_eq!(second.services.len(), 1);
+        task.abort();
+    }
+}

@@ -1,0 +1,130 @@
+//! Shared by the integration tests: a test bed with pods serving their names, a model built
+//! in code, and the probe client that reports where each connection landed.
+#![allow(dead_code)]
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, Ipv4Addr},
+    path::Path,
+    sync::Arc,
+};
+
+use proxy_userland::model::{
+    Endpoint, EndpointSet, Protocol, ProxyState, Service, ServiceKey, ServicePort, SliceInfo,
+    SlicePort,
+};
+use xtask::{
+    probe::Outcome,
+    testbed::{Pod, Testbed},
+};
+
+pub const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
+pub const FASTPATH: &str = env!("CARGO_BIN_EXE_fastpath");
+
+pub fn probe() -> &'static Path {
+    Path::new(PROBE)
+}
+
+/// Pod `i` (1-based) lives at 198.18.1.(10+i).
+pub fn pod_ip(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 1, 10 + i)
+}
+
+/// A test bed with `n` pods, each answering with its name ("pod-1", ...) on TCP 8080 and
+/// UDP 5353.
+pub fn bed_with_pods(tag: &str, n: u8) -> (Testbed, Vec<Pod>) {
+    let mut bed = Testbed::new(tag).expect("test bed");
+    let mut pods = Vec::new();
+    for i in 1..=n {
+        let pod = bed.add_pod(&format!("pod-{i}"), pod_ip(i), None).expect("pod");
+        bed.serve(
+            probe(),
+            &pod,
+            &["--name", &format!("pod-{i}"), "--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"],
+        )
+        .expect("pod server");
+        pods.push(pod);
+    }
+    (bed, pods)
+}
+
+pub fn ready(ip: Ipv4Addr) -> Endpoint {
+    Endpoint {
+        ip: IpAddr::V4(ip),
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: None,
+        zone: None,
+        zone_hints: vec![],
+    }
+}
+
+/// A service `demo/<name>` on `cluster_ip` with http TCP 80->8080 and dns UDP 53->5353.
+pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
+    Service {
+        key: ServiceKey::new("demo", name),
+        cluster_ips: vec![IpAddr::V4(cluster_ip)],
+        ports: vec![
+            ServicePort { name: "http".into(), port: 80, protocol: Protocol::Tcp, node_port: None },
+            ServicePort { name: "dns".into(), port: 53, protocol: Protocol::Udp, node_port: None },
+        ],
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        affinity_timeout: None,
+        external_policy_local: false,
+        internal_policy_local: false,
+        health_check_node_port: None,
+        prefer_close: false,
+    }
+}
+
+pub fn web_endpoints(endpoints: Vec<Endpoint>) -> EndpointSet {
+    let ports = vec![
+        SlicePort { name: "http".into(), port: 8080, protocol: Protocol::Tcp },
+        SlicePort { name: "dns".into(), port: 5353, protocol: Protocol::Udp },
+    ];
+    EndpointSet { slices: BTreeMap::from([("slice-a".to_string(), SliceInfo { ports, endpoints })]) }
+}
+
+pub fn state_of(entries: Vec<(Service, Option<EndpointSet>)>) -> ProxyState {
+    let mut state = ProxyState::default();
+    for (svc, eps) in entries {
+        if let Some(eps) = eps {
+            state.endpoints.insert(svc.key.clone(), Arc::new(eps));
+        }
+        state.services.insert(svc.key.clone(), Arc::new(svc));
+    }
+    state
+}
+
+/// Runs the probe client in the bed's node namespace and cgroup; one outcome per attempt.
+pub fn run_probe(bed: &Testbed, args: &[&str]) -> Vec<Outcome> {
+    let outcomes = bed.probe(probe(), args).expect("probe runs");
+    assert!(!outcomes.is_empty(), "probe printed no result for {args:?}");
+    outcomes
+}
+
+pub fn tcp(bed: &Testbed, target: &str, count: usize) -> Vec<Outcome> {
+    run_probe(bed, &["tcp", target, "--count", &count.to_string(), "--timeout-ms", "2000"])
+}
+
+/// The pods that answered.
+pub fn reached(outcomes: &[Outcome]) -> BTreeSet<String> {
+    outcomes.iter().filter_map(|o| o.reply().map(str::to_string)).collect()
+}
+
+pub fn peer(o: &Outcome) -> Option<&str> {
+    match o {
+        Outcome::Ok { peer, .. } => peer.as_deref(),
+        Outcome::Err { .. } => None,
+    }
+}
+
+pub fn from(o: &Outcome) -> Option<&str> {
+    match o {
+        Outcome::Ok { from, .. } => from.as_deref(),
+        Outcome::Err { .. } => None,
+    }
+}

@@ -1,0 +1,173 @@
+//! The `fastpath` binary end to end: manifests in a folder, the daemon programming them into
+//! the kernel, following edits, surviving a malformed manifest, and leaving nothing behind
+//! when it stops.
+
+mod common;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::*;
+
+const MANIFEST: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 198.19.0.10
+  clusterIPs: [198.19.0.10]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
+  - {name: dns, port: 53, targetPort: 5353, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: demo
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: dns, port: 5353, protocol: UDP}
+endpoints:
+- addresses: [198.18.1.11]
+  conditions: {ready: true}
+- addresses: [198.18.1.12]
+  conditions: {ready: true}
+ENDPOINT3
+"#;
+
+const POD3: &str = "- addresses: [198.18.1.13]\n  conditions: {ready: true}";
+
+const BROKEN: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: broken, namespace: demo}
+spec:
+  clusterIP: 198.19.0.20
+  ports:
+  - {name: http, port: 70000, protocol: TCP}
+"#;
+
+struct Daemon {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Daemon {
+    fn start(dir: &Path, cgroup: &Path) -> Self {
+        let log = dir.with_extension("log");
+        let child = Command::new(FASTPATH)
+            .args(["--manifests", dir.to_str().unwrap(), "--cgroup-path"])
+            .arg(cgroup)
+            .args(["--hostname-override", "node-a", "--manifest-poll-period", "100ms"])
+            .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .stderr(Stdio::from(std::fs::File::options().append(true).open(&log).unwrap()))
+            .spawn()
+            .expect("fastpath starts");
+        Daemon { child, log }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM, as the kubelet stops a pod, and the exit status.
+    fn stop(&mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "fastpath did not stop within 10 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Polls `check` every 100 ms for up to `secs`; the last result is returned.
+fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn our_programs() -> Vec<String> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .filter_map(|p| p.name_as_str().map(str::to_string))
+        .filter(|n| n.starts_with("fp_"))
+        .collect()
+}
+
+fn our_maps() -> Vec<String> {
+    aya::maps::loaded_maps()
+        .filter_map(Result::ok)
+        .filter_map(|m| m.name_as_str().map(str::to_string))
+        .filter(|n| n.starts_with("FP_"))
+        .collect()
+}
+
+#[test]
+fn daemon_follows_manifests_survives_bad_ones_and_cleans_up() {
+    let (bed, _pods) = bed_with_pods("daemon", 3);
+    let dir = std::env::temp_dir().join(format!("fastpath-daemon-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    struct RmDir(PathBuf);
+    impl Drop for RmDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _rm = RmDir(dir.clone());
+    std::fs::write(dir.join("web.yaml"), MANIFEST.replace("ENDPOINT3", POD3)).unwrap();
+    std::fs::write(dir.join("broken.yaml"), BROKEN).unwrap();
+
+    let mut daemon = Daemon::start(&dir, bed.cgroup_path());
+    assert!(
+        eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
+        "the ClusterIP never became reachable; log:\n{}",
+        daemon.log()
+    );
+    assert_eq!(reached(&tcp(&bed, "198.19.0.10:80", 60)).len(), 3);
+
+    // The malformed service is reported by name, and did not stop anything else.
+    let log = daemon.log();
+    assert!(log.contains("demo/broken") && log.contains("70000"), "log:\n{log}");
+
+    // pod-3 leaves the slice: new connections stop reaching it.
+    std::fs::write(dir.join("web.yaml"), MANIFEST.replace("ENDPOINT3", "")).unwrap();
+    assert!(
+        eventually(10, || !reached(&tcp(&bed, "198.19.0.10:80", 30)).contains("pod-3")),
+        "pod-3 still reached after removal; log:\n{}",
+        daemon.log()
+    );
+
+    assert!(!our_programs().is_empty(), "programs are loaded while running");
+    let status = daemon.stop();
+    assert!(status.success(), "clean exit on SIGTERM: {status:?}\n{}", daemon.log());
+    assert!(our_programs().is_empty(), "programs left behind: {:?}", our_programs());
+    assert!(our_maps().is_empty(), "maps left behind: {:?}", our_maps());
+    assert!(!tcp(&bed, "198.19.0.10:80", 1)[0].is_ok(), "no translation after shutdown");
+}

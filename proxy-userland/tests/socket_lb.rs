@@ -1,0 +1,180 @@
+//! The eBPF socket load-balancer with real programs, real sockets and real namespaces: a
+//! client in the test bed's cgroup connects to a ClusterIP and must land on a pod.
+
+mod common;
+
+use std::{collections::BTreeSet, net::Ipv4Addr, time::Instant};
+
+use common::*;
+use proxy_userland::{
+    dataplane::{Dataplane, Scope, bpf::BpfDataplane},
+    model::NodeInfo,
+};
+
+const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+const WEB: &str = "198.19.0.10:80";
+const WEB_DNS: &str = "198.19.0.10:53";
+
+fn node() -> NodeInfo {
+    NodeInfo { name: "node-a".into(), zone: None }
+}
+
+fn attach(bed: &xtask::testbed::Testbed) -> BpfDataplane {
+    BpfDataplane::attach(bed.cgroup_path()).expect("programs load and attach")
+}
+
+#[test]
+fn tcp_to_cluster_ip_reaches_every_ready_backend() {
+    let (bed, _pods) = bed_with_pods("tcpspread", 3);
+    let mut dp = attach(&bed);
+    let eps = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2)), ready(pod_ip(3))]);
+    let state = state_of(vec![(web_service("web", WEB_IP), Some(eps))]);
+    let report = dp.sync(&state, &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let attempts = tcp(&bed, WEB, 60);
+    assert!(attempts.iter().all(|a| a.is_ok()), "every connection succeeds: {attempts:?}");
+    let seen = reached(&attempts);
+    let all: BTreeSet<String> = ["pod-1", "pod-2", "pod-3"].map(String::from).into();
+    assert_eq!(seen, all, "60 connections spread over all three pods");
+    for pod in &all {
+        let n = attempts.iter().filter(|a| a.reply() == Some(pod.as_str())).count();
+        // Uniform choice: P(a pod gets fewer than 5 of 60) is about 1e-5.
+        assert!(n >= 5, "{pod} got only {n} of 60 connections");
+    }
+    // The application sees the address it dialled, not the pod's.
+    assert!(attempts.iter().all(|a| peer(a) == Some(WEB)));
+}
+
+#[test]
+fn udp_replies_come_from_the_cluster_ip() {
+    let (bed, _pods) = bed_with_pods("udprev", 2);
+    let mut dp = attach(&bed);
+    let eps = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
+    dp.sync(&state_of(vec![(web_service("web", WEB_IP), Some(eps))]), &node(), Scope::Full);
+
+    let unconnected = run_probe(&bed, &["udp", WEB_DNS, "--count", "10", "--timeout-ms", "2000"]);
+    for a in &unconnected {
+        assert!(a.is_ok(), "unconnected UDP gets a reply: {a:?}");
+        assert!(a.reply().is_some_and(|r| r.starts_with("pod-")));
+        assert_eq!(from(a), Some(WEB_DNS), "{a:?}");
+    }
+    let connected =
+        run_probe(&bed, &["udp", WEB_DNS, "--count", "5", "--timeout-ms", "2000", "--connected"]);
+    for a in &connected {
+        assert!(a.is_ok(), "connected UDP gets a reply: {a:?}");
+        assert_eq!(from(a), Some(WEB_DNS), "{a:?}");
+        assert_eq!(peer(a), Some(WEB_DNS), "{a:?}");
+    }
+}
+
+#[test]
+fn a_removed_endpoint_gets_no_new_connections() {
+    let (bed, _pods) = bed_with_pods("epremove", 3);
+    let mut dp = attach(&bed);
+    let svc = web_service("web", WEB_IP);
+    let three = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2)), ready(pod_ip(3))]);
+    dp.sync(&state_of(vec![(svc.clone(), Some(three))]), &node(), Scope::Full);
+    assert!(reached(&tcp(&bed, WEB, 40)).contains("pod-3"));
+
+    let two = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
+    let state = state_of(vec![(svc.clone(), Some(two))]);
+    let changed = BTreeSet::from([svc.key.clone()]);
+    let report = dp.sync(&state, &node(), Scope::Changed(&changed));
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let attempts = tcp(&bed, WEB, 40);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    let seen = reached(&attempts);
+    assert!(!seen.contains("pod-3"), "pod-3 was removed but still reached: {attempts:?}");
+    assert_eq!(seen.len(), 2);
+}
+
+#[test]
+fn a_service_without_endpoints_refuses_at_once() {
+    let (bed, _pods) = bed_with_pods("noeps", 1);
+    let mut dp = attach(&bed);
+    let empty = web_service("empty", Ipv4Addr::new(198, 19, 0, 11));
+    dp.sync(&state_of(vec![(empty, None)]), &node(), Scope::Full);
+
+    let started = Instant::now();
+    let attempts = tcp(&bed, "198.19.0.11:80", 3);
+    let took = started.elapsed();
+    for a in &attempts {
+        assert!(!a.is_ok(), "{a:?}");
+        assert_eq!(a.errno(), Some("ECONNREFUSED"), "refused like kube-proxy's REJECT: {a:?}");
+    }
+    // Well under the 2 s connect timeout the probe would otherwise wait, three times over.
+    assert!(took.as_secs_f64() < 1.5, "refusal took {took:?}");
+
+    let udp = run_probe(&bed, &["udp", "198.19.0.11:53", "--count", "1", "--timeout-ms", "500"]);
+    assert_eq!(udp[0].errno(), Some("ECONNREFUSED"), "{udp:?}");
+}
+
+#[test]
+fn traffic_to_other_addresses_is_untouched() {
+    let (bed, _pods) = bed_with_pods("untouched", 2);
+    let mut dp = attach(&bed);
+    let eps = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
+    dp.sync(&state_of(vec![(web_service("web", WEB_IP), Some(eps))]), &node(), Scope::Full);
+
+    // Straight to pod-1 always lands on pod-1, and reports pod-1 as the peer.
+    let direct = tcp(&bed, "198.18.1.11:8080", 20);
+    assert!(direct.iter().all(|a| a.reply() == Some("pod-1")), "{direct:?}");
+    assert!(direct.iter().all(|a| peer(a) == Some("198.18.1.11:8080")));
+    // A port the service does not have is not translated: nothing routes the ClusterIP.
+    let other_port = tcp(&bed, "198.19.0.10:8080", 1);
+    assert!(!other_port[0].is_ok(), "{other_port:?}");
+    assert_ne!(other_port[0].errno(), Some("ECONNREFUSED"), "not refused by us: {other_port:?}");
+}
+
+#[test]
+fn one_endpoint_change_rewrites_one_frontend() {
+    let (bed, _pods) = bed_with_pods("incr", 2);
+    let mut dp = attach(&bed);
+    let mut entries = Vec::new();
+    for i in 0..50u8 {
+        let svc = web_service(&format!("svc-{i}"), Ipv4Addr::new(198, 19, 1, i));
+        entries.push((svc, Some(web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]))));
+    }
+    let state = state_of(entries.clone());
+    let first = dp.sync(&state, &node(), Scope::Full);
+    assert_eq!(first.frontends_written, 100, "50 services x 2 ports");
+    let occupancy = dp.programmer().occupancy();
+    // 100 frontends x (master + 2 slots); 2 backends per port, shared by every service.
+    assert_eq!(occupancy.services, 300);
+    assert_eq!(occupancy.backends, 4);
+
+    // A full resync with nothing changed writes nothing.
+    assert_eq!(dp.sync(&state, &node(), Scope::Full).frontends_written, 0);
+
+    // svc-7 loses pod-2.
+    entries[7].1 = Some(web_endpoints(vec![ready(pod_ip(1))]));
+    let state = state_of(entries);
+    let key = proxy_userland::model::ServiceKey::new("demo", "svc-7");
+    let report = dp.sync(&state, &node(), Scope::Changed(&BTreeSet::from([key])));
+    assert_eq!(report.frontends_written, 2, "only svc-7's two ports are rewritten");
+    assert_eq!(dp.programmer().occupancy().services, 298);
+
+    let attempts = tcp(&bed, "198.19.1.7:80", 20);
+    assert!(attempts.iter().all(|a| a.reply() == Some("pod-1")), "{attempts:?}");
+    let others = tcp(&bed, "198.19.1.8:80", 30);
+    assert_eq!(reached(&others).len(), 2, "svc-8 still uses both pods");
+}
+
+#[test]
+fn removing_a_service_removes_its_entries() {
+    let (bed, _pods) = bed_with_pods("svcremove", 1);
+    let mut dp = attach(&bed);
+    let svc = web_service("web", WEB_IP);
+    let state = state_of(vec![(svc.clone(), Some(web_endpoints(vec![ready(pod_ip(1))])))]);
+    dp.sync(&state, &node(), Scope::Full);
+    assert!(tcp(&bed, WEB, 1)[0].is_ok());
+
+    let report = dp.sync(&state_of(vec![]), &node(), Scope::Full);
+    assert_eq!(report.frontends_removed, 2);
+    let occupancy = dp.programmer().occupancy();
+    assert_eq!((occupancy.services, occupancy.backends), (0, 0));
+    let after = tcp(&bed, WEB, 1);
+    assert!(!after[0].is_ok(), "the ClusterIP is no longer translated: {after:?}");
+}

@@ -1,0 +1,78 @@
+//! `cargo xtask <setup|test|run>`; see the README.
+
+use std::{path::PathBuf, process::ExitCode};
+
+use clap::{Parser, Subcommand};
+use xtask::run::RunOptions;
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "fastpath's chores")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Install what building and testing need (nightly + rust-src, bpf-linker, system tools).
+    /// Idempotent and quick when done.
+    Setup,
+    /// Set up, then `cargo test ARGS...` over the default members (as root).
+    Test {
+        /// Passed to `cargo test` unchanged (including any `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Set up, build (release), and run the demo; with --manifests or --kubeconfig, run the
+    /// daemon instead.
+    Run {
+        /// Run fastpath on these manifests (file or folder) instead of the demo.
+        #[arg(long, value_name = "PATH")]
+        manifests: Option<PathBuf>,
+        /// Run fastpath against this cluster instead of the demo.
+        #[arg(long, value_name = "FILE")]
+        kubeconfig: Option<PathBuf>,
+        /// fastpath's --cgroup-path (only with --manifests or --kubeconfig).
+        #[arg(long, value_name = "DIR")]
+        cgroup_path: Option<PathBuf>,
+        /// fastpath's --log-level.
+        #[arg(long, value_name = "LEVEL")]
+        log_level: Option<String>,
+        /// More fastpath flags, after `--`.
+        #[arg(last = true)]
+        daemon_args: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    // `test` hands its arguments to cargo untouched; clap would eat a leading `--`.
+    let argv: Vec<String> = std::env::args().collect();
+    let result = if argv.get(1).map(String::as_str) == Some("test") {
+        xtask::run::test(&argv[2..])
+    } else {
+        match Cli::parse().command {
+            Cmd::Setup => xtask::setup::setup(),
+            Cmd::Test { args } => xtask::run::test(&args),
+            Cmd::Run {
+                manifests,
+                kubeconfig,
+                cgroup_path,
+                log_level,
+                daemon_args,
+            } => xtask::run::run(RunOptions {
+                manifests,
+                kubeconfig,
+                cgroup_path,
+                log_level,
+                daemon_args,
+            }),
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
