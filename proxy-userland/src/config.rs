@@ -12,6 +12,15 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub manifests: Option<PathBuf>,
 
+    /// Kubeconfig file for the API server; default: in-cluster config, then $KUBECONFIG or
+    /// ~/.kube/config. Ignored with --manifests.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// The API server URL, overriding the kubeconfig's.
+    #[arg(long, value_name = "URL")]
+    pub master: Option<String>,
+
     /// The cgroup v2 whose processes get Service load-balancing. Default: the root of the
     /// cgroup2 mount (every process on the node).
     #[arg(long, value_name = "DIR")]

@@ -5,8 +5,10 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::{IpAddr, Ipv4Addr},
-    path::Path,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use proxy_userland::model::{
@@ -128,3 +130,79 @@ pub fn from(o: &Outcome) -> Option<&str> {
         Outcome::Err { .. } => None,
     }
 }
+
+pub struct Daemon {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `fastpath` on the bed's cgroup as node "node-a", with `args` naming the source.
+    pub fn start(cgroup: &Path, args: &[&str]) -> Self {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = std::env::temp_dir().join(format!("fastpath-test-{}-{n}.log", std::process::id()));
+        let child = Command::new(FASTPATH)
+            .arg("--cgroup-path")
+            .arg(cgroup)
+            .args(["--hostname-override", "node-a"])
+            .args(args)
+            .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .stderr(Stdio::from(std::fs::File::options().append(true).open(&log).unwrap()))
+            .spawn()
+            .expect("fastpath starts");
+        Daemon { child, log }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits up to `secs` for the daemon to exit by itself.
+    pub fn wait_exit(&mut self, secs: u64) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// SIGTERM, as the kubelet stops a pod, and the exit status.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "fastpath did not stop within 10 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// Polls `check` every 100 ms for up to `secs`; the last result is returned.
+pub fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if check() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+

@@ -4,11 +4,7 @@
 
 mod common;
 
-use std::{
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+use std::path::PathBuf;
 
 use common::*;
 
@@ -53,65 +49,6 @@ spec:
   - {name: http, port: 70000, protocol: TCP}
 "#;
 
-struct Daemon {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Daemon {
-    fn start(dir: &Path, cgroup: &Path) -> Self {
-        let log = dir.with_extension("log");
-        let child = Command::new(FASTPATH)
-            .args(["--manifests", dir.to_str().unwrap(), "--cgroup-path"])
-            .arg(cgroup)
-            .args(["--hostname-override", "node-a", "--manifest-poll-period", "100ms"])
-            .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .stderr(Stdio::from(std::fs::File::options().append(true).open(&log).unwrap()))
-            .spawn()
-            .expect("fastpath starts");
-        Daemon { child, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM, as the kubelet stops a pod, and the exit status.
-    fn stop(&mut self) -> std::process::ExitStatus {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(Instant::now() < deadline, "fastpath did not stop within 10 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
-/// Polls `check` every 100 ms for up to `secs`; the last result is returned.
-fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(secs);
-    loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn our_programs() -> Vec<String> {
     aya::programs::loaded_programs()
         .filter_map(Result::ok)
@@ -144,7 +81,7 @@ fn daemon_follows_manifests_survives_bad_ones_and_cleans_up() {
     std::fs::write(dir.join("web.yaml"), MANIFEST.replace("ENDPOINT3", POD3)).unwrap();
     std::fs::write(dir.join("broken.yaml"), BROKEN).unwrap();
 
-    let mut daemon = Daemon::start(&dir, bed.cgroup_path());
+    let mut daemon = Daemon::start(bed.cgroup_path(), &["--manifests", dir.to_str().unwrap(), "--manifest-poll-period", "100ms"]);
     assert!(
         eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
         "the ClusterIP never became reachable; log:\n{}",

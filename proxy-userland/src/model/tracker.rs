@@ -241,6 +241,39 @@ impl ChangeTracker {
         };
         self.slice_owner = slice_owner;
     }
+
+    /// Replaces every service with a full list (a relist of Services alone), keeping the
+    /// slices as they are.
+    pub fn replace_services(&mut self, services: Vec<Service>) {
+        let slices = self.current_slices();
+        self.replace_all(services, slices);
+    }
+
+    /// Replaces every slice with a full list (a relist of EndpointSlices alone), keeping
+    /// the services as they are.
+    pub fn replace_slices(&mut self, slices: Vec<(ServiceKey, String, SliceInfo)>) {
+        let services = self.state.services.values().map(|s| (**s).clone()).collect();
+        self.replace_all(services, slices);
+    }
+
+    /// Removes a slice known only by namespace and name (deleted, or no longer usable),
+    /// from whichever service it fed.
+    pub fn forget_slice(&mut self, namespace: &str, slice_name: &str) {
+        let id = (namespace.to_string(), slice_name.to_string());
+        if let Some(owner) = self.slice_owner.remove(&id) {
+            self.remove_slice(owner, slice_name);
+        }
+    }
+
+    fn current_slices(&self) -> Vec<(ServiceKey, String, SliceInfo)> {
+        self.state
+            .endpoints
+            .iter()
+            .flat_map(|(owner, set)| {
+                set.slices.iter().map(|(name, info)| (owner.clone(), name.clone(), info.clone()))
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -448,6 +481,28 @@ mod tests {
         );
         assert_eq!(before.services[&key("b")].ports[0].port, 80);
         assert_ne!(&before, t.state());
+    }
+
+    #[test]
+    fn partial_relists_and_forgetting_a_slice() {
+        let mut t = ChangeTracker::new();
+        t.replace_all(vec![svc("a", 80), svc("b", 80)], vec![(key("a"), "a-1".into(), slice(&["198.18.1.1"]))]);
+        t.take_changes();
+        // A relist of services that drops b keeps a's endpoints.
+        t.replace_services(vec![svc("a", 80)]);
+        let c = t.take_changes();
+        assert_eq!(c.changed, BTreeSet::from([key("b")]));
+        assert!(c.state.endpoints.contains_key(&key("a")));
+        // A relist of slices that changes a's endpoints marks only a.
+        t.replace_slices(vec![(key("a"), "a-1".into(), slice(&["198.18.1.2"]))]);
+        assert_eq!(t.take_changes().changed, BTreeSet::from([key("a")]));
+        // A slice deleted without its owner label is found by name.
+        t.forget_slice("default", "a-1");
+        let c = t.take_changes();
+        assert_eq!(c.changed, BTreeSet::from([key("a")]));
+        assert!(!c.state.endpoints.contains_key(&key("a")));
+        t.forget_slice("default", "no-such-slice");
+        assert!(!t.has_changes());
     }
 
     #[test]

@@ -1,7 +1,32 @@
-//! Where Services and EndpointSlices come from. Each source produces Kubernetes objects,
-//! converts them with [`crate::model::convert`] and feeds a
-//! [`ChangeTracker`](crate::model::tracker::ChangeTracker).
+//! Where Services and EndpointSlices come from, as a stream of [`SourceEvent`]s.
 //!
-//! A `kube` source (watching the API server) will be added next to [`file`].
+//! - [`file`]: a YAML/JSON file or folder of manifests, re-read when it changes (no
+//!   cluster needed).
+//! - [`kube`]: kube-rs watchers on the API server.
+//!
+//! Both convert objects with [`crate::model::convert`]; the daemon applies the events to the
+//! [`ChangeTracker`](crate::model::tracker::ChangeTracker).
 
 pub mod file;
+pub mod kube;
+
+use crate::model::{NodeInfo, Service, ServiceKey, SliceInfo};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum SourceEvent {
+    /// Every service and slice at once (a file re-read): nothing else exists.
+    ReplaceAll { services: Vec<Service>, slices: Vec<(ServiceKey, String, SliceInfo)> },
+    /// A full list of services (the initial list, or a relist after 410 Gone).
+    ReplaceServices(Vec<Service>),
+    /// A full list of slices, as (owner, slice name, slice).
+    ReplaceSlices(Vec<(ServiceKey, String, SliceInfo)>),
+    /// One service added, changed (`Some`) or removed or no longer ours (`None`).
+    Service { key: ServiceKey, service: Option<Service> },
+    /// One slice changed (`Some`, with its owner) or gone/unusable (`None`; the owner may
+    /// be unknown then, the tracker remembers it).
+    Slice { namespace: String, owner: Option<ServiceKey>, name: String, slice: Option<SliceInfo> },
+    /// What we learnt about this node (its zone).
+    Node(NodeInfo),
+    /// The initial lists are complete: programming may start.
+    Synced,
+}

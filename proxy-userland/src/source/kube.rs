@@ -1,0 +1,259 @@
+//! The Kubernetes source: kube-rs watchers on v1 Services, discovery.k8s.io/v1
+//! EndpointSlices and this node's Node, turned into [`SourceEvent`]s.
+//!
+//! The watchers list, then watch from the list's resourceVersion, re-watch after a dropped
+//! connection and relist after 410 Gone, with kube-rs's default backoff on errors. A relist
+//! arrives as Init, InitApply..., InitDone; we buffer it and hand the tracker one full
+//! replacement, so objects deleted while we were not watching disappear too. Nothing is
+//! programmed until Services and EndpointSlices have both finished their first list
+//! (kube-proxy's OnServiceSynced / OnEndpointSlicesSynced).
+
+use std::{future::Future, path::PathBuf};
+
+use futures::StreamExt;
+use k8s_openapi::api::{core::v1, discovery::v1::EndpointSlice};
+use kube::{
+    Api, Client, Config, ResourceExt,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{WatchStreamExt, watcher},
+};
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+use super::SourceEvent;
+use crate::model::{NodeInfo, ServiceKey, convert};
+
+/// The label kube-proxy uses to let another proxy own a service.
+const SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+const HEADLESS: &str = "service.kubernetes.io/headless";
+const ZONE: &str = "topology.kubernetes.io/zone";
+
+#[derive(Clone, Debug, Default)]
+pub struct KubeConfig {
+    /// A kubeconfig file; without one, in-cluster config (or $KUBECONFIG, ~/.kube/config).
+    pub kubeconfig: Option<PathBuf>,
+    /// Overrides the API server URL from the kubeconfig.
+    pub master: Option<String>,
+}
+
+/// A client from a kubeconfig, the in-cluster service account, or the usual fallbacks.
+pub async fn client(cfg: &KubeConfig) -> anyhow::Result<Client> {
+    use anyhow::Context as _;
+    let mut config = match &cfg.kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("invalid kubeconfig {}", path.display()))?
+        }
+        None => Config::infer().await.context("no in-cluster config and no kubeconfig found")?,
+    };
+    if let Some(master) = &cfg.master {
+        config.cluster_url =
+            master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
+    }
+    Client::try_from(config).context("cannot build a Kubernetes client")
+}
+
+/// The label selector both watchers use, as kube-proxy's informers do: skip headless
+/// services and services that belong to another proxy.
+pub fn label_selector(proxy_name: Option<&str>) -> String {
+    match proxy_name {
+        Some(name) => format!("{SERVICE_PROXY_NAME}={name},!{HEADLESS}"),
+        None => format!("!{SERVICE_PROXY_NAME},!{HEADLESS}"),
+    }
+}
+
+/// Runs the three watchers until `shutdown` resolves or the receiver goes away.
+pub async fn run(
+    client: Client,
+    node_name: String,
+    proxy_name: Option<String>,
+    tx: mpsc::Sender<SourceEvent>,
+    shutdown: impl Future<Output = ()>,
+) {
+    let selector = label_selector(proxy_name.as_deref());
+    let config = watcher::Config::default().labels(&selector);
+    let services =
+        watcher(Api::<v1::Service>::all(client.clone()), config.clone()).default_backoff();
+    let slices =
+        watcher(Api::<EndpointSlice>::all(client.clone()), config).default_backoff();
+    let nodes = watcher(
+        Api::<v1::Node>::all(client),
+        watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+    )
+    .default_backoff();
+    let mut pump = Pump {
+        tx,
+        proxy_name,
+        node_name,
+        service_buf: None,
+        slice_buf: None,
+        services_listed: false,
+        slices_listed: false,
+        synced_sent: false,
+    };
+    tokio::pin!(services, slices, nodes, shutdown);
+    loop {
+        let more = tokio::select! {
+            _ = &mut shutdown => return,
+            Some(ev) = services.next() => pump.service(ev).await,
+            Some(ev) = slices.next() => pump.slice(ev).await,
+            Some(ev) = nodes.next() => pump.node(ev).await,
+            else => return,
+        };
+        if !more {
+            return;
+        }
+    }
+}
+
+/// Converts watcher events into source events, buffering relists.
+struct Pump {
+    tx: mpsc::Sender<SourceEvent>,
+    proxy_name: Option<String>,
+    node_name: String,
+    service_buf: Option<Vec<crate::model::Service>>,
+    slice_buf: Option<Vec<(ServiceKey, String, crate::model::SliceInfo)>>,
+    services_listed: bool,
+    slices_listed: bool,
+    synced_sent: bool,
+}
+
+fn object_key<K: ResourceExt>(obj: &K) -> ServiceKey {
+    ServiceKey::new(obj.namespace().unwrap_or_else(|| "default".into()), obj.name_any())
+}
+
+impl Pump {
+    async fn send(&mut self, ev: SourceEvent) -> bool {
+        self.tx.send(ev).await.is_ok()
+    }
+
+    async fn maybe_synced(&mut self) -> bool {
+        if self.services_listed && self.slices_listed && !self.synced_sent {
+            self.synced_sent = true;
+            info!("initial lists of Services and EndpointSlices received");
+            return self.send(SourceEvent::Synced).await;
+        }
+        true
+    }
+
+    /// A Service as the model has it; `None` when it is skipped or malformed (logged).
+    fn convert_service(&self, svc: &v1::Service) -> Option<crate::model::Service> {
+        match convert::service(svc, self.proxy_name.as_deref()) {
+            Ok(s) => s,
+            Err(e) => {
+                error!("{e}; the service is not programmed until it is fixed");
+                None
+            }
+        }
+    }
+
+    fn convert_slice(
+        &self,
+        slice: &EndpointSlice,
+    ) -> Option<(ServiceKey, String, crate::model::SliceInfo)> {
+        match convert::endpoint_slice(slice) {
+            Ok(s) => s,
+            Err(e) => {
+                error!("{e}; the slice is ignored until it is fixed");
+                None
+            }
+        }
+    }
+
+    async fn service(&mut self, ev: Result<watcher::Event<v1::Service>, watcher::Error>) -> bool {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                warn!("watching Services: {e}; retrying with backoff");
+                return true;
+            }
+        };
+        match ev {
+            watcher::Event::Init => self.service_buf = Some(Vec::new()),
+            watcher::Event::InitApply(svc) => {
+                if let Some(s) = self.convert_service(&svc) {
+                    self.service_buf.get_or_insert_with(Vec::new).push(s);
+                }
+            }
+            watcher::Event::InitDone => {
+                let list = self.service_buf.take().unwrap_or_default();
+                if !self.send(SourceEvent::ReplaceServices(list)).await {
+                    return false;
+                }
+                self.services_listed = true;
+                return self.maybe_synced().await;
+            }
+            watcher::Event::Apply(svc) => {
+                let service = self.convert_service(&svc);
+                let key = object_key(&svc);
+                return self.send(SourceEvent::Service { key, service }).await;
+            }
+            watcher::Event::Delete(svc) => {
+                let key = object_key(&svc);
+                return self.send(SourceEvent::Service { key, service: None }).await;
+            }
+        }
+        true
+    }
+
+    async fn slice(&mut self, ev: Result<watcher::Event<EndpointSlice>, watcher::Error>) -> bool {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                warn!("watching EndpointSlices: {e}; retrying with backoff");
+                return true;
+            }
+        };
+        match ev {
+            watcher::Event::Init => self.slice_buf = Some(Vec::new()),
+            watcher::Event::InitApply(slice) => {
+                if let Some(s) = self.convert_slice(&slice) {
+                    self.slice_buf.get_or_insert_with(Vec::new).push(s);
+                }
+            }
+            watcher::Event::InitDone => {
+                let list = self.slice_buf.take().unwrap_or_default();
+                if !self.send(SourceEvent::ReplaceSlices(list)).await {
+                    return false;
+                }
+                self.slices_listed = true;
+                return self.maybe_synced().await;
+            }
+            watcher::Event::Apply(slice) => {
+                let namespace = slice.namespace().unwrap_or_else(|| "default".into());
+                let name = slice.name_any();
+                let ev = match self.convert_slice(&slice) {
+                    Some((owner, name, info)) => SourceEvent::Slice { namespace, owner: Some(owner), name, slice: Some(info) },
+                    // Unusable now (malformed, FQDN, owner label gone): whatever it fed
+                    // before must go.
+                    None => SourceEvent::Slice { namespace, owner: None, name, slice: None },
+                };
+                return self.send(ev).await;
+            }
+            watcher::Event::Delete(slice) => {
+                let namespace = slice.namespace().unwrap_or_else(|| "default".into());
+                let ev = SourceEvent::Slice { namespace, owner: None, name: slice.name_any(), slice: None };
+                return self.send(ev).await;
+            }
+        }
+        true
+    }
+
+    async fn node(&mut self, ev: Result<watcher::Event<v1::Node>, watcher::Error>) -> bool {
+        match ev {
+            Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => {
+                let zone = node.labels().get(ZONE).cloned();
+                let info = NodeInfo { name: self.node_name.clone(), zone };
+                self.send(SourceEvent::Node(info)).await
+            }
+            Ok(_) => true,
+            Err(e) => {
+                warn!("watching Node {}: {e}; retrying with backoff", self.node_name);
+                true
+            }
+        }
+    }
+}
