@@ -6,7 +6,11 @@ use clap::{Parser, Subcommand};
 use xtask::run::RunOptions;
 
 #[derive(Debug, Parser)]
-#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "fastpath's chores")]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "fastpath's chores"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,

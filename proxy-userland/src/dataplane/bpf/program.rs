@@ -419,3 +419,123 @@ impl Programmer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::model::{Endpoint, ServicePort, SliceInfo, SlicePort};
+
+    fn ep(ip: &str, ready: bool, terminating: bool) -> Endpoint {
+        Endpoint {
+            ip: ip.parse().unwrap(),
+            ready,
+            serving: ready || terminating,
+            terminating,
+            node_name: Some("node-a".into()),
+            zone: None,
+            zone_hints: vec![],
+        }
+    }
+
+    fn svc(cluster_ips: &[&str]) -> Service {
+        Service {
+            key: ServiceKey::new("demo", "web"),
+            cluster_ips: cluster_ips.iter().map(|ip| ip.parse().unwrap()).collect(),
+            ports: vec![
+                ServicePort { name: "http".into(), port: 80, protocol: Protocol::Tcp, node_port: None },
+                ServicePort { name: "dns".into(), port: 53, protocol: Protocol::Udp, node_port: None },
+            ],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            affinity_timeout: Some(600),
+            external_policy_local: false,
+            internal_policy_local: false,
+            health_check_node_port: None,
+            prefer_close: false,
+        }
+    }
+
+    fn set(endpoints: Vec<Endpoint>) -> EndpointSet {
+        let ports = vec![
+            SlicePort { name: "http".into(), port: 8080, protocol: Protocol::Tcp },
+            SlicePort { name: "dns".into(), port: 5353, protocol: Protocol::Udp },
+        ];
+        EndpointSet { slices: BTreeMap::from([("s".into(), SliceInfo { ports, endpoints })]) }
+    }
+
+    fn node() -> NodeInfo {
+        NodeInfo { name: "node-a".into(), zone: None }
+    }
+
+    fn fe(ip: &str, port: u16, proto: Protocol) -> Frontend {
+        Frontend { ip: ip.parse().unwrap(), port, proto }
+    }
+
+    fn be(ip: &str, port: u16, proto: Protocol) -> BackendAddr {
+        BackendAddr { ip: ip.parse().unwrap(), port, proto }
+    }
+
+    #[test]
+    fn each_cluster_ip_and_port_is_a_frontend_with_its_target_ports() {
+        let eps = set(vec![ep("198.18.1.12", true, false), ep("198.18.1.11", true, false)]);
+        let d = desired_frontends(&svc(&["198.19.0.10"]), Some(&eps), &node());
+        assert_eq!(d.len(), 2);
+        let http = &d[&fe("198.19.0.10", 80, Protocol::Tcp)];
+        // Sorted, so the same endpoints always land in the same slots.
+        assert_eq!(
+            http.backends,
+            vec![be("198.18.1.11", 8080, Protocol::Tcp), be("198.18.1.12", 8080, Protocol::Tcp)]
+        );
+        assert_eq!(http.affinity_timeout, Some(600));
+        let dns = &d[&fe("198.19.0.10", 53, Protocol::Udp)];
+        assert_eq!(dns.backends[0], be("198.18.1.11", 5353, Protocol::Udp));
+    }
+
+    #[test]
+    fn dual_stack_frontends_only_get_backends_of_their_family() {
+        let eps = set(vec![ep("198.18.1.11", true, false), ep("2001:db8::11", true, false)]);
+        let d = desired_frontends(&svc(&["198.19.0.10", "2001:db8:1::10"]), Some(&eps), &node());
+        assert_eq!(d.len(), 4);
+        assert_eq!(
+            d[&fe("198.19.0.10", 80, Protocol::Tcp)].backends,
+            vec![be("198.18.1.11", 8080, Protocol::Tcp)]
+        );
+        assert_eq!(
+            d[&fe("2001:db8:1::10", 80, Protocol::Tcp)].backends,
+            vec![be("2001:db8::11", 8080, Protocol::Tcp)]
+        );
+    }
+
+    #[test]
+    fn no_endpoints_still_makes_a_frontend_so_it_is_refused() {
+        let d = desired_frontends(&svc(&["198.19.0.10"]), None, &node());
+        assert_eq!(d.len(), 2);
+        assert!(d.values().all(|f| f.backends.is_empty()));
+    }
+
+    #[test]
+    fn terminating_endpoints_serve_only_when_nothing_is_ready() {
+        let eps = set(vec![ep("198.18.1.11", true, false), ep("198.18.1.12", false, true)]);
+        let d = desired_frontends(&svc(&["198.19.0.10"]), Some(&eps), &node());
+        assert_eq!(d[&fe("198.19.0.10", 80, Protocol::Tcp)].backends.len(), 1);
+
+        let draining = set(vec![ep("198.18.1.12", false, true)]);
+        let d = desired_frontends(&svc(&["198.19.0.10"]), Some(&draining), &node());
+        assert_eq!(
+            d[&fe("198.19.0.10", 80, Protocol::Tcp)].backends,
+            vec![be("198.18.1.12", 8080, Protocol::Tcp)],
+            "a draining backend beats refusing every connection"
+        );
+    }
+
+    #[test]
+    fn id_pool_reuses_freed_ids_and_stops_at_its_max() {
+        let mut pool = IdPool::new(3);
+        assert_eq!((pool.alloc(), pool.alloc(), pool.alloc(), pool.alloc()), (Some(1), Some(2), Some(3), None));
+        pool.release(2);
+        assert_eq!(pool.alloc(), Some(2));
+    }
+}
