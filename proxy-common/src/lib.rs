@@ -9,14 +9,17 @@
 //! - [`service`]: the service map (frontend + backend slot -> master entry or backend id).
 //! - [`backend`]: the backend map (backend id -> address, port).
 //! - [`revnat`]: reverse translation for sockets (cookie + backend -> service).
+//! - [`affinity`]: which backend a client got last, for ClientIP session affinity.
 //! - [`maps`]: names and sizes of the maps, shared so the loader and programs cannot drift.
 #![no_std]
 
+pub mod affinity;
 pub mod backend;
 pub mod maps;
 pub mod revnat;
 pub mod service;
 
+pub use affinity::{AffinityKey, AffinityValue};
 pub use backend::{Backend4, Backend6, BackendId};
 pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 pub use service::{Service4Key, Service6Key, ServiceValue};
@@ -40,6 +43,8 @@ macro_rules! user_pod {
 }
 
 user_pod!(
+    AffinityKey,
+    AffinityValue,
     Service4Key,
     Service6Key,
     ServiceValue,

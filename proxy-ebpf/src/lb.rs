@@ -3,12 +3,15 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
+        bpf_set_retval,
+    },
     programs::SockAddrContext,
 };
-use proxy_common::{ServiceValue, proto};
+use proxy_common::{AffinityKey, AffinityValue, ServiceValue, proto, service::flags};
 
-use crate::{PROCEED, REJECT};
+use crate::{PROCEED, REJECT, maps::AFFINITY};
 
 const SOCK_STREAM: u32 = 1;
 const SOCK_DGRAM: u32 = 2;
@@ -80,12 +83,52 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     if master.count == 0 {
         return Ok(refuse());
     }
-    let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
-    let backend = F::backend(slot.backend_id).ok_or(())?;
+    let backend = if master.flags & flags::AFFINITY != 0 {
+        affine_backend::<F>(ctx, addr, port, proto, &master)?
+    } else {
+        let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
+        F::backend(slot.backend_id).ok_or(())?
+    };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     F::remember(cookie, backend, (addr, port), master.rev_nat_index);
     F::write_user(sa, backend.0, backend.1);
     Ok(PROCEED)
+}
+
+/// ClientIP affinity: the backend this client (its netns) got last for this frontend, if
+/// that was within the timeout and the backend still exists; otherwise a fresh pick, which
+/// becomes the client's backend. The daemon deletes entries for backends it removes from a
+/// service, so "still exists" also means "still serves this service".
+#[inline(always)]
+fn affine_backend<F: Family>(
+    ctx: &SockAddrContext,
+    addr: F::Addr,
+    port: u16,
+    proto: u8,
+    master: &ServiceValue,
+) -> Result<(F::Addr, u16), ()> {
+    let key = AffinityKey {
+        client: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        rev_nat_index: master.rev_nat_index,
+        _pad: [0; 6],
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
+    if let Some(prev) = unsafe { AFFINITY.get(&key) } {
+        let (id, last) = (prev.backend_id, prev.last_used_ns);
+        if now.wrapping_sub(last) <= timeout_ns
+            && let Some(backend) = F::backend(id)
+        {
+            let value = AffinityValue { backend_id: id, _pad: 0, last_used_ns: now };
+            let _ = AFFINITY.insert(&key, &value, 0);
+            return Ok(backend);
+        }
+    }
+    let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
+    let backend = F::backend(slot.backend_id).ok_or(())?;
+    let value = AffinityValue { backend_id: slot.backend_id, _pad: 0, last_used_ns: now };
+    let _ = AFFINITY.insert(&key, &value, 0);
+    Ok(backend)
 }
 
 /// recvmsg and getpeername: show the application the frontend it asked for.

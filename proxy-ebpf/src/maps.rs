@@ -6,9 +6,9 @@ use aya_ebpf::{
     maps::{HashMap, LruHashMap},
 };
 use proxy_common::{
-    Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
+    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
-    maps::{BACKENDS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX},
+    maps::{AFFINITY_MAX, BACKENDS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX},
 };
 
 #[map(name = "FP_SERVICES4")]
@@ -32,3 +32,8 @@ pub static BACKENDS6: HashMap<BackendId, Backend6> = HashMap::with_max_entries(B
 #[map(name = "FP_SOCK_RNAT6")]
 pub static SOCK_REVNAT6: LruHashMap<SockRevNat6Key, SockRevNat6Value> =
     LruHashMap::with_max_entries(SOCK_REVNAT_MAX, 0);
+
+/// Shared by both families: the key is the client's netns and the frontend's index.
+#[map(name = "FP_AFFINITY")]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
+    LruHashMap::with_max_entries(AFFINITY_MAX, 0);

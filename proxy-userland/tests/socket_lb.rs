@@ -3,7 +3,11 @@
 
 mod common;
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Instant};
+use std::{
+    collections::BTreeSet,
+    net::Ipv4Addr,
+    time::{Duration, Instant},
+};
 
 use common::*;
 use proxy_userland::{
@@ -177,4 +181,39 @@ fn removing_a_service_removes_its_entries() {
     assert_eq!((occupancy.services, occupancy.backends), (0, 0));
     let after = tcp(&bed, WEB, 1);
     assert!(!after[0].is_ok(), "the ClusterIP is no longer translated: {after:?}");
+}
+
+#[test]
+fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out() {
+    let (bed, _pods) = bed_with_pods("affinity", 4);
+    let mut dp = attach(&bed);
+    let mut svc = web_service("web", WEB_IP);
+    svc.affinity_timeout = Some(1);
+    let all = vec![ready(pod_ip(1)), ready(pod_ip(2)), ready(pod_ip(3)), ready(pod_ip(4))];
+    dp.sync(&state_of(vec![(svc.clone(), Some(web_endpoints(all.clone())))]), &node(), Scope::Full);
+
+    // Back-to-back connections (each probe is a new process, same client netns) stick.
+    let first = tcp(&bed, WEB, 20);
+    let stuck = reached(&first);
+    assert_eq!(stuck.len(), 1, "one client, one backend: {first:?}");
+    let pod = stuck.into_iter().next().unwrap();
+    assert_eq!(reached(&tcp(&bed, WEB, 10)), BTreeSet::from([pod.clone()]));
+
+    // Its backend leaves: the client moves to another one and sticks there.
+    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
+    let rest: Vec<_> = all.iter().filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i))).cloned().collect();
+    let changed = BTreeSet::from([svc.key.clone()]);
+    dp.sync(&state_of(vec![(svc.clone(), Some(web_endpoints(rest)))]), &node(), Scope::Changed(&changed));
+    let moved = reached(&tcp(&bed, WEB, 20));
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert!(!moved.contains(&pod), "still sent to the removed {pod}");
+
+    // After the 1 s timeout a client may get a new backend: over eight idle gaps, three
+    // backends, seeing only one is a (1/3)^7 chance.
+    let mut after_idle = BTreeSet::new();
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_millis(1200));
+        after_idle.extend(reached(&tcp(&bed, WEB, 1)));
+    }
+    assert!(after_idle.len() >= 2, "affinity outlived its timeout: {after_idle:?}");
 }

@@ -10,7 +10,7 @@ use aya::{
     maps::{HashMap, MapData, MapError},
 };
 use proxy_common::{
-    Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
+    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps as names,
 };
 
@@ -27,6 +27,8 @@ pub struct ServiceMaps {
     // Written by the programs only; the daemon reads them for occupancy and tests.
     sock_revnat4: HashMap<MapData, SockRevNat4Key, SockRevNat4Value>,
     sock_revnat6: HashMap<MapData, SockRevNat6Key, SockRevNat6Value>,
+    // Written by the programs; the daemon deletes entries that point at removed backends.
+    affinity: HashMap<MapData, AffinityKey, AffinityValue>,
 }
 
 fn take<K: aya::Pod, V: aya::Pod>(
@@ -50,6 +52,7 @@ impl ServiceMaps {
             backends6: take(ebpf, names::BACKENDS6)?,
             sock_revnat4: take(ebpf, names::SOCK_REVNAT4)?,
             sock_revnat6: take(ebpf, names::SOCK_REVNAT6)?,
+            affinity: take(ebpf, names::AFFINITY)?,
         })
     }
 
@@ -116,12 +119,27 @@ impl ServiceMaps {
         }
     }
 
+    /// Forgets which backend clients had for frontend `rev_nat_index` where `stale` says
+    /// so: a client must not stick to a backend that left the service, and a reused index
+    /// must not inherit another frontend's clients. Returns how many entries went.
+    pub fn purge_affinity(&mut self, rev_nat_index: u16, stale: impl Fn(BackendId) -> bool) -> usize {
+        let doomed: Vec<AffinityKey> = self
+            .affinity
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| k.rev_nat_index == rev_nat_index && stale(v.backend_id))
+            .map(|(k, _)| k)
+            .collect();
+        doomed.iter().filter(|k| self.affinity.remove(k).is_ok()).count()
+    }
+
     /// Entries per map, for metrics and leak checks.
     pub fn occupancy(&self) -> Occupancy {
         Occupancy {
             services: self.services4.keys().count() + self.services6.keys().count(),
             backends: self.backends4.keys().count() + self.backends6.keys().count(),
             sock_revnat: self.sock_revnat4.keys().count() + self.sock_revnat6.keys().count(),
+            affinity: self.affinity.keys().count(),
         }
     }
 }
@@ -131,6 +149,7 @@ pub struct Occupancy {
     pub services: usize,
     pub backends: usize,
     pub sock_revnat: usize,
+    pub affinity: usize,
 }
 
 /// Deleting what is already gone is success: the goal is its absence.

@@ -271,6 +271,12 @@ impl Programmer {
         };
 
         // Readers now use the new set: drop what it no longer needs.
+        let kept: BTreeSet<BackendId> = ids.iter().copied().collect();
+        let gone: BTreeSet<BackendId> =
+            old_ids.iter().copied().filter(|id| !kept.contains(id)).collect();
+        if !gone.is_empty() {
+            self.maps.purge_affinity(rev_nat_index, |id| gone.contains(&id));
+        }
         for slot in ids.len() + 1..=old_ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
         }
@@ -379,6 +385,7 @@ impl Programmer {
         for b in &st.backends {
             self.release_backend(b);
         }
+        self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         if let Some(set) = self.owners.get_mut(&st.owner) {
             set.remove(fe);

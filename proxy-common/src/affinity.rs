@@ -1,0 +1,28 @@
+//! ClientIP session affinity for the socket path, after Cilium's `lb_affinity_*` maps.
+//!
+//! At the socket there is no client IP yet, but every socket of a pod shares its network
+//! namespace, so the netns cookie stands for "this client". The entry remembers which
+//! backend the client last got for one frontend (its reverse-NAT index) and when.
+
+use bytemuck::{Pod, Zeroable};
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct AffinityKey {
+    /// Network namespace cookie of the client socket.
+    pub client: u64,
+    /// The frontend, by its reverse-NAT index.
+    pub rev_nat_index: u16,
+    pub _pad: [u8; 6],
+}
+const _: () = assert!(core::mem::size_of::<AffinityKey>() == 16);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct AffinityValue {
+    pub backend_id: u32,
+    pub _pad: u32,
+    /// bpf_ktime_get_ns() of the last connection that used this entry.
+    pub last_used_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<AffinityValue>() == 16);
