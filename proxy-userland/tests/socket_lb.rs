@@ -217,3 +217,72 @@ fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out()
     }
     assert!(after_idle.len() >= 2, "affinity outlived its timeout: {after_idle:?}");
 }
+
+/// A long-lived connected UDP client (statsd, a DNS forwarder) whose backend dies: its
+/// socket is reset so it reconnects to a live backend, instead of sending into the void.
+#[test]
+fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
+    use std::{
+        io::{BufRead, BufReader},
+        process::Stdio,
+        sync::mpsc,
+    };
+
+    let (bed, pods) = bed_with_pods("udpstale", 2);
+    let mut dp = attach(&bed);
+    let svc = web_service("web", WEB_IP);
+    let both = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
+    dp.sync(&state_of(vec![(svc.clone(), Some(both))]), &node(), Scope::Full);
+
+    let mut client = bed
+        .client(probe())
+        .args(["udp", WEB_DNS, "--connected", "--reconnect-on-error"])
+        .args(["--count", "80", "--interval-ms", "50", "--timeout-ms", "200"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("probe client");
+    let (tx, rx) = mpsc::channel();
+    let stdout = client.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let next = || rx.recv_timeout(Duration::from_secs(5)).expect("a probe line within 5 s");
+    let first = next();
+    let victim = xtask::probe::parse_line(&first)
+        .and_then(|o| o.reply().map(str::to_string))
+        .unwrap_or_else(|| panic!("first attempt failed: {first}"));
+    let i: usize = victim.trim_start_matches("pod-").parse().unwrap();
+
+    // The pod dies without a word: its address now swallows UDP silently.
+    let dead = &pods[i - 1];
+    let drop_udp = std::process::Command::new("ip")
+        .args(["netns", "exec", &dead.netns, "iptables", "-I", "INPUT", "-p", "udp", "-j", "DROP"])
+        .status()
+        .expect("iptables runs");
+    assert!(drop_udp.success());
+    let survivor = ready(pod_ip(if i == 1 { 2 } else { 1 }));
+    let changed = BTreeSet::from([svc.key.clone()]);
+    let report = dp.sync(&state_of(vec![(svc, Some(web_endpoints(vec![survivor])))]), &node(), Scope::Changed(&changed));
+    assert_eq!(report.udp_sockets_reset, 1, "the client's socket is reset: {report:?}");
+
+    // Within a few attempts the client is told, reconnects, and is served again.
+    let mut after = Vec::new();
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) {
+        after.push(line);
+        if after.len() == 15 {
+            break;
+        }
+    }
+    let _ = client.kill();
+    let _ = client.wait();
+    let outcomes: Vec<_> = after.iter().filter_map(|l| xtask::probe::parse_line(l)).collect();
+    let recovered = outcomes.iter().position(|o| o.is_ok() && o.reply() != Some(victim.as_str()));
+    let recovered = recovered.unwrap_or_else(|| panic!("never served again after {victim} died: {after:?}"));
+    assert!(recovered <= 4, "recovery took {recovered} attempts: {after:?}");
+    assert!(
+        outcomes[recovered..].iter().all(|o| o.is_ok() && o.reply() != Some(victim.as_str())),
+        "once reconnected it stays on live backends: {after:?}"
+    );
+}

@@ -83,6 +83,10 @@ enum Command {
         /// A new socket for every attempt (default: one socket for all).
         #[arg(long)]
         fresh_socket: bool,
+        /// After a socket error (not a mere timeout), use a new socket for the next attempt,
+        /// as long-lived UDP clients (statsd, DNS forwarders) do.
+        #[arg(long)]
+        reconnect_on_error: bool,
     },
 }
 
@@ -132,11 +136,13 @@ fn main() -> ExitCode {
             attempts,
             connected,
             fresh_socket,
+            reconnect_on_error,
         } => {
             let mut shared = None;
             each_attempt(&attempts, |timeout| {
                 let line = udp_attempt(addr, timeout, connected, &mut shared);
-                if fresh_socket {
+                let socket_error = line.starts_with("err") && !line.starts_with("err ETIMEDOUT");
+                if fresh_socket || (reconnect_on_error && socket_error) {
                     shared = None;
                 }
                 line

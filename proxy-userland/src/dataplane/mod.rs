@@ -5,6 +5,7 @@
 //! at start-up, dispatched through [`Proxier`] without dynamic dispatch.
 
 pub mod bpf;
+pub mod frontends;
 
 use std::collections::BTreeSet;
 
@@ -18,6 +19,8 @@ pub struct SyncReport {
     /// Frontends (address, port, protocol) written or rewritten.
     pub frontends_written: usize,
     pub frontends_removed: usize,
+    /// Connected UDP sockets destroyed because their backend left the service.
+    pub udp_sockets_reset: usize,
     /// Services that could not be programmed; they keep their previous state and are retried.
     pub failed: Vec<(ServiceKey, String)>,
 }

@@ -3,7 +3,7 @@
 //! Everything the maps hold is in network byte order (see `proxy-common`), so conversions
 //! live here and nowhere else.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use aya::{
     Ebpf,
@@ -115,6 +115,26 @@ impl ServiceMaps {
             }
             IpAddr::V6(ip) => {
                 self.services6.get(&Service6Key::new(ip.octets(), port, proto, slot), 0).ok()
+            }
+        }
+    }
+
+    /// The frontend a socket (by cookie) was translated from when our programs pointed it
+    /// at `backend`; None if they did not.
+    pub fn translated_from(&self, cookie: u64, backend: SocketAddr) -> Option<SocketAddr> {
+        let port = backend.port().to_be();
+        match backend.ip() {
+            IpAddr::V4(ip) => {
+                let key = SockRevNat4Key { cookie, address: v4(ip), port, _pad: [0; 2] };
+                let v = self.sock_revnat4.get(&key, 0).ok()?;
+                let fe = std::net::Ipv4Addr::from(v.address.to_ne_bytes());
+                Some(SocketAddr::new(IpAddr::V4(fe), u16::from_be(v.port)))
+            }
+            IpAddr::V6(ip) => {
+                let key = SockRevNat6Key { cookie, address: ip.octets(), port, _pad: [0; 6] };
+                let v = self.sock_revnat6.get(&key, 0).ok()?;
+                let fe = std::net::Ipv6Addr::from(v.address);
+                Some(SocketAddr::new(IpAddr::V6(fe), u16::from_be(v.port)))
             }
         }
     }

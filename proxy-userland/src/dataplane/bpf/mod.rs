@@ -4,10 +4,13 @@
 //! - [`maps`]: typed access to the service, backend and reverse-NAT maps, written in the
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
+//! - [`stale_sockets`]: connected UDP sockets of removed backends, destroyed so clients
+//!   reconnect instead of sending into the void.
 
 pub mod loader;
 pub mod maps;
 pub mod program;
+pub mod stale_sockets;
 
 use std::path::Path;
 
@@ -29,7 +32,10 @@ impl BpfDataplane {
     pub fn attach(cgroup: &Path) -> Result<Self, LoadError> {
         let mut attached = loader::load_and_attach(cgroup)?;
         let maps = ServiceMaps::take(attached.ebpf_mut())?;
-        Ok(Self { programmer: Programmer::new(maps), _attached: attached })
+        Ok(Self {
+            programmer: Programmer::new(maps, Some(cgroup.to_path_buf())),
+            _attached: attached,
+        })
     }
 
     pub fn programmer(&self) -> &Programmer {

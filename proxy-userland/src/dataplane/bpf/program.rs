@@ -9,40 +9,26 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
-    net::IpAddr,
+    net::SocketAddr,
+    path::PathBuf,
 };
 
 use aya::maps::MapError;
 use proxy_common::{BackendId, ServiceValue, service::flags};
 
-use super::maps::{Occupancy, ServiceMaps};
-use crate::{
-    dataplane::{Scope, SyncReport},
-    model::{EndpointSet, NodeInfo, Protocol, ProxyState, Service, ServiceKey, select},
+use super::{
+    maps::{Occupancy, ServiceMaps},
+    stale_sockets,
 };
-
-/// A service address as the socket programs match it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Frontend {
-    pub ip: IpAddr,
-    pub port: u16,
-    pub proto: Protocol,
-}
-
-/// Where a backend slot sends traffic.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BackendAddr {
-    pub ip: IpAddr,
-    pub port: u16,
-    pub proto: Protocol,
-}
-
-/// What a frontend should look like.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DesiredFrontend {
-    pub backends: Vec<BackendAddr>,
-    pub affinity_timeout: Option<u32>,
-}
+// The frontend types and their derivation from the model are shared with the other
+// dataplanes (see `dataplane::frontends`); re-exported where the eBPF code finds them.
+pub use crate::dataplane::frontends::{BackendAddr, DesiredFrontend, Frontend, desired_frontends};
+use crate::{
+    dataplane::{Scope, SyncReport, frontends::frontend_name},
+    model::{NodeInfo, Protocol, ProxyState, ServiceKey},
+};
+#[cfg(test)]
+use crate::model::{EndpointSet, Service};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
@@ -102,50 +88,18 @@ pub struct Programmer {
     backends: HashMap<BackendAddr, BackendRef>,
     backend_ids: IdPool,
     rev_nat_ids: IdPool,
-}
-
-fn frontend_name(fe: &Frontend) -> String {
-    match fe.ip {
-        IpAddr::V4(ip) => format!("{ip}:{}/{}", fe.port, fe.proto),
-        IpAddr::V6(ip) => format!("[{ip}]:{}/{}", fe.port, fe.proto),
-    }
-}
-
-impl std::fmt::Display for Frontend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&frontend_name(self))
-    }
-}
-
-/// The frontends one service needs on this node and the backends of each: every ClusterIP
-/// of every port, with the endpoints ClusterIP traffic may use here, of the same family.
-pub fn desired_frontends(
-    svc: &Service,
-    endpoints: Option<&EndpointSet>,
-    node: &NodeInfo,
-) -> BTreeMap<Frontend, DesiredFrontend> {
-    let mut out = BTreeMap::new();
-    for port in &svc.ports {
-        let port_eps = endpoints.map(|set| select::endpoints_for_port(set, port)).unwrap_or_default();
-        let chosen = select::internal_backends(svc, &port_eps, node);
-        for &ip in &svc.cluster_ips {
-            let mut backends: Vec<BackendAddr> = chosen
-                .iter()
-                .filter(|e| e.ip.is_ipv4() == ip.is_ipv4())
-                .map(|e| BackendAddr { ip: e.ip, port: e.port, proto: port.protocol })
-                .collect();
-            backends.sort();
-            backends.dedup();
-            let fe = Frontend { ip, port: port.port, proto: port.protocol };
-            out.insert(fe, DesiredFrontend { backends, affinity_timeout: svc.affinity_timeout });
-        }
-    }
-    out
+    /// Where the programs are attached: whose sockets to reset.
+    cgroup: Option<PathBuf>,
+    /// (frontend, backend) pairs a UDP frontend lost during the current sync.
+    departed_udp: BTreeSet<(SocketAddr, SocketAddr)>,
 }
 
 impl Programmer {
-    pub fn new(maps: ServiceMaps) -> Self {
+    /// `cgroup`: where the programs are attached; None skips resetting UDP sockets.
+    pub fn new(maps: ServiceMaps, cgroup: Option<PathBuf>) -> Self {
         Self {
+            cgroup,
+            departed_udp: BTreeSet::new(),
             maps,
             frontends: HashMap::new(),
             owners: HashMap::new(),
@@ -193,7 +147,42 @@ impl Programmer {
                 report.failed.push((key, e.to_string()));
             }
         }
+        report.udp_sockets_reset = self.reset_departed_udp();
         report
+    }
+
+    fn note_departed(&mut self, fe: &Frontend, gone: impl IntoIterator<Item = BackendAddr>) {
+        if fe.proto == Protocol::Udp {
+            let frontend = SocketAddr::new(fe.ip, fe.port);
+            self.departed_udp
+                .extend(gone.into_iter().map(|b| (frontend, SocketAddr::new(b.ip, b.port))));
+        }
+    }
+
+    /// Destroys connected UDP sockets our programs pointed at backends that just left their
+    /// frontend (see [`stale_sockets`]). Failures are logged: the sync itself succeeded.
+    fn reset_departed_udp(&mut self) -> usize {
+        let departed = std::mem::take(&mut self.departed_udp);
+        let Some(cgroup) = &self.cgroup else { return 0 };
+        if departed.is_empty() {
+            return 0;
+        }
+        let peers: BTreeSet<SocketAddr> = departed.iter().map(|(_, b)| *b).collect();
+        let maps = &self.maps;
+        let ours = |cookie: u64, peer: SocketAddr| {
+            maps.translated_from(cookie, peer).is_some_and(|fe| departed.contains(&(fe, peer)))
+        };
+        let mut reset = 0;
+        for ns in stale_sockets::client_namespaces(cgroup) {
+            match stale_sockets::destroy_in(&ns, &peers, &ours) {
+                Ok(n) => reset += n,
+                Err(e) => tracing::warn!("cannot reset UDP sockets of removed backends: {e}"),
+            }
+        }
+        if reset > 0 {
+            tracing::info!(sockets = reset, "reset connected UDP sockets of removed backends");
+        }
+        reset
     }
 
     fn sync_service(
@@ -280,6 +269,10 @@ impl Programmer {
         for slot in ids.len() + 1..=old_ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
         }
+        let gone: Vec<BackendAddr> =
+            // `want.backends` is sorted (see desired_frontends).
+            old_backends.iter().filter(|b| want.backends.binary_search(b).is_err()).copied().collect();
+        self.note_departed(fe, gone);
         for b in &old_backends {
             self.release_backend(b);
         }
@@ -385,6 +378,7 @@ impl Programmer {
         for b in &st.backends {
             self.release_backend(b);
         }
+        self.note_departed(fe, st.backends.iter().copied());
         self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         if let Some(set) = self.owners.get_mut(&st.owner) {

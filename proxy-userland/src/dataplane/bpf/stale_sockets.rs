@@ -1,0 +1,264 @@
+//! Connected UDP clients of a removed backend, told instead of black-holed.
+//!
+//! Socket-level load balancing rewrites a connected UDP socket's peer once, at connect().
+//! When that backend leaves the service (its pod is gone), the client would keep sending
+//! into the void for as long as it keeps the socket — the stale-conntrack problem of
+//! kube-proxy and the stale socket-LB state of Cilium. So when a UDP backend leaves a
+//! frontend, we find the connected UDP sockets that our programs pointed at it and destroy
+//! them through sock_diag (SOCK_DESTROY, as `ss -K` does): the application gets an error
+//! (ECONNABORTED, then EDESTADDRREQ) on its next call and opens a new socket, which the
+//! programs send to a live backend.
+//!
+//! sock_diag answers for one network namespace, so we visit the namespace of every process
+//! in the cgroup the programs are attached to, each once, from a short-lived thread that
+//! joins it (setns changes only the calling thread's namespace).
+
+use std::{
+    collections::BTreeSet,
+    fs::File,
+    io,
+    mem::size_of,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
+    path::Path,
+};
+
+use bytemuck::{Pod, Zeroable};
+
+const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
+const NLMSG_ERROR: u16 = 2;
+const NLMSG_DONE: u16 = 3;
+const NLM_F_REQUEST: u16 = 0x1;
+const NLM_F_ACK: u16 = 0x4;
+const NLM_F_DUMP: u16 = 0x300;
+/// UDP sockets report TCP_ESTABLISHED (1) once connected.
+const CONNECTED: u32 = 1 << 1;
+/// Bounds the dump: no namespace has this many messages to read.
+const MAX_RECVS: usize = 100_000;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct NlMsgHdr {
+    len: u32,
+    ty: u16,
+    flags: u16,
+    seq: u32,
+    pid: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct SockId {
+    sport: u16,
+    dport: u16,
+    src: [u32; 4],
+    dst: [u32; 4],
+    ifindex: u32,
+    cookie: [u32; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct DiagReq {
+    family: u8,
+    protocol: u8,
+    ext: u8,
+    pad: u8,
+    states: u32,
+    id: SockId,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct DiagMsg {
+    family: u8,
+    state: u8,
+    timer: u8,
+    retrans: u8,
+    id: SockId,
+    expires: u32,
+    rqueue: u32,
+    wqueue: u32,
+    uid: u32,
+    inode: u32,
+}
+
+const _: () = assert!(size_of::<DiagReq>() == 56 && size_of::<DiagMsg>() == 72);
+
+/// A connected UDP socket as sock_diag reports it.
+#[derive(Clone, Copy, Debug)]
+pub struct UdpSocketInfo {
+    pub cookie: u64,
+    pub peer: SocketAddr,
+    id: SockId,
+    family: u8,
+}
+
+/// The network namespaces of every process in `cgroup` and below, once each.
+pub fn client_namespaces(cgroup: &Path) -> Vec<File> {
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    let mut dirs = vec![cgroup.to_path_buf()];
+    // Bounded: cgroup trees are shallow, but a loop in a bind mount must not hang us.
+    while let Some(dir) = dirs.pop().filter(|_| seen.len() < 100_000) {
+        if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+            for pid in procs.lines() {
+                let Ok(ns) = File::open(format!("/proc/{pid}/ns/net")) else { continue };
+                let Ok(meta) = ns.metadata() else { continue };
+                if seen.insert((meta.dev(), meta.ino())) {
+                    out.push(ns);
+                }
+            }
+        }
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            dirs.extend(entries.flatten().filter(|e| e.path().is_dir()).map(|e| e.path()));
+        }
+    }
+    out
+}
+
+/// Destroys, in namespace `ns`, each connected UDP socket whose peer is in `peers` and for
+/// which `ours(cookie, peer)` holds. Returns how many went.
+pub fn destroy_in(
+    ns: &File,
+    peers: &BTreeSet<SocketAddr>,
+    ours: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
+) -> io::Result<usize> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let diag = DiagSocket::open()?;
+            let mut destroyed = 0;
+            for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
+                for sock in diag.connected_udp(family)? {
+                    if peers.contains(&sock.peer) && ours(sock.cookie, sock.peer) {
+                        diag.destroy(&sock)?;
+                        destroyed += 1;
+                    }
+                }
+            }
+            Ok(destroyed)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(io::Error::other("sock_diag thread panicked")))
+    })
+}
+
+struct DiagSocket {
+    fd: OwnedFd,
+}
+
+impl DiagSocket {
+    fn open() -> io::Result<Self> {
+        let fd = unsafe {
+            libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG)
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+    }
+
+    fn send(&self, ty: u16, flags: u16, req: &DiagReq) -> io::Result<()> {
+        let hdr = NlMsgHdr {
+            len: (size_of::<NlMsgHdr>() + size_of::<DiagReq>()) as u32,
+            ty,
+            flags,
+            seq: 1,
+            pid: 0,
+        };
+        let mut buf = Vec::with_capacity(hdr.len as usize);
+        buf.extend_from_slice(bytemuck::bytes_of(&hdr));
+        buf.extend_from_slice(bytemuck::bytes_of(req));
+        let n = unsafe { libc::send(self.fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
+        if n < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    }
+
+    fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+    }
+
+    /// Every connected UDP socket of `family` in this namespace.
+    fn connected_udp(&self, family: u8) -> io::Result<Vec<UdpSocketInfo>> {
+        let req = DiagReq { family, protocol: libc::IPPROTO_UDP as u8, states: CONNECTED, ..Default::default() };
+        self.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, &req)?;
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        for _ in 0..MAX_RECVS {
+            let n = self.recv(&mut buf)?;
+            let mut off = 0;
+            while off + size_of::<NlMsgHdr>() <= n {
+                let hdr: NlMsgHdr = bytemuck::pod_read_unaligned(&buf[off..off + size_of::<NlMsgHdr>()]);
+                let len = hdr.len as usize;
+                if len < size_of::<NlMsgHdr>() || off + len > n {
+                    return Err(io::Error::other("truncated sock_diag message"));
+                }
+                let body = &buf[off + size_of::<NlMsgHdr>()..off + len];
+                match hdr.ty {
+                    NLMSG_DONE => return Ok(out),
+                    NLMSG_ERROR => return Err(netlink_error(body)),
+                    _ if body.len() >= size_of::<DiagMsg>() => {
+                        let msg: DiagMsg = bytemuck::pod_read_unaligned(&body[..size_of::<DiagMsg>()]);
+                        out.push(UdpSocketInfo {
+                            cookie: u64::from(msg.id.cookie[0]) | (u64::from(msg.id.cookie[1]) << 32),
+                            peer: peer_of(msg.family, &msg.id),
+                            id: msg.id,
+                            family: msg.family,
+                        });
+                    }
+                    _ => {}
+                }
+                // Messages are 4-byte aligned.
+                off += (len + 3) & !3;
+            }
+        }
+        Err(io::Error::other("sock_diag dump did not end"))
+    }
+
+    fn destroy(&self, sock: &UdpSocketInfo) -> io::Result<()> {
+        let req = DiagReq {
+            family: sock.family,
+            protocol: libc::IPPROTO_UDP as u8,
+            states: u32::MAX,
+            id: sock.id,
+            ..Default::default()
+        };
+        self.send(SOCK_DESTROY, NLM_F_REQUEST | NLM_F_ACK, &req)?;
+        let mut buf = [0u8; 1024];
+        let n = self.recv(&mut buf)?;
+        if n >= size_of::<NlMsgHdr>() {
+            let hdr: NlMsgHdr = bytemuck::pod_read_unaligned(&buf[..size_of::<NlMsgHdr>()]);
+            if hdr.ty == NLMSG_ERROR {
+                let err = netlink_error(&buf[size_of::<NlMsgHdr>()..n]);
+                // ENOENT: the socket closed meanwhile, which is what we wanted.
+                if err.raw_os_error().is_some_and(|e| e != 0 && e != libc::ENOENT) {
+                    return Err(err);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The errno in an NLMSG_ERROR body (0 is an acknowledgement).
+fn netlink_error(body: &[u8]) -> io::Error {
+    let code = body.get(..4).map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+    io::Error::from_raw_os_error(-code)
+}
+
+fn peer_of(family: u8, id: &SockId) -> SocketAddr {
+    let port = u16::from_be(id.dport);
+    let bytes: [u8; 16] = bytemuck::cast(id.dst);
+    if i32::from(family) == libc::AF_INET {
+        SocketAddr::new(IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3])), port)
+    } else {
+        SocketAddr::new(IpAddr::V6(Ipv6Addr::from(bytes)), port)
+    }
+}
