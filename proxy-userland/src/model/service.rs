@@ -38,6 +38,16 @@ impl Protocol {
         }
     }
 
+    /// The inverse of [`number`](Self::number).
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            proxy_common::proto::TCP => Some(Protocol::Tcp),
+            proxy_common::proto::UDP => Some(Protocol::Udp),
+            proxy_common::proto::SCTP => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+
     /// Parses the Kubernetes spelling; a missing protocol means TCP, as the API defaults it.
     pub fn from_k8s(s: Option<&str>) -> Option<Self> {
         match s {

@@ -1,11 +1,31 @@
 //! Loading the embedded object and attaching its programs.
+//!
+//! Without a pin directory everything lives as long as the daemon: its exit detaches the
+//! programs and frees the maps. With one (a bpffs folder, as blixt's loader does), maps and
+//! links are pinned there, so a restart or an upgrade keeps every connection flowing: the
+//! programs stay attached while no daemon runs, the next daemon reuses the maps and reads
+//! back what they hold, attaches its programs beside the old ones and only then detaches
+//! those. Two generations running at once is harmless: the first translates a ClusterIP to
+//! a pod, the second sees a pod address and lets it through.
 
-use std::{fs::File, path::Path};
+use std::{
+    fs::File,
+    io,
+    path::{Path, PathBuf},
+};
 
 use aya::{
-    Ebpf, EbpfError,
-    programs::{CgroupAttachMode, CgroupSockAddr, ProgramError},
+    Ebpf, EbpfError, EbpfLoader,
+    programs::{
+        CgroupAttachMode, CgroupSockAddr, ProgramError,
+        links::{FdLink, PinnedLink},
+    },
 };
+use proxy_common::maps as map_names;
+
+/// Maps of this layout live in `<pin dir>/maps-v<N>`: a daemon with another layout never
+/// reads maps it does not understand.
+pub const MAP_LAYOUT_VERSION: u32 = 1;
 
 /// The socket programs, v4 and v6, by their function names in `proxy-ebpf`.
 pub const SOCK_PROGRAMS: [&str; 8] = [
@@ -35,6 +55,8 @@ pub enum LoadError {
     MissingMap { name: &'static str },
     #[error("map {name} has an unexpected type: {source}")]
     Map { name: &'static str, source: aya::maps::MapError },
+    #[error("pinning under {path}: {source} (is it on a bpffs mount?)")]
+    Pin { path: String, source: io::Error },
 }
 
 /// The loaded object with its programs attached. Dropping it detaches them (aya attaches
@@ -54,10 +76,57 @@ pub fn object() -> &'static [u8] {
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"))
 }
 
-pub fn load_and_attach(cgroup: &Path) -> Result<Attached, LoadError> {
+fn pin_err(path: &Path) -> impl FnOnce(io::Error) -> LoadError + '_ {
+    move |source| LoadError::Pin { path: path.display().to_string(), source }
+}
+
+/// Where pinned maps and links go under a pin directory.
+pub struct PinLayout {
+    pub maps: PathBuf,
+    pub links: PathBuf,
+}
+
+impl PinLayout {
+    pub fn new(dir: &Path) -> Self {
+        Self { maps: dir.join(format!("maps-v{MAP_LAYOUT_VERSION}")), links: dir.join("links") }
+    }
+}
+
+/// Detaches and unpins everything a previous daemon pinned under `dir`, every layout
+/// version: `fastpath --cleanup`, a forced fresh load, or leaving eBPF mode.
+pub fn remove_pinned(dir: &Path) -> Result<(), LoadError> {
+    match std::fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(pin_err(dir)(e)),
+        _ => Ok(()),
+    }
+}
+
+/// Loads the programs and attaches them to `cgroup`. With `pin_dir`, maps are reused from
+/// (or pinned to) it and the links are pinned there, replacing an older generation's.
+pub fn load_and_attach(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Attached, LoadError> {
     let cgroup_file = File::open(cgroup)
         .map_err(|source| LoadError::Cgroup { path: cgroup.display().to_string(), source })?;
-    let mut ebpf = Ebpf::load(object())?;
+    let layout = pin_dir.map(PinLayout::new);
+    let mut loader = EbpfLoader::new();
+    let map_paths: Vec<(&str, PathBuf)> = match &layout {
+        Some(l) => {
+            std::fs::create_dir_all(&l.maps).map_err(pin_err(&l.maps))?;
+            std::fs::create_dir_all(&l.links).map_err(pin_err(&l.links))?;
+            map_names::ALL.iter().map(|n| (*n, l.maps.join(n))).collect()
+        }
+        None => Vec::new(),
+    };
+    for (name, path) in &map_paths {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(object())?;
+    // A generation tag keeps this daemon's link pins apart from the previous one's until
+    // ours are in place.
+    let generation = format!("{}-{}", std::process::id(), std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default());
+    let mut pinned_now = Vec::new();
     for name in SOCK_PROGRAMS {
         let program: &mut CgroupSockAddr = ebpf
             .program_mut(name)
@@ -67,9 +136,33 @@ pub fn load_and_attach(cgroup: &Path) -> Result<Attached, LoadError> {
         program.load().map_err(|source| LoadError::Program { name, source })?;
         // Through a BPF link (kernel >= 5.7) the kernel wants flags 0 and always allows other
         // programs beside ours; `Single` is what passes 0.
-        program
+        let link_id = program
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(|source| LoadError::Program { name, source })?;
+        if let Some(l) = &layout {
+            let link = program.take_link(link_id).map_err(|source| LoadError::Program { name, source })?;
+            let fd_link = FdLink::try_from(link).map_err(|e| LoadError::Pin {
+                path: l.links.display().to_string(),
+                source: io::Error::other(format!("link of {name} is not a BPF link: {e}")),
+            })?;
+            let path = l.links.join(format!("{name}@{generation}"));
+            fd_link.pin(&path).map_err(|e| pin_err(&path)(io::Error::other(e)))?;
+            pinned_now.push(path);
+        }
+    }
+    // Ours are attached: only now let the previous generation go.
+    if let Some(l) = &layout {
+        let entries = std::fs::read_dir(&l.links).map_err(pin_err(&l.links))?;
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if pinned_now.contains(&path) {
+                continue;
+            }
+            match PinnedLink::from_pin(&path) {
+                Ok(old) => drop(old.unpin()),
+                Err(_) => drop(std::fs::remove_file(&path)),
+            }
+        }
     }
     Ok(Attached { ebpf })
 }

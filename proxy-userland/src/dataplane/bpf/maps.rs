@@ -14,6 +14,8 @@ use proxy_common::{
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps as names,
 };
 
+use crate::model::Protocol;
+
 use super::{
     loader::LoadError,
     program::{BackendAddr, Frontend},
@@ -117,6 +119,41 @@ impl ServiceMaps {
                 self.services6.get(&Service6Key::new(ip.octets(), port, proto, slot), 0).ok()
             }
         }
+    }
+
+    /// Every service map entry: (frontend, slot, value), both families; for adopting what a
+    /// previous daemon programmed into pinned maps.
+    pub fn service_entries(&self) -> Vec<(Frontend, u16, ServiceValue)> {
+        let v4 = self.services4.iter().filter_map(Result::ok).filter_map(|(k, v)| {
+            let fe = Frontend {
+                ip: IpAddr::V4(std::net::Ipv4Addr::from(k.address.to_ne_bytes())),
+                port: u16::from_be(k.dport),
+                proto: Protocol::from_number(k.proto)?,
+            };
+            Some((fe, k.backend_slot, v))
+        });
+        let v6 = self.services6.iter().filter_map(Result::ok).filter_map(|(k, v)| {
+            let fe = Frontend {
+                ip: IpAddr::V6(std::net::Ipv6Addr::from(k.address)),
+                port: u16::from_be(k.dport),
+                proto: Protocol::from_number(k.proto)?,
+            };
+            Some((fe, k.backend_slot, v))
+        });
+        v4.chain(v6).collect()
+    }
+
+    /// Every backend: (id, where it points).
+    pub fn backend_entries(&self) -> Vec<(BackendId, BackendAddr)> {
+        let v4 = self.backends4.iter().filter_map(Result::ok).filter_map(|(id, b)| {
+            let ip = IpAddr::V4(std::net::Ipv4Addr::from(b.address.to_ne_bytes()));
+            Some((id, BackendAddr { ip, port: u16::from_be(b.port), proto: Protocol::from_number(b.proto)? }))
+        });
+        let v6 = self.backends6.iter().filter_map(Result::ok).filter_map(|(id, b)| {
+            let ip = IpAddr::V6(std::net::Ipv6Addr::from(b.address));
+            Some((id, BackendAddr { ip, port: u16::from_be(b.port), proto: Protocol::from_number(b.proto)? }))
+        });
+        v4.chain(v6).collect()
     }
 
     /// The frontend a socket (by cookie) was translated from when our programs pointed it

@@ -30,12 +30,23 @@ impl BpfDataplane {
     /// Loads and attaches the programs to the cgroup v2 at `cgroup`. Every socket created by
     /// a process in that cgroup or below it is load-balanced from then on.
     pub fn attach(cgroup: &Path) -> Result<Self, LoadError> {
-        let mut attached = loader::load_and_attach(cgroup)?;
+        Self::attach_pinned(cgroup, None)
+    }
+
+    /// As [`attach`](Self::attach), pinning maps and links under `pin_dir` when given (see
+    /// [`loader`]): what a previous daemon programmed there is adopted and reconciled by the
+    /// first full sync, and on exit everything stays for the next one.
+    pub fn attach_pinned(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Self, LoadError> {
+        let mut attached = loader::load_and_attach(cgroup, pin_dir)?;
         let maps = ServiceMaps::take(attached.ebpf_mut())?;
-        Ok(Self {
-            programmer: Programmer::new(maps, Some(cgroup.to_path_buf())),
-            _attached: attached,
-        })
+        let mut programmer = Programmer::new(maps, Some(cgroup.to_path_buf()));
+        if pin_dir.is_some() {
+            let adopted = programmer.adopt_existing();
+            if adopted > 0 {
+                tracing::info!(frontends = adopted, "adopted frontends a previous daemon programmed");
+            }
+        }
+        Ok(Self { programmer, _attached: attached })
     }
 
     pub fn programmer(&self) -> &Programmer {

@@ -79,6 +79,22 @@ impl IdPool {
     fn release(&mut self, id: u32) {
         self.free.push(id);
     }
+
+    /// Marks `id` as taken (found in a pinned map).
+    fn reserve(&mut self, id: u32) {
+        if id >= self.next {
+            self.free.extend(self.next..id);
+            self.next = id + 1;
+        } else {
+            self.free.retain(|&f| f != id);
+        }
+    }
+}
+
+/// The owner of frontends adopted from pinned maps until a service claims them; the first
+/// full sync removes those nobody claims.
+fn adopted() -> ServiceKey {
+    ServiceKey::new("", "")
 }
 
 pub struct Programmer {
@@ -130,7 +146,8 @@ impl Programmer {
         let keys: Vec<ServiceKey> = match scope {
             Scope::Full => {
                 let mut all: BTreeSet<ServiceKey> = state.services.keys().cloned().collect();
-                all.extend(self.owners.keys().cloned());
+                // Adopted frontends wait for their services to claim them; see below.
+                all.extend(self.owners.keys().filter(|k| **k != adopted()).cloned());
                 all.into_iter().collect()
             }
             Scope::Changed(set) => set.iter().cloned().collect(),
@@ -147,8 +164,68 @@ impl Programmer {
                 report.failed.push((key, e.to_string()));
             }
         }
+        if matches!(scope, Scope::Full) {
+            // Adopted frontends no service claimed belong to services deleted while no
+            // daemon ran.
+            let unclaimed: Vec<Frontend> =
+                self.owners.get(&adopted()).map(|s| s.iter().copied().collect()).unwrap_or_default();
+            for fe in unclaimed {
+                match self.remove_frontend(&fe) {
+                    Ok(()) => report.frontends_removed += 1,
+                    Err(e) => report.failed.push((adopted(), e.to_string())),
+                }
+            }
+        }
         report.udp_sockets_reset = self.reset_departed_udp();
         report
+    }
+
+    /// Reads back what a previous daemon left in pinned maps, so the first sync changes
+    /// only what differs instead of rewriting (and briefly disturbing) every frontend.
+    /// Entries that reference nothing are deleted. Returns how many frontends were adopted.
+    pub fn adopt_existing(&mut self) -> usize {
+        let backends: HashMap<BackendId, BackendAddr> = self.maps.backend_entries().into_iter().collect();
+        let mut masters = BTreeMap::new();
+        let mut slots = HashMap::new();
+        for (fe, slot, value) in self.maps.service_entries() {
+            if slot == 0 {
+                masters.insert(fe, value);
+            } else {
+                slots.insert((fe, slot), value.backend_id);
+            }
+        }
+        for (fe, master) in &masters {
+            let mut st = FrontendState {
+                owner: adopted(),
+                rev_nat_index: master.rev_nat_index,
+                backends: Vec::new(),
+                ids: Vec::new(),
+                affinity_timeout: (master.flags & flags::AFFINITY != 0).then_some(master.affinity_timeout),
+            };
+            for slot in 1..=master.count {
+                // A gap means a half-written frontend; keep the prefix, the sync rewrites it.
+                let Some(id) = slots.remove(&(*fe, slot)) else { break };
+                let Some(b) = backends.get(&id) else { break };
+                st.ids.push(id);
+                st.backends.push(*b);
+                self.backends.entry(*b).or_insert(BackendRef { id, refs: 0 }).refs += 1;
+                self.backend_ids.reserve(id);
+            }
+            self.rev_nat_ids.reserve(u32::from(master.rev_nat_index));
+            self.owners.entry(adopted()).or_default().insert(*fe);
+            self.frontends.insert(*fe, st);
+        }
+        for ((fe, slot), _) in slots {
+            if self.frontends.get(&fe).is_none_or(|st| usize::from(slot) > st.ids.len()) {
+                let _ = self.maps.del_service(&fe, slot);
+            }
+        }
+        for (id, b) in &backends {
+            if self.backends.get(b).is_none_or(|r| r.id != *id) {
+                let _ = self.maps.del_backend(*id, b);
+            }
+        }
+        masters.len()
     }
 
     fn note_departed(&mut self, fe: &Frontend, gone: impl IntoIterator<Item = BackendAddr>) {
@@ -195,6 +272,7 @@ impl Programmer {
         for fe in desired.keys() {
             if let Some(st) = self.frontends.get(fe)
                 && st.owner != *key
+                && st.owner != adopted()
             {
                 return Err(ProgramError::Conflict {
                     frontend: frontend_name(fe),
@@ -226,13 +304,19 @@ impl Programmer {
         fe: &Frontend,
         want: &DesiredFrontend,
     ) -> Result<bool, ProgramError> {
-        let old = self.frontends.get(fe);
-        if let Some(old) = old
+        if let Some(old) = self.frontends.get_mut(fe)
             && old.backends == want.backends
             && old.affinity_timeout == want.affinity_timeout
         {
+            if old.owner != *key {
+                // Adopted from pinned maps exactly as wanted: claim it, write nothing.
+                let previous = std::mem::replace(&mut old.owner, key.clone());
+                self.disown(&previous, fe);
+                self.owners.entry(key.clone()).or_default().insert(*fe);
+            }
             return Ok(false);
         }
+        let old = self.frontends.get(fe);
         let max = usize::from(u16::MAX);
         if want.backends.len() > max {
             return Err(ProgramError::TooManyBackends {
@@ -243,6 +327,7 @@ impl Programmer {
         }
         let (old_ids, old_backends) =
             old.map(|o| (o.ids.clone(), o.backends.clone())).unwrap_or_default();
+        let old_owner = old.map(|o| o.owner.clone());
         let (rev_nat_index, new_rev) = match old {
             Some(o) => (o.rev_nat_index, false),
             None => (self.rev_nat_ids.alloc().ok_or(ProgramError::RevNatExhausted)? as u16, true),
@@ -275,6 +360,9 @@ impl Programmer {
         self.note_departed(fe, gone);
         for b in &old_backends {
             self.release_backend(b);
+        }
+        if let Some(previous) = old_owner.filter(|o| o != key) {
+            self.disown(&previous, fe);
         }
         self.frontends.insert(
             *fe,
@@ -381,13 +469,17 @@ impl Programmer {
         self.note_departed(fe, st.backends.iter().copied());
         self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
-        if let Some(set) = self.owners.get_mut(&st.owner) {
+        self.disown(&st.owner, fe);
+        Ok(())
+    }
+
+    fn disown(&mut self, owner: &ServiceKey, fe: &Frontend) {
+        if let Some(set) = self.owners.get_mut(owner) {
             set.remove(fe);
             if set.is_empty() {
-                self.owners.remove(&st.owner);
+                self.owners.remove(owner);
             }
         }
-        Ok(())
     }
 
     fn acquire_backend(&mut self, b: &BackendAddr) -> Result<BackendId, MapError> {
