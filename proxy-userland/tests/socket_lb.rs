@@ -286,3 +286,79 @@ fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
         "once reconnected it stays on live backends: {after:?}"
     );
 }
+
+fn on_node(mut e: proxy_userland::model::Endpoint, node: &str, zone: &str) -> proxy_userland::model::Endpoint {
+    e.node_name = Some(node.into());
+    e.zone = Some(zone.into());
+    e.zone_hints = vec![zone.into()];
+    e
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
+    let (bed, _pods) = bed_with_pods("itplocal", 3);
+    let mut dp = attach(&bed);
+    let mut svc = web_service("web", WEB_IP);
+    svc.internal_policy_local = true;
+    let eps = web_endpoints(vec![
+        on_node(ready(pod_ip(1)), "node-a", "zone-a"),
+        on_node(ready(pod_ip(2)), "node-b", "zone-a"),
+        on_node(ready(pod_ip(3)), "node-a", "zone-b"),
+    ]);
+    dp.sync(&state_of(vec![(svc.clone(), Some(eps))]), &node(), Scope::Full);
+    let seen = reached(&tcp(&bed, WEB, 40));
+    assert_eq!(seen, BTreeSet::from(["pod-1".to_string(), "pod-3".to_string()]), "node-a's pods only");
+
+    // No local endpoint: kube-proxy drops such traffic (the client hangs until its
+    // timeout); we refuse it, so the client learns at once.
+    let remote_only = web_endpoints(vec![on_node(ready(pod_ip(2)), "node-b", "zone-a")]);
+    let changed = BTreeSet::from([svc.key.clone()]);
+    dp.sync(&state_of(vec![(svc, Some(remote_only))]), &node(), Scope::Changed(&changed));
+    let refused = tcp(&bed, WEB, 1);
+    assert_eq!(refused[0].errno(), Some("ECONNREFUSED"), "{refused:?}");
+}
+
+#[test]
+fn terminating_endpoints_take_over_only_when_none_is_ready() {
+    let (bed, _pods) = bed_with_pods("terminating", 2);
+    let mut dp = attach(&bed);
+    let svc = web_service("web", WEB_IP);
+    let draining = |e: proxy_userland::model::Endpoint| proxy_userland::model::Endpoint {
+        ready: false,
+        serving: true,
+        terminating: true,
+        ..e
+    };
+    let mixed = web_endpoints(vec![ready(pod_ip(1)), draining(ready(pod_ip(2)))]);
+    dp.sync(&state_of(vec![(svc.clone(), Some(mixed))]), &node(), Scope::Full);
+    assert_eq!(reached(&tcp(&bed, WEB, 30)), BTreeSet::from(["pod-1".to_string()]));
+
+    // A rollout's last moment: every endpoint is terminating but still serving. Refusing
+    // would drop traffic the old pods can still answer.
+    let all_draining = web_endpoints(vec![draining(ready(pod_ip(1))), draining(ready(pod_ip(2)))]);
+    let changed = BTreeSet::from([svc.key.clone()]);
+    dp.sync(&state_of(vec![(svc, Some(all_draining))]), &node(), Scope::Changed(&changed));
+    let attempts = tcp(&bed, WEB, 30);
+    assert!(attempts.iter().all(|o| o.is_ok()), "{attempts:?}");
+    assert_eq!(reached(&attempts).len(), 2);
+}
+
+#[test]
+fn topology_hints_keep_traffic_in_this_nodes_zone() {
+    let (bed, _pods) = bed_with_pods("topology", 3);
+    let mut dp = attach(&bed);
+    let mut svc = web_service("web", WEB_IP);
+    svc.prefer_close = true;
+    let eps = web_endpoints(vec![
+        on_node(ready(pod_ip(1)), "node-a", "zone-a"),
+        on_node(ready(pod_ip(2)), "node-b", "zone-a"),
+        on_node(ready(pod_ip(3)), "node-c", "zone-b"),
+    ]);
+    let here = NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()) };
+    dp.sync(&state_of(vec![(svc, Some(eps))]), &here, Scope::Full);
+    assert_eq!(
+        reached(&tcp(&bed, WEB, 40)),
+        BTreeSet::from(["pod-1".to_string(), "pod-2".to_string()]),
+        "zone-a's endpoints only"
+    );
+}
