@@ -1,12 +1,40 @@
-//! Command-line flags.
+//! Command-line flags, and the `--config` file they override.
+//!
+//! Flags are named as kube-proxy's where kube-proxy has the setting. `--config FILE` reads a
+//! KubeProxyConfiguration ([`file`]); a flag given on the command line wins over the file,
+//! the file wins over a flag's default. Every value is checked once, at start-up, by
+//! [`Args::from_matches`]: a bad one stops the daemon with a message naming the flag or field.
 
-use std::{path::PathBuf, time::Duration};
+pub mod file;
 
-use clap::Parser;
+use std::{
+    fmt,
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    str::FromStr,
+    time::Duration,
+};
+
+use clap::{ArgMatches, FromArgMatches, Parser, ValueEnum, parser::ValueSource};
+pub use file::KubeProxyConfiguration;
+
+use crate::{mode::Mode, model::convert::parse_cidr, node_setup::NodeSetup};
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "fastpath", version, about = "A kube-proxy that load-balances Services in eBPF")]
+#[command(
+    name = "fastpath",
+    version,
+    about = "A kube-proxy that load-balances Services in eBPF"
+)]
+// The last occurrence of a flag wins, as with kube-proxy's flags; wrappers can then append
+// overrides to a fixed command line.
+#[command(args_override_self = true)]
 pub struct Args {
+    /// A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) YAML or JSON file; flags
+    /// given on the command line override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
     /// Read Services and EndpointSlices from this YAML/JSON file or folder instead of a
     /// cluster; it is re-read when it changes.
     #[arg(long, value_name = "PATH")]
@@ -26,6 +54,17 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub cgroup_path: Option<PathBuf>,
 
+    /// Pin the eBPF maps and program links in this bpffs folder (e.g. /sys/fs/bpf/fastpath)
+    /// so a restart or upgrade keeps Services working while no daemon runs; the next daemon
+    /// adopts what is there. Without it, everything goes when the daemon exits.
+    #[arg(long, value_name = "DIR")]
+    pub bpf_pin_dir: Option<PathBuf>,
+
+    /// Remove everything fastpath left on this node (pinned eBPF objects in --bpf-pin-dir
+    /// or /sys/fs/bpf/fastpath, iptables chains) and exit, like kube-proxy --cleanup.
+    #[arg(long)]
+    pub cleanup: bool,
+
     /// This node's name, used for Local traffic policies and topology; default: hostname.
     #[arg(long, value_name = "NAME")]
     pub hostname_override: Option<String>,
@@ -43,7 +82,8 @@ pub struct Args {
     #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
     pub min_sync_period: Duration,
 
-    /// Longest time between two syncs: a full resync runs at least this often.
+    /// Longest time between two syncs: a full resync runs at least this often. /healthz
+    /// fails when pending changes wait longer than twice this.
     #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
     pub sync_period: Duration,
 
@@ -54,9 +94,479 @@ pub struct Args {
     /// Log filter (error, warn, info, debug, trace, or a tracing directive).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Log line format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Where /healthz, /livez and /readyz are served (IP:PORT; empty: not served).
+    #[arg(long, value_name = "IP:PORT", default_value = "0.0.0.0:10256")]
+    pub healthz_bind_address: Listen,
+
+    /// Where /metrics is served (IP:PORT; empty: not served).
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: Listen,
+
+    /// Exit when the health or metrics port cannot be bound, instead of retrying.
+    #[arg(long, default_value_t = false)]
+    pub bind_address_hard_fail: bool,
+
+    /// The address the per-service health check node port servers (externalTrafficPolicy:
+    /// Local load balancers) listen on.
+    #[arg(long, value_name = "IP", default_value = "0.0.0.0")]
+    pub healthcheck_bind_address: IpAddr,
+
+    /// kube-proxy's --bind-address; accepted and checked, unused by the eBPF dataplane.
+    #[arg(long, value_name = "IP")]
+    pub bind_address: Option<IpAddr>,
+
+    /// The pods' CIDRs, comma-separated (for dataplanes that tell local traffic apart).
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',')]
+    pub cluster_cidr: Vec<String>,
+
+    /// How local traffic is told apart: ClusterCIDR, NodeCIDR, BridgeInterface or
+    /// InterfaceNamePrefix.
+    #[arg(long, value_name = "MODE")]
+    pub detect_local_mode: Option<String>,
+
+    /// Masquerade all traffic sent to Services (NAT dataplanes only).
+    #[arg(long, default_value_t = false)]
+    pub masquerade_all: bool,
+
+    /// The fwmark bit (0-31) that marks packets to masquerade (NAT dataplanes only).
+    #[arg(long = "iptables-masquerade-bit", default_value_t = 14)]
+    pub masquerade_bit: u8,
+
+    /// Addresses node ports are served on: CIDRs, or "primary" (default: all).
+    #[arg(
+        long = "nodeport-addresses",
+        value_name = "CIDR",
+        value_delimiter = ','
+    )]
+    pub node_port_addresses: Vec<String>,
+
+    /// Apply the conntrack and OOM settings to the node (kube-proxy does so always; off by
+    /// default here so that running on a workstation never changes its sysctls).
+    #[arg(long, default_value_t = false)]
+    pub node_setup: bool,
+
+    /// Never change the node, even when the config file asks to (wins over --node-setup).
+    #[arg(long, default_value_t = false)]
+    pub skip_node_setup: bool,
+
+    /// nf_conntrack_max is max(this x CPUs, --conntrack-min); 0 leaves it alone.
+    #[arg(long, default_value_t = 32768)]
+    pub conntrack_max_per_core: u32,
+
+    /// The least nf_conntrack_max, whatever the CPU count.
+    #[arg(long, default_value_t = 131072)]
+    pub conntrack_min: u32,
+
+    /// nf_conntrack_tcp_timeout_established; 0 leaves it alone.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
+    pub conntrack_tcp_timeout_established: Duration,
+
+    /// nf_conntrack_tcp_timeout_close_wait; 0 leaves it alone.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "1h")]
+    pub conntrack_tcp_timeout_close_wait: Duration,
+
+    /// The daemon's /proc/self/oom_score_adj, -1000..1000.
+    #[arg(long, default_value_t = -999, allow_negative_numbers = true)]
+    pub oom_score_adj: i32,
+
+    /// The dataplane: ebpf, iptables or userspace. Default: the best this node can run
+    /// (eBPF, else iptables, else userspace), with the reasons logged. A mode the node
+    /// cannot run is refused with the reasons.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub proxy_mode: Option<Mode>,
+
+    /// Run the iptables and userspace proxiers in the network namespace /run/netns/NAME
+    /// instead of our own: for tests (a test bed's node namespace), and for proxying one
+    /// namespace from outside it.
+    #[arg(long, value_name = "NAME")]
+    pub netns: Option<String>,
+
+    /// Remove the iptables and userspace proxiers' rules when stopping. By default they stay,
+    /// as kube-proxy's do, so Services keep working while the proxy restarts.
+    #[arg(long, default_value_t = false)]
+    pub cleanup_on_exit: bool,
+
+    /// The config file's `mode` (`--proxy-mode` on the command line wins over it).
+    #[arg(skip)]
+    pub file_mode: Option<Mode>,
+
+    /// Notes from loading the config file (ignored fields), logged once logging is up.
+    #[arg(skip)]
+    pub config_warnings: Vec<String>,
 }
 
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// A listen address: `IP:PORT`, or empty for "do not serve".
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Listen(pub Option<SocketAddr>);
+
+impl FromStr for Listen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Ok(Listen(None));
+        }
+        s.parse()
+            .map(|a| Listen(Some(a)))
+            .map_err(|_| format!("{s:?} is not IP:PORT (e.g. 0.0.0.0:10256 or [::]:10256)"))
+    }
+}
+
+impl fmt::Display for Listen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(a) => write!(f, "{a}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A flag or config value that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(transparent)]
+    Cli(#[from] clap::Error),
+    #[error(transparent)]
+    File(#[from] file::FileError),
+    #[error("{origin}: {field}: {message}")]
+    Invalid {
+        origin: String,
+        field: String,
+        message: String,
+    },
+}
+
+const DETECT_LOCAL_MODES: &[&str] = &[
+    "ClusterCIDR",
+    "NodeCIDR",
+    "BridgeInterface",
+    "InterfaceNamePrefix",
+];
+
 impl Args {
+    /// Parses the command line and the config file it names, merged and checked.
+    pub fn from_matches(matches: &ArgMatches) -> Result<Self, ConfigError> {
+        let mut args = Args::from_arg_matches(matches)?;
+        if let Some(path) = args.config.clone() {
+            let cfg = KubeProxyConfiguration::load(&path)?;
+            let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+            args.merge_file(&cfg, &path.display().to_string(), given)?;
+        }
+        args.validate()?;
+        Ok(args)
+    }
+
+    /// `from_matches` on an argument list (tests, wrappers).
+    pub fn try_from_iter<I, T>(iter: I) -> Result<Self, ConfigError>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::CommandFactory;
+        let matches = Args::command().try_get_matches_from(iter)?;
+        Self::from_matches(&matches)
+    }
+
+    /// Takes every setting of `cfg` that was not `given` on the command line. Empty strings
+    /// and zero periods count as unset, as kube-proxy's defaulting treats them, so that a
+    /// kubeadm-generated file (full of `""` and `0s`) changes nothing it does not mean to.
+    pub fn merge_file(
+        &mut self,
+        cfg: &KubeProxyConfiguration,
+        origin: &str,
+        given: impl Fn(&str) -> bool,
+    ) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: String| ConfigError::Invalid {
+            origin: origin.to_string(),
+            field: field.to_string(),
+            message,
+        };
+        let set = |s: &Option<String>| {
+            s.as_deref()
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+        };
+        let duration = |field: &str, s: &Option<String>| -> Result<Option<Duration>, ConfigError> {
+            match set(s) {
+                None => Ok(None),
+                Some(s) => humantime::parse_duration(&s).map(Some).map_err(|e| {
+                    invalid(
+                        field,
+                        format!("{s:?} is not a duration ({e}); e.g. 30s, 1m, 24h"),
+                    )
+                }),
+            }
+        };
+        let listen = |field: &str, s: &Option<String>| -> Result<Option<Listen>, ConfigError> {
+            set(s)
+                .map(|s| s.parse::<Listen>().map_err(|e| invalid(field, e)))
+                .transpose()
+        };
+
+        if let (Some(v), false) = (
+            listen("healthzBindAddress", &cfg.healthz_bind_address)?,
+            given("healthz_bind_address"),
+        ) {
+            self.healthz_bind_address = v;
+        }
+        if let (Some(v), false) = (
+            listen("metricsBindAddress", &cfg.metrics_bind_address)?,
+            given("metrics_bind_address"),
+        ) {
+            self.metrics_bind_address = v;
+        }
+        if let (Some(v), false) = (cfg.bind_address_hard_fail, given("bind_address_hard_fail")) {
+            self.bind_address_hard_fail = v;
+        }
+        if let Some(s) = set(&cfg.bind_address) {
+            let ip = s
+                .parse()
+                .map_err(|_| invalid("bindAddress", format!("{s:?} is not an IP address")))?;
+            if !given("bind_address") {
+                self.bind_address = Some(ip);
+            }
+        }
+        if let Some(mode) = set(&cfg.mode) {
+            // kube-proxy's ipvs and nftables are not among ours: refused, not approximated.
+            self.file_mode = Some(mode.parse::<Mode>().map_err(|e| invalid("mode", e))?);
+        }
+        if let (Some(s), false) = (set(&cfg.cluster_cidr), given("cluster_cidr")) {
+            self.cluster_cidr = s.split(',').map(|c| c.trim().to_string()).collect();
+            check_cidrs(&self.cluster_cidr).map_err(|m| invalid("clusterCIDR", m))?;
+        }
+        if let (Some(s), false) = (set(&cfg.detect_local_mode), given("detect_local_mode")) {
+            self.detect_local_mode = Some(s);
+            self.check_detect_local_mode()
+                .map_err(|m| invalid("detectLocalMode", m))?;
+        }
+        if let (Some(list), false) = (&cfg.node_port_addresses, given("node_port_addresses")) {
+            self.node_port_addresses = list.clone();
+            check_node_port_addresses(list).map_err(|m| invalid("nodePortAddresses", m))?;
+        }
+        if let (Some(s), false) = (set(&cfg.hostname_override), given("hostname_override")) {
+            self.hostname_override = Some(s);
+            self.check_hostname()
+                .map_err(|m| invalid("hostnameOverride", m))?;
+        }
+        if let (Some(v), false) = (cfg.oom_score_adj, given("oom_score_adj")) {
+            check_oom(v).map_err(|m| invalid("oomScoreAdj", m))?;
+            self.oom_score_adj = v;
+        }
+
+        // Periods: top-level, else iptables.*, as kube-proxy 1.31+ reads them.
+        let ipt = cfg.iptables.clone().unwrap_or_default();
+        let sync = match duration("syncPeriod", &cfg.sync_period)? {
+            Some(d) => Some(d),
+            None => duration("iptables.syncPeriod", &ipt.sync_period)?,
+        };
+        if let (Some(d), false) = (sync.filter(|d| !d.is_zero()), given("sync_period")) {
+            self.sync_period = d;
+        }
+        let min_sync = match duration("minSyncPeriod", &cfg.min_sync_period)? {
+            Some(d) => Some(d),
+            None => duration("iptables.minSyncPeriod", &ipt.min_sync_period)?,
+        };
+        if let (Some(d), false) = (min_sync, given("min_sync_period")) {
+            self.min_sync_period = d;
+        }
+        if let (Some(bit), false) = (ipt.masquerade_bit, given("masquerade_bit")) {
+            self.masquerade_bit = u8::try_from(bit).ok().filter(|b| *b <= 31).ok_or_else(|| {
+                invalid(
+                    "iptables.masqueradeBit",
+                    format!("{bit} is not a bit number 0-31"),
+                )
+            })?;
+        }
+        if let (Some(v), false) = (ipt.masquerade_all, given("masquerade_all")) {
+            self.masquerade_all = v;
+        }
+
+        let ct = cfg.conntrack.clone().unwrap_or_default();
+        let count = |field: &str, v: i32| {
+            u32::try_from(v).map_err(|_| invalid(field, format!("{v} is negative")))
+        };
+        if let (Some(v), false) = (ct.max_per_core, given("conntrack_max_per_core")) {
+            self.conntrack_max_per_core = count("conntrack.maxPerCore", v)?;
+        }
+        if let (Some(v), false) = (ct.min, given("conntrack_min")) {
+            self.conntrack_min = count("conntrack.min", v)?;
+        }
+        if let (Some(d), false) = (
+            duration(
+                "conntrack.tcpEstablishedTimeout",
+                &ct.tcp_established_timeout,
+            )?,
+            given("conntrack_tcp_timeout_established"),
+        ) {
+            self.conntrack_tcp_timeout_established = d;
+        }
+        if let (Some(d), false) = (
+            duration("conntrack.tcpCloseWaitTimeout", &ct.tcp_close_wait_timeout)?,
+            given("conntrack_tcp_timeout_close_wait"),
+        ) {
+            self.conntrack_tcp_timeout_close_wait = d;
+        }
+
+        if let Some(cc) = &cfg.client_connection
+            && let (Some(path), None) = (set(&cc.kubeconfig), &self.kubeconfig)
+        {
+            self.kubeconfig = Some(path.into());
+        }
+        if let Some(log) = &cfg.logging {
+            if let (Some(format), false) = (set(&log.format), given("log_format")) {
+                self.log_format =
+                    <LogFormat as ValueEnum>::from_str(&format, true).map_err(|_| {
+                        invalid(
+                            "logging.format",
+                            format!("{format:?} is not a log format (text or json)"),
+                        )
+                    })?;
+            }
+            if let (Some(v), false) = (log.verbosity, given("log_level")) {
+                self.log_level = match v {
+                    0..=3 => "info",
+                    4 => "debug",
+                    _ => "trace",
+                }
+                .to_string();
+            }
+        }
+
+        if let Some(fp) = &cfg.fastpath {
+            let path = |s: &Option<String>| set(s).map(PathBuf::from);
+            if self.manifests.is_none() {
+                self.manifests = path(&fp.manifests);
+            }
+            if self.cgroup_path.is_none() {
+                self.cgroup_path = path(&fp.cgroup_path);
+            }
+            if self.zone.is_none() {
+                self.zone = set(&fp.zone);
+            }
+            if self.service_proxy_name.is_none() {
+                self.service_proxy_name = set(&fp.service_proxy_name);
+            }
+            if let (Some(d), false) = (
+                duration("fastpath.manifestPollPeriod", &fp.manifest_poll_period)?,
+                given("manifest_poll_period"),
+            ) {
+                self.manifest_poll_period = d;
+            }
+            if let (Some(s), false) = (
+                set(&fp.healthcheck_bind_address),
+                given("healthcheck_bind_address"),
+            ) {
+                self.healthcheck_bind_address = s.parse().map_err(|_| {
+                    invalid(
+                        "fastpath.healthcheckBindAddress",
+                        format!("{s:?} is not an IP address"),
+                    )
+                })?;
+            }
+            if let (Some(v), false) = (fp.node_setup, given("node_setup")) {
+                self.node_setup = v;
+            }
+            if let (Some(s), false) = (set(&fp.log_level), given("log_level")) {
+                self.log_level = s;
+            }
+        }
+
+        for field in cfg.ignored_fields() {
+            self.config_warnings.push(format!(
+                "{origin}: {field} has no effect in fastpath; ignored"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks what a flag's parser alone cannot (ranges, lists, cross-field rules).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |field: &str, message: String| ConfigError::Invalid {
+            origin: "flags".into(),
+            field: field.to_string(),
+            message,
+        };
+        check_cidrs(&self.cluster_cidr).map_err(|m| invalid("--cluster-cidr", m))?;
+        self.check_detect_local_mode()
+            .map_err(|m| invalid("--detect-local-mode", m))?;
+        check_node_port_addresses(&self.node_port_addresses)
+            .map_err(|m| invalid("--nodeport-addresses", m))?;
+        self.check_hostname()
+            .map_err(|m| invalid("--hostname-override", m))?;
+        check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
+        if self.masquerade_bit > 31 {
+            return Err(invalid(
+                "--iptables-masquerade-bit",
+                format!("{} is not a bit number 0-31", self.masquerade_bit),
+            ));
+        }
+        if self.sync_period.is_zero() {
+            return Err(invalid("--sync-period", "must be more than 0".into()));
+        }
+        if self.min_sync_period > self.sync_period {
+            return Err(invalid(
+                "--min-sync-period",
+                format!(
+                    "{} is longer than the sync period {}",
+                    humantime::format_duration(self.min_sync_period),
+                    humantime::format_duration(self.sync_period)
+                ),
+            ));
+        }
+        if self.manifest_poll_period.is_zero() {
+            return Err(invalid(
+                "--manifest-poll-period",
+                "must be more than 0".into(),
+            ));
+        }
+        if let (Listen(Some(h)), Listen(Some(m))) =
+            (self.healthz_bind_address, self.metrics_bind_address)
+            && h == m
+            && h.port() != 0
+        {
+            return Err(invalid(
+                "--metrics-bind-address",
+                format!("{m} is also the healthz address"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_detect_local_mode(&self) -> Result<(), String> {
+        match &self.detect_local_mode {
+            Some(m) if !DETECT_LOCAL_MODES.contains(&m.as_str()) => Err(format!(
+                "unknown mode {m:?}; expected one of {}",
+                DETECT_LOCAL_MODES.join(", ")
+            )),
+            Some(m) if m == "ClusterCIDR" && self.cluster_cidr.is_empty() => {
+                Err("ClusterCIDR needs clusterCIDR (--cluster-cidr) to be set".into())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn check_hostname(&self) -> Result<(), String> {
+        match &self.hostname_override {
+            Some(name) if !is_dns_subdomain(&name.to_lowercase()) => Err(format!(
+                "{name:?} is not a valid node name (lowercase letters, digits, '-' and '.', at most 253)"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The node name: the override, else the kernel's hostname.
     pub fn node_name(&self) -> String {
         if let Some(name) = &self.hostname_override {
@@ -66,6 +576,66 @@ impl Args {
             .map(|s| s.trim().to_lowercase())
             .unwrap_or_else(|_| "localhost".to_string())
     }
+
+    /// How long pending changes may wait for a sync before /healthz fails (kube-proxy: twice
+    /// the sync period).
+    pub fn health_timeout(&self) -> Duration {
+        self.sync_period * 2
+    }
+
+    /// What to change on the node, if anything (see [`crate::node_setup`]).
+    pub fn node_setup(&self) -> Option<NodeSetup> {
+        (self.node_setup && !self.skip_node_setup).then(|| NodeSetup {
+            conntrack_max_per_core: self.conntrack_max_per_core,
+            conntrack_min: self.conntrack_min,
+            tcp_timeout_established: self.conntrack_tcp_timeout_established,
+            tcp_timeout_close_wait: self.conntrack_tcp_timeout_close_wait,
+            oom_score_adj: Some(self.oom_score_adj),
+        })
+    }
+}
+
+fn check_cidrs(cidrs: &[String]) -> Result<(), String> {
+    if cidrs.len() > 2 {
+        return Err("at most two CIDRs (one per IP family)".into());
+    }
+    for c in cidrs {
+        parse_cidr(c).map_err(|why| format!("{c:?} is not a CIDR ({why})"))?;
+    }
+    Ok(())
+}
+
+fn check_node_port_addresses(list: &[String]) -> Result<(), String> {
+    for a in list {
+        if a != "primary" {
+            parse_cidr(a)
+                .map_err(|why| format!("{a:?} is neither a CIDR nor \"primary\" ({why})"))?;
+        }
+    }
+    Ok(())
+}
+
+fn check_oom(v: i32) -> Result<(), String> {
+    if (-1000..=1000).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("{v} is outside -1000..1000"))
+    }
+}
+
+/// RFC 1123 subdomain, as the API server checks node names.
+fn is_dns_subdomain(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 /// The cgroup2 mount point, from /proc/self/mounts.
@@ -76,4 +646,289 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
         let (_dev, dir, fstype) = (fields.next()?, fields.next()?, fields.next()?);
         (fstype == "cgroup2").then(|| PathBuf::from(dir))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEADER: &str =
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n";
+
+    fn merged(flags: &[&str], yaml: &str) -> Result<Args, ConfigError> {
+        use clap::CommandFactory;
+        let matches = Args::command()
+            .try_get_matches_from(std::iter::once("fastpath").chain(flags.iter().copied()))
+            .unwrap();
+        let mut args = Args::from_arg_matches(&matches).unwrap();
+        let cfg = KubeProxyConfiguration::parse(&format!("{HEADER}{yaml}"), "test.yaml")?;
+        args.merge_file(&cfg, "test.yaml", |id| {
+            matches.value_source(id) == Some(ValueSource::CommandLine)
+        })?;
+        args.validate()?;
+        Ok(args)
+    }
+
+    fn error(flags: &[&str], yaml: &str) -> String {
+        merged(flags, yaml)
+            .expect_err("should be rejected")
+            .to_string()
+    }
+
+    #[test]
+    fn defaults_match_kube_proxy() {
+        let a = Args::try_from_iter(["fastpath"]).unwrap();
+        assert_eq!(
+            a.healthz_bind_address,
+            Listen(Some("0.0.0.0:10256".parse().unwrap()))
+        );
+        assert_eq!(
+            a.metrics_bind_address,
+            Listen(Some("127.0.0.1:10249".parse().unwrap()))
+        );
+        assert_eq!(a.oom_score_adj, -999);
+        assert_eq!((a.conntrack_max_per_core, a.conntrack_min), (32768, 131072));
+        assert_eq!(a.health_timeout(), Duration::from_secs(60));
+        assert!(a.node_setup().is_none(), "node set-up is opt-in");
+    }
+
+    #[test]
+    fn the_file_fills_in_what_the_flags_left_at_their_defaults() {
+        let a = merged(
+            &[],
+            "healthzBindAddress: 127.0.0.1:20256\nmetricsBindAddress: \"[::1]:20249\"\n\
+             iptables: {syncPeriod: 1m0s, minSyncPeriod: 2s, masqueradeBit: 15}\n\
+             conntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 12h}\n\
+             hostnameOverride: Node-B\noomScoreAdj: -500\nclusterCIDR: 10.0.0.0/8,fd00::/48\n\
+             detectLocalMode: ClusterCIDR\nnodePortAddresses: [primary, 192.0.2.0/24]\n\
+             clientConnection: {kubeconfig: /etc/kube/config}\nlogging: {format: json}\n\
+             fastpath: {nodeSetup: true, zone: z1, manifestPollPeriod: 1s}\n",
+        )
+        .unwrap();
+        assert_eq!(a.healthz_bind_address.to_string(), "127.0.0.1:20256");
+        assert_eq!(a.metrics_bind_address.to_string(), "[::1]:20249");
+        assert_eq!(a.sync_period, Duration::from_secs(60));
+        assert_eq!(a.min_sync_period, Duration::from_secs(2));
+        assert_eq!(a.masquerade_bit, 15);
+        assert_eq!(a.node_name(), "node-b");
+        assert_eq!(a.kubeconfig, Some(PathBuf::from("/etc/kube/config")));
+        assert_eq!(a.log_format, LogFormat::Json);
+        assert_eq!(a.zone.as_deref(), Some("z1"));
+        let setup = a.node_setup().expect("the file turned node set-up on");
+        assert_eq!(
+            (setup.conntrack_max_per_core, setup.conntrack_min),
+            (0, 1000)
+        );
+        assert_eq!(
+            setup.tcp_timeout_established,
+            Duration::from_secs(12 * 3600)
+        );
+        assert_eq!(
+            setup.tcp_timeout_close_wait,
+            Duration::from_secs(3600),
+            "default kept"
+        );
+        assert_eq!(setup.oom_score_adj, Some(-500));
+    }
+
+    #[test]
+    fn flags_on_the_command_line_win_over_the_file() {
+        let a = merged(
+            &["--sync-period", "10s", "--healthz-bind-address", "127.0.0.1:1", "--oom-score-adj", "-10", "--skip-node-setup"],
+            "syncPeriod: 1m\nhealthzBindAddress: 0.0.0.0:2\noomScoreAdj: 5\nfastpath: {nodeSetup: true}\n",
+        )
+        .unwrap();
+        assert_eq!(a.sync_period, Duration::from_secs(10));
+        assert_eq!(a.healthz_bind_address.to_string(), "127.0.0.1:1");
+        assert_eq!(a.oom_score_adj, -10);
+        assert!(a.node_setup().is_none(), "--skip-node-setup wins");
+    }
+
+    #[test]
+    fn top_level_periods_win_over_iptables_ones() {
+        let a = merged(&[], "syncPeriod: 45s\niptables: {syncPeriod: 1m}\n").unwrap();
+        assert_eq!(a.sync_period, Duration::from_secs(45));
+    }
+
+    #[test]
+    fn kubeadm_style_zero_values_change_nothing() {
+        let a = merged(
+            &[],
+            "bindAddress: 0.0.0.0\nclusterCIDR: \"\"\nhealthzBindAddress: \"\"\nmetricsBindAddress: \"\"\n\
+             mode: \"\"\nhostnameOverride: \"\"\noomScoreAdj: null\n\
+             iptables: {masqueradeAll: false, masqueradeBit: null, minSyncPeriod: 0s, syncPeriod: 0s}\n\
+             conntrack: {maxPerCore: null, min: null, tcpCloseWaitTimeout: null, tcpEstablishedTimeout: null}\n\
+             ipvs: {scheduler: \"\"}\nfeatureGates: {}\n",
+        )
+        .unwrap();
+        assert_eq!(a.healthz_bind_address.to_string(), "0.0.0.0:10256");
+        assert_eq!(a.sync_period, Duration::from_secs(30));
+        assert_eq!(a.oom_score_adj, -999);
+        assert_eq!(a.config_warnings.len(), 2, "{:?}", a.config_warnings);
+        assert!(a.config_warnings[0].contains("featureGates"));
+    }
+
+    #[test]
+    fn invalid_values_are_rejected_naming_the_field() {
+        for (yaml, field, words) in [
+            ("oomScoreAdj: 2000\n", "oomScoreAdj", "-1000..1000"),
+            (
+                "conntrack: {maxPerCore: -1}\n",
+                "conntrack.maxPerCore",
+                "negative",
+            ),
+            (
+                "conntrack: {tcpEstablishedTimeout: forever}\n",
+                "conntrack.tcpEstablishedTimeout",
+                "duration",
+            ),
+            (
+                "iptables: {masqueradeBit: 32}\n",
+                "iptables.masqueradeBit",
+                "0-31",
+            ),
+            (
+                "iptables: {syncPeriod: 5 parsecs}\n",
+                "iptables.syncPeriod",
+                "duration",
+            ),
+            (
+                "healthzBindAddress: 0.0.0.0\n",
+                "healthzBindAddress",
+                "IP:PORT",
+            ),
+            (
+                "metricsBindAddress: localhost:99999\n",
+                "metricsBindAddress",
+                "IP:PORT",
+            ),
+            ("mode: ipvs\n", "mode", "unknown proxy mode"),
+            ("clusterCIDR: 10.0.0.0/33\n", "clusterCIDR", "not a CIDR"),
+            (
+                "detectLocalMode: Magic\n",
+                "detectLocalMode",
+                "unknown mode",
+            ),
+            (
+                "detectLocalMode: ClusterCIDR\n",
+                "detectLocalMode",
+                "needs clusterCIDR",
+            ),
+            (
+                "nodePortAddresses: [everything]\n",
+                "nodePortAddresses",
+                "neither a CIDR",
+            ),
+            (
+                "hostnameOverride: \"node_a!\"\n",
+                "hostnameOverride",
+                "not a valid node name",
+            ),
+            ("bindAddress: nowhere\n", "bindAddress", "not an IP"),
+            ("logging: {format: xml}\n", "logging.format", "text or json"),
+            (
+                "fastpath: {healthcheckBindAddress: all}\n",
+                "fastpath.healthcheckBindAddress",
+                "not an IP",
+            ),
+        ] {
+            let e = error(&[], yaml);
+            assert!(
+                e.contains(&format!("test.yaml: {field}: ")) && e.contains(words),
+                "{yaml}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_file_is_decoded_strictly() {
+        let e = error(&[], "healthzBindAdress: 0.0.0.0:1\n");
+        assert!(e.contains("unknown field `healthzBindAdress`"), "{e}");
+        let e = error(&[], "conntrack: {maxPercore: 1}\n");
+        assert!(e.contains("conntrack") && e.contains("maxPercore"), "{e}");
+        let e = error(&[], "oomScoreAdj: lots\n");
+        assert!(e.contains("oomScoreAdj"), "{e}");
+        let e = error(&[], "fastpath: {nodesetup: true}\n");
+        assert!(e.contains("nodesetup"), "{e}");
+    }
+
+    #[test]
+    fn the_header_must_name_the_kube_proxy_config_type() {
+        let e =
+            KubeProxyConfiguration::parse("apiVersion: v1\nkind: KubeProxyConfiguration\n", "f")
+                .unwrap_err()
+                .to_string();
+        assert!(
+            e.contains("apiVersion must be \"kubeproxy.config.k8s.io/v1alpha1\""),
+            "{e}"
+        );
+        let e =
+            KubeProxyConfiguration::parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\n", "f")
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("kind must be"), "{e}");
+    }
+
+    #[test]
+    fn flags_are_checked_too() {
+        for (flags, words) in [
+            (&["--oom-score-adj", "-1001"][..], "--oom-score-adj"),
+            (
+                &["--min-sync-period", "1m", "--sync-period", "30s"][..],
+                "longer than the sync period",
+            ),
+            (&["--sync-period", "0s"][..], "--sync-period"),
+            (&["--cluster-cidr", "10.0.0.0/8,bad"][..], "--cluster-cidr"),
+            (
+                &[
+                    "--healthz-bind-address",
+                    "127.0.0.1:7",
+                    "--metrics-bind-address",
+                    "127.0.0.1:7",
+                ][..],
+                "also the healthz",
+            ),
+        ] {
+            let args = std::iter::once("fastpath").chain(flags.iter().copied());
+            let e = Args::try_from_iter(args).expect_err("rejected").to_string();
+            assert!(e.contains(words), "{flags:?}: {e}");
+        }
+        // An empty address turns a server off; the last occurrence of a flag wins.
+        let a = Args::try_from_iter([
+            "fastpath",
+            "--metrics-bind-address",
+            "",
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+            "--healthz-bind-address",
+            "127.0.0.1:5",
+        ])
+        .unwrap();
+        assert_eq!(a.metrics_bind_address, Listen(None));
+        assert_eq!(a.healthz_bind_address.to_string(), "127.0.0.1:5");
+    }
+
+    #[test]
+    fn a_config_file_is_read_from_disk_and_a_missing_one_is_a_clear_error() {
+        let dir = std::env::temp_dir().join(format!("fastpath-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("config.yaml");
+        std::fs::write(&path, format!("{HEADER}metricsBindAddress: 127.0.0.1:0\n")).unwrap();
+        let a = Args::try_from_iter(["fastpath".as_ref(), "--config".as_ref(), path.as_os_str()])
+            .unwrap();
+        assert_eq!(a.metrics_bind_address.to_string(), "127.0.0.1:0");
+        let missing = dir.join("nope.yaml");
+        let e = Args::try_from_iter([
+            "fastpath".as_ref(),
+            "--config".as_ref(),
+            missing.as_os_str(),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("cannot read config file") && e.contains("nope.yaml"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -9,8 +9,15 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, error, info, warn};
 
 use crate::{
-    config::{self, Args},
-    dataplane::{Dataplane, Proxier, Scope, bpf::BpfDataplane},
+    admin::{
+        self, AdminState, SyncRecord,
+        healthcheck::{self, HealthCheckServers},
+    },
+    config::Args,
+    dataplane::bpf::maps::Occupancy,
+    events::{self as k8s_events, EventRecorder},
+    node_setup,
+    dataplane::{self, Dataplane, Proxier, Scope, StartOptions},
     model::{NodeInfo, ServiceKey, tracker::ChangeTracker},
     source::{
         SourceEvent,
@@ -21,13 +28,12 @@ use crate::{
 };
 
 pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
-    let cgroup: PathBuf = match &args.cgroup_path {
-        Some(p) => p.clone(),
-        None => config::cgroup2_mount()
-            .context("no cgroup2 file system is mounted; mount one or pass --cgroup-path")?,
-    };
     let mut node = NodeInfo { name: args.node_name(), zone: args.zone.clone() };
     info!(node = %node.name, "starting fastpath");
+    match args.node_setup() {
+        Some(setup) => node_setup::apply_to_node(&setup),
+        None => debug!("node set-up is off (--node-setup or fastpath.nodeSetup turn it on)"),
+    }
 
     // The source first: a bad kubeconfig should fail before anything touches the kernel.
     let (events_tx, mut events) = mpsc::channel(1024);
@@ -38,6 +44,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
             let _ = rx.changed().await;
         }
     };
+    let mut recorder = EventRecorder::disabled();
     let source = match &args.manifests {
         Some(path) => {
             info!(path = %path.display(), "reading Services and EndpointSlices from manifests");
@@ -47,20 +54,31 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
             let cfg = KubeConfig { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() };
             let client = kube::client(&cfg).await?;
             info!("watching Services and EndpointSlices on the API server");
+            recorder = EventRecorder::new(client.clone(), &node.name);
             tokio::spawn(kube::run(
                 client,
                 node.name.clone(),
                 args.service_proxy_name.clone(),
+                recorder.clone(),
                 events_tx,
                 stopped(),
             ))
         }
     };
 
-    let dataplane = BpfDataplane::attach(&cgroup)
-        .with_context(|| format!("cannot start the eBPF dataplane on {}", cgroup.display()))?;
-    info!(cgroup = %cgroup.display(), "eBPF socket load-balancing attached");
-    let mut proxier = Proxier::Bpf(dataplane);
+    // Health is served before the dataplane loads, so probes see a slow start as such. The
+    // first sync is pending from the start: a proxy that never manages one turns unhealthy.
+    let admin = AdminState::new(args.health_timeout());
+    admin.queued();
+    let admin_tasks = admin::start(&args, &admin, &stopped).await?;
+    let mut health_checks = HealthCheckServers::new(args.healthcheck_bind_address, admin.clone());
+
+    // The mode: --proxy-mode (or the config file's), else the best the node can run.
+    let start = StartOptions::from_args(&args)
+        .map_err(anyhow::Error::msg)
+        .context("cannot start the dataplane")?;
+    let (mut proxier, _mode) = dataplane::select_and_start(args.proxy_mode.or(args.file_mode), &start)?;
+    admin.set_proxy_mode(proxier.name());
 
     let periods = SyncPeriods { min: args.min_sync_period, max: args.sync_period, ..Default::default() };
     let mut runner = BoundedFrequency::new(periods, Instant::now());
@@ -71,6 +89,8 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     let mut synced_once = false;
     let mut full_pending = false;
     let mut retry: BTreeSet<ServiceKey> = BTreeSet::new();
+    // When the oldest change not yet programmed arrived (network programming latency).
+    let mut pending_since: Option<Instant> = None;
 
     tokio::pin!(shutdown);
     loop {
@@ -96,6 +116,14 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
                 if tracker.has_changes() || full_pending || (listed && !synced_once) {
                     runner.trigger();
                 }
+                if tracker.has_changes() || full_pending {
+                    pending_since.get_or_insert_with(Instant::now);
+                    admin.queued();
+                }
+                admin.changes_seen(
+                    tracker.services_changed_total(),
+                    tracker.endpoints_changed_total(),
+                );
             }
             _ = tokio::time::sleep_until(at.into()), if listed => {
                 let started = Instant::now();
@@ -107,10 +135,30 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
                 let report = proxier.sync(&changes.state, &node, scope);
                 for (key, err) in &report.failed {
                     error!(service = %key, "cannot program service: {err}");
+                    let note = format!("cannot program the service: {err}; retrying");
+                    let regarding = EventRecorder::service_ref(key);
+                    recorder.warn(regarding, k8s_events::REASON_PROGRAM_FAILED, "Program", note);
                     retry.insert(key.clone());
                 }
                 runner.ran(due, started, !report.failed.is_empty());
                 let took = started.elapsed();
+                admin.synced(&SyncRecord {
+                    took,
+                    full,
+                    failed: report.failed.len(),
+                    pending_since: pending_since.take(),
+                    occupancy: bpf_occupancy(&proxier),
+                    services: changes.state.services.len(),
+                    services_changed_total: tracker.services_changed_total(),
+                    endpoints_changed_total: tracker.endpoints_changed_total(),
+                });
+                let want = healthcheck::desired(&changes.state, &node);
+                for (key, port, err) in health_checks.update(&want) {
+                    let note = format!("cannot open health check node port {port}: {err}");
+                    let regarding = EventRecorder::service_ref(&key);
+                    let reason = k8s_events::REASON_PROGRAM_FAILED;
+                    recorder.warn(regarding, reason, "OpenHealthCheckNodePort", note);
+                }
                 if !synced_once {
                     info!(
                         services = changes.state.services.len(),
@@ -130,12 +178,26 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     }
 
     let _ = stop_tx.send(());
+    drop(health_checks);
+    for task in admin_tasks {
+        let _ = task.await;
+    }
     if let Err(e) = source.await {
         warn!("the source ended badly: {e}");
     }
-    drop(proxier);
-    info!("eBPF programs detached and maps released; bye");
+    let mode = proxier.name();
+    proxier.shutdown();
+    info!(mode, "dataplane stopped; bye");
     Ok(())
+}
+
+/// Map occupancy for the metrics, from the dataplanes that have BPF maps.
+fn bpf_occupancy(proxier: &Proxier) -> Option<Occupancy> {
+    match proxier {
+        Proxier::Bpf(d) => Some(d.programmer().occupancy()),
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
 }
 
 fn apply(tracker: &mut ChangeTracker, ev: SourceEvent) {

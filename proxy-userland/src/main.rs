@@ -1,17 +1,38 @@
-//! `fastpath`: parse flags, set up logging, run the daemon until a signal.
+//! `fastpath`: parse flags and the config file, set up logging, run the daemon until a
+//! signal.
 
-use clap::Parser;
-use proxy_userland::{config::Args, daemon, shutdown};
+use clap::CommandFactory;
+use proxy_userland::{
+    config::{Args, LogFormat},
+    daemon, shutdown,
+};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let args = Args::parse();
+    // Exits itself for --help, --version and malformed flags.
+    let matches = Args::command().get_matches();
+    let args = match Args::from_matches(&matches) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("fastpath: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
     let filter = EnvFilter::try_new(&args.log_level).unwrap_or_else(|e| {
         eprintln!("invalid --log-level {:?} ({e}); using info", args.log_level);
         EnvFilter::new("info")
     });
-    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    for warning in &args.config_warnings {
+        tracing::warn!("{warning}");
+    }
     match daemon::run(args, shutdown::signal_received()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -38,11 +38,20 @@ pub fn bed_with_pods(tag: &str, n: u8) -> (Testbed, Vec<Pod>) {
     let mut bed = Testbed::new(tag).expect("test bed");
     let mut pods = Vec::new();
     for i in 1..=n {
-        let pod = bed.add_pod(&format!("pod-{i}"), pod_ip(i), None).expect("pod");
+        let pod = bed
+            .add_pod(&format!("pod-{i}"), pod_ip(i), None)
+            .expect("pod");
         bed.serve(
             probe(),
             &pod,
-            &["--name", &format!("pod-{i}"), "--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"],
+            &[
+                "--name",
+                &format!("pod-{i}"),
+                "--tcp",
+                "0.0.0.0:8080",
+                "--udp",
+                "0.0.0.0:5353",
+            ],
         )
         .expect("pod server");
         pods.push(pod);
@@ -68,8 +77,18 @@ pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
         key: ServiceKey::new("demo", name),
         cluster_ips: vec![IpAddr::V4(cluster_ip)],
         ports: vec![
-            ServicePort { name: "http".into(), port: 80, protocol: Protocol::Tcp, node_port: None },
-            ServicePort { name: "dns".into(), port: 53, protocol: Protocol::Udp, node_port: None },
+            ServicePort {
+                name: "http".into(),
+                port: 80,
+                protocol: Protocol::Tcp,
+                node_port: None,
+            },
+            ServicePort {
+                name: "dns".into(),
+                port: 53,
+                protocol: Protocol::Udp,
+                node_port: None,
+            },
         ],
         external_ips: vec![],
         load_balancer_ips: vec![],
@@ -84,10 +103,20 @@ pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
 
 pub fn web_endpoints(endpoints: Vec<Endpoint>) -> EndpointSet {
     let ports = vec![
-        SlicePort { name: "http".into(), port: 8080, protocol: Protocol::Tcp },
-        SlicePort { name: "dns".into(), port: 5353, protocol: Protocol::Udp },
+        SlicePort {
+            name: "http".into(),
+            port: 8080,
+            protocol: Protocol::Tcp,
+        },
+        SlicePort {
+            name: "dns".into(),
+            port: 5353,
+            protocol: Protocol::Udp,
+        },
     ];
-    EndpointSet { slices: BTreeMap::from([("slice-a".to_string(), SliceInfo { ports, endpoints })]) }
+    EndpointSet {
+        slices: BTreeMap::from([("slice-a".to_string(), SliceInfo { ports, endpoints })]),
+    }
 }
 
 pub fn state_of(entries: Vec<(Service, Option<EndpointSet>)>) -> ProxyState {
@@ -109,12 +138,25 @@ pub fn run_probe(bed: &Testbed, args: &[&str]) -> Vec<Outcome> {
 }
 
 pub fn tcp(bed: &Testbed, target: &str, count: usize) -> Vec<Outcome> {
-    run_probe(bed, &["tcp", target, "--count", &count.to_string(), "--timeout-ms", "2000"])
+    run_probe(
+        bed,
+        &[
+            "tcp",
+            target,
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            "2000",
+        ],
+    )
 }
 
 /// The pods that answered.
 pub fn reached(outcomes: &[Outcome]) -> BTreeSet<String> {
-    outcomes.iter().filter_map(|o| o.reply().map(str::to_string)).collect()
+    outcomes
+        .iter()
+        .filter_map(|o| o.reply().map(str::to_string))
+        .collect()
 }
 
 pub fn peer(o: &Outcome) -> Option<&str> {
@@ -141,14 +183,25 @@ impl Daemon {
     pub fn start(cgroup: &Path, args: &[&str]) -> Self {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let log = std::env::temp_dir().join(format!("fastpath-test-{}-{n}.log", std::process::id()));
+        let log =
+            std::env::temp_dir().join(format!("fastpath-test-{}-{n}.log", std::process::id()));
         let child = Command::new(FASTPATH)
             .arg("--cgroup-path")
             .arg(cgroup)
             .args(["--hostname-override", "node-a"])
+            // Admin servers on loopback, on ports the kernel picks, so parallel tests never
+            // collide or listen on every address; a test's own `args` override these.
+            .args([
+                "--healthz-bind-address",
+                "127.0.0.1:0",
+                "--metrics-bind-address",
+                "127.0.0.1:0",
+            ])
             .args(args)
             .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .stderr(Stdio::from(std::fs::File::options().append(true).open(&log).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::options().append(true).open(&log).unwrap(),
+            ))
             .spawn()
             .expect("fastpath starts");
         Daemon { child, log }
@@ -178,7 +231,10 @@ impl Daemon {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(Instant::now() < deadline, "fastpath did not stop within 10 s");
+            assert!(
+                Instant::now() < deadline,
+                "fastpath did not stop within 10 s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -205,4 +261,3 @@ pub fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
-

@@ -115,13 +115,18 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
         "after the relist web should use pod-1 only and api be gone; log:\n{}",
         daemon.log()
     );
-    for path in ["/api/v1/services", "/apis/discovery.k8s.io/v1/endpointslices"] {
-        let relisted = api
-            .requests()
+    // Both kinds relist; the slices' relist may land before the services' does.
+    let relisted = |path: &str| {
+        api.requests()
             .iter()
-            .any(|r| r.starts_with(&format!("GET {path}")) && !r.contains("watch=true"));
-        assert!(relisted, "the proxy relisted {path} after 410: {:?}", api.requests());
-    }
+            .any(|r| r.starts_with(&format!("GET {path}")) && !r.contains("watch=true"))
+    };
+    assert!(
+        eventually(20, || relisted("/api/v1/services")
+            && relisted("/apis/discovery.k8s.io/v1/endpointslices")),
+        "the proxy relisted after 410: {:?}",
+        api.requests()
+    );
 
     let status = daemon.stop();
     assert!(status.success(), "{status:?}\n{}", daemon.log());

@@ -197,8 +197,11 @@ fn each_attempt(attempts: &Attempts, mut attempt: impl FnMut(Duration) -> String
         if i > 0 && attempts.interval_ms > 0 {
             thread::sleep(Duration::from_millis(attempts.interval_ms));
         }
+        let started = std::time::Instant::now();
         let line = attempt(timeout);
-        if writeln!(stdout, "{line}")
+        // How long the attempt took (connect + reply), for latency measurements.
+        let us = started.elapsed().as_micros();
+        if writeln!(stdout, "{line} us={us}")
             .and_then(|()| stdout.flush())
             .is_err()
         {

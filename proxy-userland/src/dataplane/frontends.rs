@@ -68,12 +68,16 @@ pub fn port_endpoints<'a>(
     svc.ports
         .iter()
         .map(|port| {
-            let mut eps =
-                endpoints.map(|set| select::endpoints_for_port(set, port)).unwrap_or_default();
+            let mut eps = endpoints
+                .map(|set| select::endpoints_for_port(set, port))
+                .unwrap_or_default();
             if let Some(v4) = family {
                 eps.retain(|e| e.ip.is_ipv4() == v4);
             }
-            PortEndpoints { port, categorized: select::categorize(svc, &eps, node) }
+            PortEndpoints {
+                port,
+                categorized: select::categorize(svc, &eps, node),
+            }
         })
         .collect()
 }
@@ -93,12 +97,26 @@ pub fn desired_frontends(
             let mut backends: Vec<BackendAddr> = chosen
                 .iter()
                 .filter(|e| e.ip.is_ipv4() == ip.is_ipv4())
-                .map(|e| BackendAddr { ip: e.ip, port: e.port, proto: port.protocol })
+                .map(|e| BackendAddr {
+                    ip: e.ip,
+                    port: e.port,
+                    proto: port.protocol,
+                })
                 .collect();
             backends.sort();
             backends.dedup();
-            let fe = Frontend { ip, port: port.port, proto: port.protocol };
-            out.insert(fe, DesiredFrontend { backends, affinity_timeout: svc.affinity_timeout });
+            let fe = Frontend {
+                ip,
+                port: port.port,
+                proto: port.protocol,
+            };
+            out.insert(
+                fe,
+                DesiredFrontend {
+                    backends,
+                    affinity_timeout: svc.affinity_timeout,
+                },
+            );
         }
     }
     out

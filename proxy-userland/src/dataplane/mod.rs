@@ -2,13 +2,25 @@
 //!
 //! The sync loop hands every backend the same [`ProxyState`] plus the services that changed
 //! since the last sync; how that becomes kernel state is the backend's business. Chosen once
-//! at start-up, dispatched through [`Proxier`] without dynamic dispatch.
+//! at start-up ([`start`], [`crate::mode`]), dispatched through [`Proxier`] without dynamic
+//! dispatch.
+//!
+//! - [`bpf`]: socket-level load balancing with cgroup eBPF programs (the default).
+//! - [`iptables`]: kube-proxy's iptables mode, the first fallback.
+//! - [`userspace`]: relays reached through iptables REDIRECT, the last resort.
+//! - [`frontends`]: what a service asks of any dataplane, derived from the model once.
+//! - [`netns`]: running a proxier for another network namespace.
 
 pub mod bpf;
 pub mod frontends;
+pub mod iptables;
+pub mod netns;
+pub mod start;
+pub mod userspace;
 
 use std::collections::BTreeSet;
 
+pub use self::start::{StartError, StartOptions, select_and_start, start};
 use crate::model::{NodeInfo, ProxyState, ServiceKey};
 
 /// What one sync did, for logs and metrics.
@@ -46,19 +58,39 @@ pub trait Dataplane {
 
 /// The dataplane chosen at start-up.
 pub enum Proxier {
-    Bpf(bpf::BpfDataplane),
+    // Boxed: the eBPF dataplane is large next to the others.
+    Bpf(Box<bpf::BpfDataplane>),
+    Iptables(iptables::IptablesDataplane),
+    Userspace(userspace::UserspaceDataplane),
+}
+
+impl Proxier {
+    /// Stops the dataplane. eBPF programs detach (their links close); the iptables and
+    /// userspace proxiers keep their rules unless started with `cleanup_on_exit`, so traffic
+    /// keeps flowing while the proxy restarts, as with kube-proxy.
+    pub fn shutdown(self) {
+        match self {
+            Proxier::Bpf(d) => drop(d),
+            Proxier::Iptables(mut d) => d.shutdown(),
+            Proxier::Userspace(mut d) => d.shutdown(),
+        }
+    }
 }
 
 impl Dataplane for Proxier {
     fn name(&self) -> &'static str {
         match self {
             Proxier::Bpf(d) => d.name(),
+            Proxier::Iptables(d) => d.name(),
+            Proxier::Userspace(d) => d.name(),
         }
     }
 
     fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
         match self {
             Proxier::Bpf(d) => d.sync(state, node, scope),
+            Proxier::Iptables(d) => d.sync(state, node, scope),
+            Proxier::Userspace(d) => d.sync(state, node, scope),
         }
     }
 }

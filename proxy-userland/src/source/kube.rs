@@ -13,7 +13,7 @@ use std::{future::Future, path::PathBuf};
 use futures::StreamExt;
 use k8s_openapi::api::{core::v1, discovery::v1::EndpointSlice};
 use kube::{
-    Api, Client, Config, ResourceExt,
+    Api, Client, Config, Resource, ResourceExt,
     config::{KubeConfigOptions, Kubeconfig},
     runtime::{WatchStreamExt, watcher},
 };
@@ -21,7 +21,10 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use super::SourceEvent;
-use crate::model::{NodeInfo, ServiceKey, convert};
+use crate::{
+    events::{self, EventRecorder},
+    model::{NodeInfo, ServiceKey, convert},
+};
 
 /// The label kube-proxy uses to let another proxy own a service.
 const SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -65,11 +68,13 @@ pub fn label_selector(proxy_name: Option<&str>) -> String {
     }
 }
 
-/// Runs the three watchers until `shutdown` resolves or the receiver goes away.
+/// Runs the three watchers until `shutdown` resolves or the receiver goes away. Objects
+/// that cannot be converted get a Warning Event through `events`.
 pub async fn run(
     client: Client,
     node_name: String,
     proxy_name: Option<String>,
+    events: EventRecorder,
     tx: mpsc::Sender<SourceEvent>,
     shutdown: impl Future<Output = ()>,
 ) {
@@ -88,6 +93,7 @@ pub async fn run(
         tx,
         proxy_name,
         node_name,
+        events,
         service_buf: None,
         slice_buf: None,
         services_listed: false,
@@ -114,6 +120,7 @@ struct Pump {
     tx: mpsc::Sender<SourceEvent>,
     proxy_name: Option<String>,
     node_name: String,
+    events: EventRecorder,
     service_buf: Option<Vec<crate::model::Service>>,
     slice_buf: Option<Vec<(ServiceKey, String, crate::model::SliceInfo)>>,
     services_listed: bool,
@@ -145,6 +152,8 @@ impl Pump {
             Ok(s) => s,
             Err(e) => {
                 error!("{e}; the service is not programmed until it is fixed");
+                let note = format!("{e}; fastpath does not program it until it is fixed");
+                self.events.warn(svc.object_ref(&()), events::REASON_INVALID, "Convert", note);
                 None
             }
         }
@@ -158,6 +167,8 @@ impl Pump {
             Ok(s) => s,
             Err(e) => {
                 error!("{e}; the slice is ignored until it is fixed");
+                let note = format!("{e}; fastpath ignores it until it is fixed");
+                self.events.warn(slice.object_ref(&()), events::REASON_INVALID, "Convert", note);
                 None
             }
         }

@@ -1,0 +1,356 @@
+//! Health check node ports, as kube-proxy's pkg/proxy/healthcheck service servers.
+//!
+//! A LoadBalancer Service with `externalTrafficPolicy: Local` only works on nodes that have
+//! one of its endpoints, so its `healthCheckNodePort` tells the cloud load balancer which
+//! nodes those are: each node answers 200 with the number of local endpoints, or 503 with
+//! none, and the load balancer sends traffic only to the nodes that answered 200. One
+//! listener per such service is opened when it appears and closed when it goes.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, SocketAddr},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::{
+    AdminState,
+    http::{self, Handler, Request, Response},
+};
+use crate::model::{NodeInfo, ProxyState, ServiceKey, select};
+
+/// What should be served: port and local endpoint count per service.
+pub type Desired = BTreeMap<ServiceKey, (u16, usize)>;
+
+/// The services that need a health check server on this node, and their local endpoint
+/// counts.
+///
+/// Counted are distinct ready endpoints on this node over all ports. Terminating endpoints,
+/// which [`select::categorize`] falls back to for traffic, do not count: a node with only
+/// draining pods should lose new load-balancer traffic, which is what reporting 0 does (as
+/// kube-proxy's LocalReadyEndpoints).
+pub fn desired(state: &ProxyState, node: &NodeInfo) -> Desired {
+    let mut out = Desired::new();
+    for (key, svc) in &state.services {
+        let Some(port) = svc
+            .health_check_node_port
+            .filter(|_| svc.external_policy_local)
+        else {
+            continue;
+        };
+        let mut local = std::collections::BTreeSet::new();
+        if let Some(set) = state.endpoints.get(key) {
+            for sp in &svc.ports {
+                let eps = select::endpoints_for_port(set, sp);
+                let c = select::categorize(svc, &eps, node);
+                local.extend(
+                    c.local
+                        .iter()
+                        .filter(|pe| pe.endpoint.ready)
+                        .map(|pe| pe.ip),
+                );
+            }
+        }
+        out.insert(key.clone(), (port, local.len()));
+    }
+    out
+}
+
+/// The open health check servers.
+pub struct HealthCheckServers {
+    bind: IpAddr,
+    admin: Arc<AdminState>,
+    servers: BTreeMap<ServiceKey, Server>,
+    /// Ports that could not be bound, so that each failure is logged once, not every sync.
+    failed: BTreeMap<ServiceKey, u16>,
+}
+
+struct Server {
+    port: u16,
+    local: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl HealthCheckServers {
+    pub fn new(bind: IpAddr, admin: Arc<AdminState>) -> Self {
+        Self {
+            bind,
+            admin,
+            servers: BTreeMap::new(),
+            failed: BTreeMap::new(),
+        }
+    }
+
+    /// Opens, updates and closes servers to match `want`. Must run inside the runtime.
+    /// Returns the services whose port could not be opened now, with the error (a port
+    /// already failing is retried at every update but reported only once).
+    pub fn update(&mut self, want: &Desired) -> Vec<(ServiceKey, u16, String)> {
+        let gone: Vec<ServiceKey> = self
+            .servers
+            .iter()
+            .filter(|(key, s)| want.get(*key).is_none_or(|(port, _)| *port != s.port))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in gone {
+            if let Some(s) = self.servers.remove(&key) {
+                s.task.abort();
+                info!(service = %key, port = s.port, "health check node port closed");
+            }
+        }
+        self.failed
+            .retain(|key, port| want.get(key).is_some_and(|(p, _)| p == port));
+
+        let mut errors = Vec::new();
+        for (key, &(port, count)) in want {
+            if let Some(s) = self.servers.get(key) {
+                s.local.store(count, Ordering::Relaxed);
+                continue;
+            }
+            match self.open(key, port, count) {
+                Ok(server) => {
+                    self.failed.remove(key);
+                    info!(service = %key, port, local_endpoints = count, "health check node port open");
+                    self.servers.insert(key.clone(), server);
+                }
+                Err(e) => {
+                    if self.failed.insert(key.clone(), port).is_none() {
+                        warn!(service = %key, port, "cannot open the health check node port: {e}; retrying at each sync");
+                        errors.push((key.clone(), port, e.to_string()));
+                    }
+                }
+            }
+        }
+        self.admin
+            .metrics
+            .healthcheck_servers
+            .set(self.servers.len() as i64);
+        errors
+    }
+
+    fn open(&self, key: &ServiceKey, port: u16, count: usize) -> std::io::Result<Server> {
+        // std's bind is immediate and sets SO_REUSEADDR, so a port closed by an update can
+        // be opened again at once.
+        let listener = std::net::TcpListener::bind(SocketAddr::new(self.bind, port))?;
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let local = Arc::new(AtomicUsize::new(count));
+        let handler = handler(key.clone(), local.clone(), self.admin.clone());
+        // Stopped by abort (update, drop); the daemon drops us on shutdown.
+        let task = tokio::spawn(http::serve(listener, handler, std::future::pending()));
+        Ok(Server { port, local, task })
+    }
+
+    /// The open servers' ports, for tests and diagnostics.
+    pub fn ports(&self) -> BTreeMap<ServiceKey, u16> {
+        self.servers
+            .iter()
+            .map(|(k, s)| (k.clone(), s.port))
+            .collect()
+    }
+}
+
+impl Drop for HealthCheckServers {
+    fn drop(&mut self) {
+        for s in self.servers.values() {
+            s.task.abort();
+        }
+    }
+}
+
+/// kube-proxy's answer: 200 with local endpoints and a healthy proxy, else 503, on any path.
+fn handler(key: ServiceKey, local: Arc<AtomicUsize>, admin: Arc<AdminState>) -> Handler {
+    Arc::new(move |_req: &Request| {
+        let count = local.load(Ordering::Relaxed);
+        let healthy = admin.health.is_healthy();
+        let body = serde_json::json!({
+            "service": {"namespace": key.namespace, "name": key.name},
+            "localEndpoints": count,
+            "serviceProxyHealthy": healthy,
+        });
+        let status = if count > 0 && healthy { 200 } else { 503 };
+        let mut resp = Response::json(status, body.to_string());
+        resp.headers
+            .push(("X-Load-Balancing-Endpoint-Weight", count.to_string()));
+        resp
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc as StdArc;
+
+    use super::*;
+    use crate::model::{
+        Endpoint, EndpointSet, Protocol, Service, ServicePort, SliceInfo, SlicePort,
+    };
+
+    fn ep(ip: &str, node: &str, ready: bool) -> Endpoint {
+        Endpoint {
+            ip: ip.parse().unwrap(),
+            ready,
+            serving: true,
+            terminating: !ready,
+            node_name: Some(node.into()),
+            zone: None,
+            zone_hints: vec![],
+        }
+    }
+
+    fn lb(name: &str, local_policy: bool, hc: Option<u16>) -> Service {
+        Service {
+            key: ServiceKey::new("demo", name),
+            cluster_ips: vec!["198.19.0.40".parse().unwrap()],
+            ports: vec![
+                ServicePort {
+                    name: "http".into(),
+                    port: 80,
+                    protocol: Protocol::Tcp,
+                    node_port: Some(30080),
+                },
+                ServicePort {
+                    name: "alt".into(),
+                    port: 81,
+                    protocol: Protocol::Tcp,
+                    node_port: Some(30081),
+                },
+            ],
+            external_ips: vec![],
+            load_balancer_ips: vec!["198.19.100.1".parse().unwrap()],
+            load_balancer_source_ranges: vec![],
+            affinity_timeout: None,
+            external_policy_local: local_policy,
+            internal_policy_local: false,
+            health_check_node_port: hc,
+            prefer_close: false,
+        }
+    }
+
+    fn state(services: Vec<Service>, endpoints: Vec<Endpoint>) -> ProxyState {
+        let ports = vec![
+            SlicePort {
+                name: "http".into(),
+                port: 8080,
+                protocol: Protocol::Tcp,
+            },
+            SlicePort {
+                name: "alt".into(),
+                port: 8081,
+                protocol: Protocol::Tcp,
+            },
+        ];
+        let set = EndpointSet {
+            slices: BTreeMap::from([("s".into(), SliceInfo { ports, endpoints })]),
+        };
+        let mut st = ProxyState::default();
+        for svc in services {
+            st.endpoints
+                .insert(svc.key.clone(), StdArc::new(set.clone()));
+            st.services.insert(svc.key.clone(), StdArc::new(svc));
+        }
+        st
+    }
+
+    #[test]
+    fn counts_distinct_ready_local_endpoints_of_local_policy_services_only() {
+        let node = NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        };
+        let st = state(
+            vec![lb("local", true, Some(32000)), lb("cluster", false, None)],
+            vec![
+                ep("198.18.1.11", "node-a", true),
+                ep("198.18.1.12", "node-a", true),
+                ep("198.18.1.13", "node-a", false),
+                ep("198.18.1.14", "node-b", true),
+            ],
+        );
+        let d = desired(&st, &node);
+        assert_eq!(
+            d,
+            Desired::from([(ServiceKey::new("demo", "local"), (32000, 2))])
+        );
+        let elsewhere = NodeInfo {
+            name: "node-c".into(),
+            zone: None,
+        };
+        assert_eq!(
+            desired(&st, &elsewhere)[&ServiceKey::new("demo", "local")],
+            (32000, 0)
+        );
+    }
+
+    #[test]
+    fn only_terminating_local_endpoints_count_as_none() {
+        let node = NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        };
+        let st = state(
+            vec![lb("local", true, Some(32000))],
+            vec![ep("198.18.1.13", "node-a", false)],
+        );
+        assert_eq!(desired(&st, &node)[&ServiceKey::new("demo", "local")].1, 0);
+    }
+
+    #[tokio::test]
+    async fn servers_open_answer_and_close_with_their_services() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let admin = AdminState::new(std::time::Duration::from_secs(60));
+        let mut servers = HealthCheckServers::new("127.0.0.1".parse().unwrap(), admin);
+        // A free port for the service.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let key = ServiceKey::new("demo", "lb");
+        let get = || async move {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+            s.write_all(b"GET / HTTP/1.1\r\n\r\n").await?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).await?;
+            Ok::<_, std::io::Error>(out)
+        };
+        assert!(
+            servers
+                .update(&Desired::from([(key.clone(), (port, 2))]))
+                .is_empty()
+        );
+        let out = get().await.unwrap();
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+        let body: serde_json::Value =
+            serde_json::from_str(out.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"service": {"namespace": "demo", "name": "lb"}, "localEndpoints": 2, "serviceProxyHealthy": true})
+        );
+
+        servers.update(&Desired::from([(key.clone(), (port, 0))]));
+        assert!(
+            get().await.unwrap().starts_with("HTTP/1.1 503"),
+            "no local endpoints: 503"
+        );
+
+        servers.update(&Desired::new());
+        assert!(servers.ports().is_empty());
+        // The abort lands at the task's next poll; give it a moment.
+        let mut closed = false;
+        for _ in 0..50 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
+                closed = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert!(closed, "the port is closed once the service is gone");
+    }
+}

@@ -1,0 +1,413 @@
+//! Running iptables: atomic restores of our chains, reading the tables back, the jump rules
+//! from the built-in chains, and removing our chains again.
+//!
+//! Every command can run in another network namespace (see [`crate::dataplane::netns`]).
+//! Restores use `--noflush`, so only the chains named in the input are replaced; everything
+//! else in the tables (the node's own firewall, CNI rules) is left as it is.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    io::Write as _,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use super::render::{Family, Table};
+use crate::dataplane::netns;
+
+/// How long iptables may wait for the xtables lock (legacy backend) before failing.
+const LOCK_WAIT_SECS: &str = "5";
+/// Upper bound for any one iptables command; a hung one is killed.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyError {
+    #[error("cannot run `{command}`: {source} (is iptables installed?)")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Failed {
+        command: String,
+        status: String,
+        stderr: String,
+    },
+    #[error("`{command}` did not finish within {COMMAND_TIMEOUT:?} and was killed")]
+    Timeout { command: String },
+}
+
+/// The iptables tools of one family, optionally in a network namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Runner {
+    pub family: Family,
+    pub netns: Option<String>,
+}
+
+fn describe(cmd: &Command) -> String {
+    let mut out = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        out.push(' ');
+        out.push_str(&a.to_string_lossy());
+    }
+    out
+}
+
+impl Runner {
+    pub fn new(family: Family, netns: Option<String>) -> Self {
+        Runner { family, netns }
+    }
+
+    fn tool(&self, suffix: &str) -> Command {
+        let base = match self.family {
+            Family::V4 => "iptables",
+            Family::V6 => "ip6tables",
+        };
+        netns::command(self.netns.as_deref(), format!("{base}{suffix}"))
+    }
+
+    /// Runs `cmd` with `input` on stdin, bounded by [`COMMAND_TIMEOUT`]; stdout on success.
+    fn run(&self, mut cmd: Command, input: Option<&str>) -> Result<String, ApplyError> {
+        let command = describe(&cmd);
+        let mut child = cmd
+            .stdin(if input.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|source| ApplyError::Spawn {
+                command: command.clone(),
+                source,
+            })?;
+        if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+            // A write error shows up as the command's failure below.
+            let _ = stdin.write_all(text.as_bytes());
+        }
+        // Read the pipes on threads so a large iptables-save cannot fill them and stall.
+        let mut out_pipe = child.stdout.take();
+        let mut err_pipe = child.stderr.take();
+        let out_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(p) = out_pipe.as_mut() {
+                let _ = std::io::Read::read_to_string(p, &mut s);
+            }
+            s
+        });
+        let err_reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(p) = err_pipe.as_mut() {
+                let _ = std::io::Read::read_to_string(p, &mut s);
+            }
+            s
+        });
+        let deadline = Instant::now() + COMMAND_TIMEOUT;
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2))
+                }
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(ApplyError::Timeout { command });
+                }
+                Err(source) => return Err(ApplyError::Spawn { command, source }),
+            }
+        };
+        let stdout = out_reader.join().unwrap_or_default();
+        let stderr = err_reader.join().unwrap_or_default();
+        if status.success() {
+            Ok(stdout)
+        } else {
+            Err(ApplyError::Failed {
+                command,
+                status: status.to_string(),
+                stderr: stderr.trim().to_string(),
+            })
+        }
+    }
+
+    /// `iptables-restore --noflush`: the whole input is applied in one transaction, or not
+    /// at all.
+    pub fn restore(&self, text: &str) -> Result<(), ApplyError> {
+        let mut cmd = self.tool("-restore");
+        cmd.args(["-w", LOCK_WAIT_SECS, "--noflush"]);
+        self.run(cmd, Some(text)).map(drop)
+    }
+
+    /// `iptables-save` of every table, parsed.
+    pub fn save(&self) -> Result<Saved, ApplyError> {
+        self.run(self.tool("-save"), None).map(|s| Saved::parse(&s))
+    }
+
+    /// `iptables -t TABLE ARGS...`.
+    pub fn iptables(&self, table: Table, args: &[String]) -> Result<String, ApplyError> {
+        let mut cmd = self.tool("");
+        cmd.args(["-w", LOCK_WAIT_SECS, "-t", table.name()])
+            .args(args);
+        self.run(cmd, None)
+    }
+
+    /// `iptables --version`, e.g. "iptables v1.8.9 (nf_tables)".
+    pub fn version(&self) -> Result<String, ApplyError> {
+        let mut cmd = self.tool("");
+        cmd.arg("--version");
+        self.run(cmd, None).map(|s| s.trim().to_string())
+    }
+}
+
+/// `iptables-save` output: per table, its chains and their rules as saved (`-A ...` lines).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Saved {
+    pub tables: BTreeMap<String, SavedTable>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SavedTable {
+    pub chains: BTreeSet<String>,
+    /// `(chain, whole line)` in order.
+    pub rules: Vec<(String, String)>,
+}
+
+impl Saved {
+    pub fn parse(text: &str) -> Saved {
+        let mut saved = Saved::default();
+        let mut current: Option<String> = None;
+        for line in text.lines() {
+            let line = line.trim_end();
+            if let Some(t) = line.strip_prefix('*') {
+                current = Some(t.to_string());
+                saved.tables.entry(t.to_string()).or_default();
+            } else if line == "COMMIT" {
+                current = None;
+            } else if let Some(table) = current.as_ref().and_then(|t| saved.tables.get_mut(t)) {
+                if let Some(rest) = line.strip_prefix(':')
+                    && let Some(name) = rest.split_whitespace().next()
+                {
+                    table.chains.insert(name.to_string());
+                } else if let Some(rest) = line.strip_prefix("-A ")
+                    && let Some(chain) = rest.split_whitespace().next()
+                {
+                    table.rules.push((chain.to_string(), line.to_string()));
+                }
+            }
+        }
+        saved
+    }
+
+    pub fn table(&self, table: Table) -> Option<&SavedTable> {
+        self.tables.get(table.name())
+    }
+
+    /// Our chains (by `ours`) present in `table`.
+    pub fn chains_matching(
+        &self,
+        table: Table,
+        ours: impl Fn(Table, &str) -> bool,
+    ) -> BTreeSet<String> {
+        self.table(table)
+            .map(|t| {
+                t.chains
+                    .iter()
+                    .filter(|c| ours(table, c))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// The jump target of a saved rule (`-j X` or `-g X`), if any.
+fn target(rule: &str) -> Option<&str> {
+    let mut words = rule.split_whitespace();
+    let mut found = None;
+    while let Some(w) = words.next() {
+        if w == "-j" || w == "-g" {
+            found = words.next();
+        }
+    }
+    found
+}
+
+/// A rule in a built-in chain that sends traffic into one of ours.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Jump {
+    pub table: Table,
+    pub from: &'static str,
+    pub to: &'static str,
+    pub comment: &'static str,
+    /// Matches before the comment, e.g. `-m conntrack --ctstate NEW`.
+    pub extra: &'static [&'static str],
+}
+
+impl Jump {
+    /// The rule's arguments after the chain name, for `-C`/`-I`/`-D`.
+    pub fn args(&self) -> Vec<String> {
+        let mut a: Vec<String> = self.extra.iter().map(|s| s.to_string()).collect();
+        a.extend(["-m", "comment", "--comment", self.comment, "-j", self.to].map(String::from));
+        a
+    }
+
+    /// Whether `saved` already has this jump (same chain, target and comment).
+    pub fn present_in(&self, saved: &Saved) -> bool {
+        let quoted = format!("--comment \"{}\"", self.comment);
+        let bare = format!("--comment {}", self.comment);
+        saved.table(self.table).is_some_and(|t| {
+            t.rules.iter().any(|(chain, line)| {
+                chain == self.from
+                    && target(line) == Some(self.to)
+                    && (line.contains(&quoted) || line.contains(&bare))
+            })
+        })
+    }
+}
+
+/// Inserts the jumps `saved` lacks at the top of their built-in chains (kube-proxy
+/// prepends, so that a node firewall's later ACCEPTs cannot bypass the services). Returns
+/// how many were inserted. The target chains must exist.
+pub fn ensure_jumps(runner: &Runner, jumps: &[Jump], saved: &Saved) -> Result<usize, ApplyError> {
+    let mut inserted = 0;
+    for j in jumps.iter().filter(|j| !j.present_in(saved)) {
+        let mut args = vec!["-I".to_string(), j.from.to_string(), "1".to_string()];
+        args.extend(j.args());
+        runner.iptables(j.table, &args)?;
+        inserted += 1;
+    }
+    Ok(inserted)
+}
+
+/// The restore input that deletes every chain `ours` selects in `tables` and every rule
+/// elsewhere that jumps to one, as kube-proxy's CleanupLeftovers does. None if there is
+/// nothing to delete.
+pub fn removal_text(
+    saved: &Saved,
+    tables: &[Table],
+    ours: impl Fn(Table, &str) -> bool,
+) -> Option<String> {
+    let mut out = String::new();
+    let mut any = false;
+    for &table in tables {
+        let Some(t) = saved.table(table) else {
+            continue;
+        };
+        let chains: Vec<&String> = t.chains.iter().filter(|c| ours(table, c)).collect();
+        let jumps: Vec<&String> = t
+            .rules
+            .iter()
+            .filter(|(chain, line)| {
+                !ours(table, chain) && target(line).is_some_and(|to| ours(table, to))
+            })
+            .map(|(_, line)| line)
+            .collect();
+        if chains.is_empty() && jumps.is_empty() {
+            continue;
+        }
+        any = true;
+        out.push_str(&format!("*{}\n", table.name()));
+        for c in &chains {
+            out.push_str(&format!(":{c} - [0:0]\n"));
+        }
+        for line in jumps {
+            out.push_str(&format!("-D {}\n", &line[3..]));
+        }
+        for c in &chains {
+            out.push_str(&format!("-X {c}\n"));
+        }
+        out.push_str("COMMIT\n");
+    }
+    any.then_some(out)
+}
+
+/// Deletes our chains (as `ours` selects them) and the jumps into them. Returns how many
+/// chains went.
+pub fn remove_chains(
+    runner: &Runner,
+    ours: impl Fn(Table, &str) -> bool,
+) -> Result<usize, ApplyError> {
+    let saved = runner.save()?;
+    let count = [Table::Filter, Table::Nat]
+        .iter()
+        .map(|&t| saved.chains_matching(t, &ours).len())
+        .sum();
+    if let Some(text) = removal_text(&saved, &[Table::Filter, Table::Nat], &ours) {
+        runner.restore(&text)?;
+    }
+    Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAVED: &str = "\
+# Generated by iptables-save v1.8.9 (nf_tables)
+*filter
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:KUBE-SERVICES - [0:0]
+-A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A OUTPUT -j ACCEPT
+-A KUBE-SERVICES -d 198.19.0.11/32 -p tcp -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-ABC - [0:0]
+:OTHER - [0:0]
+-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A KUBE-SERVICES -j KUBE-SVC-ABC
+COMMIT
+";
+
+    fn ours(t: Table, c: &str) -> bool {
+        super::super::render::is_our_chain(t, c)
+    }
+
+    #[test]
+    fn saved_tables_parse_into_chains_and_rules() {
+        let s = Saved::parse(SAVED);
+        assert_eq!(
+            s.chains_matching(Table::Nat, ours),
+            ["KUBE-SERVICES", "KUBE-SVC-ABC"].map(String::from).into()
+        );
+        assert_eq!(s.table(Table::Filter).unwrap().rules.len(), 3);
+        assert_eq!(
+            target("-A X -m foo -j REJECT --reject-with y"),
+            Some("REJECT")
+        );
+    }
+
+    #[test]
+    fn a_jump_is_found_by_chain_target_and_comment() {
+        let s = Saved::parse(SAVED);
+        let j = |table, from, comment| Jump {
+            table,
+            from,
+            to: "KUBE-SERVICES",
+            comment,
+            extra: &[],
+        };
+        assert!(j(Table::Nat, "OUTPUT", "kubernetes service portals").present_in(&s));
+        assert!(!j(Table::Nat, "PREROUTING", "kubernetes service portals").present_in(&s));
+        assert!(j(Table::Filter, "OUTPUT", "kubernetes service portals").present_in(&s));
+        assert!(!j(Table::Filter, "OUTPUT", "something else").present_in(&s));
+    }
+
+    #[test]
+    fn removal_deletes_our_chains_and_the_jumps_into_them_only() {
+        let s = Saved::parse(SAVED);
+        let text = removal_text(&s, &[Table::Filter, Table::Nat], ours).unwrap();
+        assert!(text.contains("-D OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n"));
+        assert!(text.contains("-X KUBE-SVC-ABC\n"));
+        assert!(!text.contains("OTHER"), "{text}");
+        assert!(!text.contains("-D OUTPUT -j ACCEPT"), "{text}");
+        // Rules inside our chains go with the chain; they are not deleted one by one.
+        assert!(!text.contains("-D KUBE-SERVICES"), "{text}");
+        assert_eq!(removal_text(&s, &[Table::Nat], |_, _| false), None);
+    }
+}

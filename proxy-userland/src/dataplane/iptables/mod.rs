@@ -1,0 +1,361 @@
+//! The iptables proxier: kube-proxy's iptables mode, for nodes where the eBPF dataplane
+//! cannot run.
+//!
+//! - [`names`]: kube-proxy's chain names (hashes of service port and endpoint).
+//! - [`render`]: the model as `iptables-restore` input, a pure function.
+//! - [`apply`]: running the tools (optionally in another network namespace), the jump
+//!   rules, and removing our chains.
+//!
+//! Every sync renders the whole ruleset of each family and restores it only when the text
+//! differs from what was last written, so a sync that changes nothing runs no restore, and
+//! a change to one service rewrites our chains in one atomic `iptables-restore --noflush`.
+//! kube-proxy's partial restores (only the chains of changed services) would make large
+//! clusters cheaper; that is left for later, as rendering is cheap next to the restore.
+//!
+//! Full syncs also read the tables back: if someone flushed them or deleted a jump, the
+//! ruleset is rewritten and the jumps put back. Rules are kept when the proxy stops (as
+//! kube-proxy does: traffic keeps flowing through a restart) unless asked to remove them.
+
+pub mod apply;
+pub mod names;
+pub mod render;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use tracing::{debug, info, warn};
+
+pub use self::render::{Family, RenderConfig, Table};
+use self::{
+    apply::{ApplyError, Jump, Runner},
+    render::{
+        KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_POSTROUTING,
+        KUBE_PROXY_FIREWALL, KUBE_SERVICES, Ruleset,
+    },
+};
+use super::{
+    Dataplane, Scope, SyncReport,
+    frontends::{DesiredFrontend, Frontend, desired_frontends},
+};
+use crate::model::{NodeInfo, ProxyState, ServiceKey};
+
+const NEW: &[&str] = &["-m", "conntrack", "--ctstate", "NEW"];
+
+/// kube-proxy's jumps from the built-in chains into its own.
+pub const JUMPS: &[Jump] = &[
+    Jump {
+        table: Table::Filter,
+        from: "INPUT",
+        to: KUBE_EXTERNAL_SERVICES,
+        comment: "kubernetes externally-visible service portals",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Filter,
+        from: "FORWARD",
+        to: KUBE_EXTERNAL_SERVICES,
+        comment: "kubernetes externally-visible service portals",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Filter,
+        from: "INPUT",
+        to: KUBE_NODEPORTS,
+        comment: "kubernetes health check service ports",
+        extra: &[],
+    },
+    Jump {
+        table: Table::Filter,
+        from: "FORWARD",
+        to: KUBE_SERVICES,
+        comment: "kubernetes service portals",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Filter,
+        from: "OUTPUT",
+        to: KUBE_SERVICES,
+        comment: "kubernetes service portals",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Filter,
+        from: "FORWARD",
+        to: KUBE_FORWARD,
+        comment: "kubernetes forwarding rules",
+        extra: &[],
+    },
+    Jump {
+        table: Table::Filter,
+        from: "INPUT",
+        to: KUBE_PROXY_FIREWALL,
+        comment: "kubernetes load balancer firewall",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Filter,
+        from: "OUTPUT",
+        to: KUBE_PROXY_FIREWALL,
+        comment: "kubernetes load balancer firewall",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Filter,
+        from: "FORWARD",
+        to: KUBE_PROXY_FIREWALL,
+        comment: "kubernetes load balancer firewall",
+        extra: NEW,
+    },
+    Jump {
+        table: Table::Nat,
+        from: "OUTPUT",
+        to: KUBE_SERVICES,
+        comment: "kubernetes service portals",
+        extra: &[],
+    },
+    Jump {
+        table: Table::Nat,
+        from: "PREROUTING",
+        to: KUBE_SERVICES,
+        comment: "kubernetes service portals",
+        extra: &[],
+    },
+    Jump {
+        table: Table::Nat,
+        from: "POSTROUTING",
+        to: KUBE_POSTROUTING,
+        comment: "kubernetes postrouting rules",
+        extra: &[],
+    },
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum IptablesError {
+    #[error("{0}")]
+    Apply(#[from] ApplyError),
+    #[error("neither iptables nor ip6tables can be used: {0}")]
+    NoFamily(String),
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct IptablesConfig {
+    /// Run every command in this network namespace (`/run/netns/NAME`).
+    pub netns: Option<String>,
+    pub render: RenderConfig,
+    /// Which families to program; empty: each one whose tool works.
+    pub families: Vec<Family>,
+    /// Remove our chains when the proxier shuts down (default: keep them, like kube-proxy).
+    pub cleanup_on_exit: bool,
+}
+
+struct FamilyState {
+    runner: Runner,
+    /// The text of the last successful restore.
+    last_text: Option<String>,
+    /// Our chains in the tables as we last left them (or found them at start).
+    chains: BTreeSet<(Table, String)>,
+    frontends: BTreeMap<Frontend, DesiredFrontend>,
+}
+
+pub struct IptablesDataplane {
+    cfg: IptablesConfig,
+    families: Vec<FamilyState>,
+    restores: u64,
+}
+
+fn is_ours(t: Table, c: &str) -> bool {
+    render::is_our_chain(t, c)
+}
+
+fn chain_set(rs: &Ruleset) -> BTreeSet<(Table, String)> {
+    [Table::Filter, Table::Nat]
+        .into_iter()
+        .flat_map(|t| rs.chains(t).iter().map(move |c| (t, c.clone())))
+        .collect()
+}
+
+fn our_chains_in(saved: &apply::Saved) -> BTreeSet<(Table, String)> {
+    [Table::Filter, Table::Nat]
+        .into_iter()
+        .flat_map(|t| {
+            saved
+                .chains_matching(t, is_ours)
+                .into_iter()
+                .map(move |c| (t, c))
+        })
+        .collect()
+}
+
+impl IptablesDataplane {
+    /// Checks the tools of each family (one that does not work is skipped with a warning,
+    /// unless it was asked for) and reads what our chains look like now.
+    pub fn new(cfg: IptablesConfig) -> Result<Self, IptablesError> {
+        let wanted = if cfg.families.is_empty() {
+            vec![Family::V4, Family::V6]
+        } else {
+            cfg.families.clone()
+        };
+        let mut families = Vec::new();
+        let mut errors = Vec::new();
+        for family in wanted {
+            let runner = Runner::new(family, cfg.netns.clone());
+            match runner.save() {
+                Ok(saved) => families.push(FamilyState {
+                    chains: our_chains_in(&saved),
+                    runner,
+                    last_text: None,
+                    frontends: BTreeMap::new(),
+                }),
+                Err(e) if cfg.families.is_empty() => {
+                    warn!(?family, "not programming this family: {e}");
+                    errors.push(e.to_string());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if families.is_empty() {
+            return Err(IptablesError::NoFamily(errors.join("; ")));
+        }
+        Ok(IptablesDataplane {
+            cfg,
+            families,
+            restores: 0,
+        })
+    }
+
+    /// How many restores have run: tests use it to see that unchanged syncs write nothing.
+    pub fn restores(&self) -> u64 {
+        self.restores
+    }
+
+    pub fn families(&self) -> Vec<Family> {
+        self.families.iter().map(|f| f.runner.family).collect()
+    }
+
+    /// Stops the proxier: removes our chains and jumps if configured to, else leaves them
+    /// so that traffic keeps flowing until the next proxy takes over.
+    pub fn shutdown(&mut self) {
+        if !self.cfg.cleanup_on_exit {
+            info!("leaving the iptables rules in place (no --cleanup-on-exit)");
+            return;
+        }
+        for f in &self.families {
+            match apply::remove_chains(&f.runner, is_ours) {
+                Ok(n) => {
+                    info!(family = ?f.runner.family, chains = n, "removed our iptables chains")
+                }
+                Err(e) => {
+                    warn!(family = ?f.runner.family, "cannot remove our iptables chains: {e}")
+                }
+            }
+        }
+    }
+
+    fn sync_family(
+        f: &mut FamilyState,
+        cfg: &IptablesConfig,
+        state: &ProxyState,
+        node: &NodeInfo,
+        full: bool,
+        restores: &mut u64,
+    ) -> Result<(usize, usize), ApplyError> {
+        let family = f.runner.family;
+        let rendered = render::render(state, node, family, &cfg.render);
+        let wanted = chain_set(&rendered);
+        let mut force = f.last_text.is_none();
+        let mut saved = None;
+        if full {
+            let s = f.runner.save()?;
+            let present = our_chains_in(&s);
+            if f.last_text.is_some() && present != f.chains {
+                warn!(
+                    ?family,
+                    "our iptables chains were changed by someone else; rewriting them"
+                );
+                force = true;
+            }
+            // Chains a previous run left that we do not want any more are deleted below.
+            f.chains.extend(present);
+            if JUMPS.iter().any(|j| !j.present_in(&s)) {
+                force = true;
+            }
+            saved = Some(s);
+        }
+        let stale: BTreeSet<(Table, String)> = f.chains.difference(&wanted).cloned().collect();
+        let text = rendered.restore_text(&stale);
+
+        let mut frontends = BTreeMap::new();
+        for (key, svc) in &state.services {
+            let eps = state.endpoints.get(key).map(|e| &**e);
+            frontends.extend(
+                desired_frontends(svc, eps, node)
+                    .into_iter()
+                    .filter(|(fe, _)| render::Family::of(&fe.ip) == family),
+            );
+        }
+        let written = frontends
+            .iter()
+            .filter(|(fe, d)| f.frontends.get(fe) != Some(d))
+            .count();
+        let removed = f
+            .frontends
+            .keys()
+            .filter(|fe| !frontends.contains_key(fe))
+            .count();
+
+        if force || f.last_text.as_deref() != Some(text.as_str()) {
+            debug!(?family, bytes = text.len(), "iptables-restore");
+            f.runner.restore(&text)?;
+            *restores += 1;
+            f.last_text = Some(text);
+            f.chains = wanted;
+        }
+        f.frontends = frontends;
+        // After the restore, so the chains the jumps point at exist.
+        if let Some(saved) = saved {
+            let n = apply::ensure_jumps(&f.runner, JUMPS, &saved)?;
+            if n > 0 {
+                info!(
+                    ?family,
+                    jumps = n,
+                    "installed the jumps into our iptables chains"
+                );
+            }
+        }
+        Ok((written, removed))
+    }
+}
+
+impl Dataplane for IptablesDataplane {
+    fn name(&self) -> &'static str {
+        "iptables"
+    }
+
+    fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        let mut report = SyncReport::default();
+        let keys: Vec<ServiceKey> = match scope {
+            Scope::Full => state.services.keys().cloned().collect(),
+            Scope::Changed(set) => set.iter().cloned().collect(),
+        };
+        report.services_synced = keys.len();
+        let full = matches!(scope, Scope::Full);
+        for f in &mut self.families {
+            match Self::sync_family(f, &self.cfg, state, node, full, &mut self.restores) {
+                Ok((w, r)) => {
+                    report.frontends_written += w;
+                    report.frontends_removed += r;
+                }
+                Err(e) => {
+                    // One restore carries every service: they all stay as they were.
+                    let msg = format!("{:?}: {e}", f.runner.family);
+                    for k in &keys {
+                        report.failed.push((k.clone(), msg.clone()));
+                    }
+                    if keys.is_empty() {
+                        warn!("iptables sync failed: {msg}");
+                    }
+                }
+            }
+        }
+        report
+    }
+}

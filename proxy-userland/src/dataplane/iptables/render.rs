@@ -1,0 +1,1143 @@
+//! The model as `iptables-restore` input: a pure function, so the whole ruleset can be
+//! checked in unit tests without a kernel.
+//!
+//! The layout is kube-proxy's iptables mode (pkg/proxy/iptables/proxier.go), chain for
+//! chain, so that anyone who has debugged kube-proxy can read it:
+//!
+//! ```text
+//! nat    PREROUTING/OUTPUT -> KUBE-SERVICES --(cluster IP)--> KUBE-SVC-x | KUBE-SVL-x
+//!                                         \--(external IP, LB IP)--> KUBE-EXT-x | KUBE-FW-x
+//!                                          \-(last: dst LOCAL)--> KUBE-NODEPORTS -> KUBE-EXT-x
+//!        KUBE-EXT-x  -> mark for masquerade (Cluster policy) -> KUBE-SVC-x | KUBE-SVL-x
+//!        KUBE-SVC-x  -> affinity (-m recent) then -m statistic 1/n, 1/(n-1), ... -> KUBE-SEP-y
+//!        KUBE-SEP-y  -> hairpin masquerade, DNAT to the endpoint
+//!        POSTROUTING -> KUBE-POSTROUTING: MASQUERADE what KUBE-MARK-MASQ marked
+//! filter OUTPUT/FORWARD -> KUBE-SERVICES: REJECT cluster IPs without endpoints
+//!        INPUT/FORWARD  -> KUBE-EXTERNAL-SERVICES: REJECT/DROP node ports and external IPs
+//!                          without (local) endpoints
+//!        FORWARD -> KUBE-FORWARD: accept marked and established traffic
+//!        *       -> KUBE-PROXY-FIREWALL: drop LB traffic KUBE-FW-x did not let through
+//! ```
+//!
+//! Each family is rendered on its own (iptables-restore and ip6tables-restore), from the
+//! services with a cluster IP of that family and the endpoints of that family, as
+//! kube-proxy's per-family proxiers do.
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+};
+
+use super::names::{self, PortChains};
+use crate::{
+    dataplane::frontends::{PortEndpoints, port_endpoints},
+    model::{NodeInfo, ProxyState, Service, endpoint::PortEndpoint},
+};
+
+pub const KUBE_SERVICES: &str = "KUBE-SERVICES";
+pub const KUBE_EXTERNAL_SERVICES: &str = "KUBE-EXTERNAL-SERVICES";
+pub const KUBE_NODEPORTS: &str = "KUBE-NODEPORTS";
+pub const KUBE_POSTROUTING: &str = "KUBE-POSTROUTING";
+pub const KUBE_MARK_MASQ: &str = "KUBE-MARK-MASQ";
+pub const KUBE_FORWARD: &str = "KUBE-FORWARD";
+pub const KUBE_PROXY_FIREWALL: &str = "KUBE-PROXY-FIREWALL";
+
+/// The fixed nat chains; per-service chains come and go with the services.
+pub const NAT_CHAINS: [&str; 4] = [
+    KUBE_SERVICES,
+    KUBE_NODEPORTS,
+    KUBE_POSTROUTING,
+    KUBE_MARK_MASQ,
+];
+pub const FILTER_CHAINS: [&str; 5] = [
+    KUBE_SERVICES,
+    KUBE_EXTERNAL_SERVICES,
+    KUBE_FORWARD,
+    KUBE_NODEPORTS,
+    KUBE_PROXY_FIREWALL,
+];
+/// Prefixes of the per-service nat chains.
+pub const SERVICE_CHAIN_PREFIXES: [&str; 5] = [
+    "KUBE-SVC-",
+    "KUBE-SVL-",
+    "KUBE-EXT-",
+    "KUBE-FW-",
+    "KUBE-SEP-",
+];
+
+/// True for any chain this mode creates in `table` (for leftovers and stale-chain cleanup).
+pub fn is_our_chain(table: Table, chain: &str) -> bool {
+    match table {
+        Table::Nat => {
+            NAT_CHAINS.contains(&chain)
+                || SERVICE_CHAIN_PREFIXES.iter().any(|p| chain.starts_with(p))
+        }
+        Table::Filter => FILTER_CHAINS.contains(&chain),
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Table {
+    Filter,
+    Nat,
+}
+
+impl Table {
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::Filter => "filter",
+            Table::Nat => "nat",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(ip: &IpAddr) -> Family {
+        if ip.is_ipv4() { Family::V4 } else { Family::V6 }
+    }
+
+    pub fn is_v4(self) -> bool {
+        self == Family::V4
+    }
+}
+
+/// The knobs kube-proxy exposes for this ruleset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RenderConfig {
+    /// Masquerade all traffic to cluster IPs (kube-proxy's --masquerade-all).
+    pub masquerade_all: bool,
+    /// The pods' CIDRs (--cluster-cidr): traffic to a cluster IP from outside them is
+    /// masqueraded, and pod traffic to an external destination skips the Local policy.
+    pub cluster_cidrs: Vec<(IpAddr, u8)>,
+    /// The fwmark bit that asks KUBE-POSTROUTING to masquerade (--iptables-masquerade-bit).
+    pub masquerade_bit: u8,
+}
+
+impl Default for RenderConfig {
+    fn default() -> Self {
+        RenderConfig {
+            masquerade_all: false,
+            cluster_cidrs: Vec::new(),
+            masquerade_bit: 14,
+        }
+    }
+}
+
+/// One family's ruleset: the chains each table must hold and their rules, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Ruleset {
+    pub filter_chains: Vec<String>,
+    pub filter_rules: Vec<String>,
+    pub nat_chains: Vec<String>,
+    pub nat_rules: Vec<String>,
+}
+
+impl Ruleset {
+    pub fn chains(&self, table: Table) -> &[String] {
+        match table {
+            Table::Filter => &self.filter_chains,
+            Table::Nat => &self.nat_chains,
+        }
+    }
+
+    /// `iptables-restore --noflush` input: every chain listed is flushed and refilled;
+    /// `stale` chains (ours, no longer wanted) are flushed and deleted. Nothing else in the
+    /// tables is touched.
+    pub fn restore_text(&self, stale: &BTreeSet<(Table, String)>) -> String {
+        let mut out = String::new();
+        for (table, chains, rules) in [
+            (Table::Filter, &self.filter_chains, &self.filter_rules),
+            (Table::Nat, &self.nat_chains, &self.nat_rules),
+        ] {
+            let gone: Vec<&String> = stale
+                .iter()
+                .filter(|(t, _)| *t == table)
+                .map(|(_, c)| c)
+                .collect();
+            let _ = writeln!(out, "*{}", table.name());
+            for c in chains.iter().chain(gone.iter().copied()) {
+                let _ = writeln!(out, ":{c} - [0:0]");
+            }
+            for r in rules {
+                out.push_str(r);
+                out.push('\n');
+            }
+            for c in gone {
+                let _ = writeln!(out, "-X {c}");
+            }
+            out.push_str("COMMIT\n");
+        }
+        out
+    }
+}
+
+/// kube-proxy's probability for rule `i` of `n` (`1/(n-i)`), with its ten decimals.
+pub fn probability(remaining: usize) -> String {
+    format!("{:.10}", 1.0 / remaining as f64)
+}
+
+fn cidr(ip: IpAddr, len: u8) -> String {
+    format!("{ip}/{len}")
+}
+
+/// A rule being built: `-A CHAIN` and its arguments.
+struct Rule(String);
+
+impl Rule {
+    fn new(chain: &str) -> Self {
+        Rule(format!("-A {chain}"))
+    }
+    fn arg(mut self, a: impl AsRef<str>) -> Self {
+        self.0.push(' ');
+        self.0.push_str(a.as_ref());
+        self
+    }
+    fn comment(self, c: &str) -> Self {
+        // Names in comments are Kubernetes names and IPs: no quotes or backslashes to escape.
+        let c = c.replace(['"', '\\'], "");
+        self.arg("-m comment --comment").arg(format!("\"{c}\""))
+    }
+    fn proto_port(self, proto: &str, dst: Option<IpAddr>, dport: u16) -> Self {
+        let r = self.arg(format!("-m {proto} -p {proto}"));
+        let r = match dst {
+            Some(ip) => r.arg(format!("-d {ip}")),
+            None => r,
+        };
+        r.arg(format!("--dport {dport}"))
+    }
+    fn jump(self, target: &str) -> String {
+        self.arg(format!("-j {target}")).0
+    }
+}
+
+/// Renders `state` for one family. Deterministic: the same state always gives the same
+/// text, so a sync can compare it with the last one and skip an unchanged restore.
+pub fn render(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderConfig) -> Ruleset {
+    let mut rs = Ruleset::default();
+    let mark = 1u32 << cfg.masquerade_bit.min(31);
+    let mark_match = format!("-m mark --mark {mark:#x}/{mark:#x}");
+    let local_cidr = cfg
+        .cluster_cidrs
+        .iter()
+        .find(|(ip, _)| Family::of(ip) == family)
+        .copied();
+
+    rs.filter_chains
+        .extend(FILTER_CHAINS.iter().map(|c| c.to_string()));
+    rs.nat_chains
+        .extend(NAT_CHAINS.iter().map(|c| c.to_string()));
+
+    // The fixed rules, as kube-proxy writes them.
+    rs.filter_rules.push(
+        Rule::new(KUBE_FORWARD)
+            .arg("-m conntrack --ctstate INVALID")
+            .jump("DROP"),
+    );
+    rs.filter_rules.push(
+        Rule::new(KUBE_FORWARD)
+            .comment("kubernetes forwarding rules")
+            .arg(&mark_match)
+            .jump("ACCEPT"),
+    );
+    rs.filter_rules.push(
+        Rule::new(KUBE_FORWARD)
+            .comment("kubernetes forwarding conntrack rule")
+            .arg("-m conntrack --ctstate RELATED,ESTABLISHED")
+            .jump("ACCEPT"),
+    );
+    rs.nat_rules.push(
+        Rule::new(KUBE_POSTROUTING)
+            .arg(format!("-m mark ! --mark {mark:#x}/{mark:#x}"))
+            .jump("RETURN"),
+    );
+    // Clear the mark, so a packet re-entering the stack (e.g. through a tunnel) is not
+    // masqueraded again.
+    rs.nat_rules.push(
+        Rule::new(KUBE_POSTROUTING)
+            .arg(format!("-j MARK --xor-mark {mark:#x}"))
+            .0,
+    );
+    rs.nat_rules.push(
+        Rule::new(KUBE_POSTROUTING)
+            .comment("kubernetes service traffic requiring SNAT")
+            .jump("MASQUERADE --random-fully"),
+    );
+    rs.nat_rules.push(
+        Rule::new(KUBE_MARK_MASQ)
+            .arg(format!("-j MARK --or-mark {mark:#x}"))
+            .0,
+    );
+
+    let mut nodeport_rules = Vec::new();
+    for (key, svc) in &state.services {
+        let Some(&cluster_ip) = svc.cluster_ips.iter().find(|ip| Family::of(ip) == family) else {
+            continue;
+        };
+        let eps = state.endpoints.get(key).map(|e| &**e);
+        for pe in port_endpoints(svc, eps, node, Some(family.is_v4())) {
+            let target = Target {
+                cluster_ip,
+                family,
+                local_cidr,
+                masquerade_all: cfg.masquerade_all,
+            };
+            render_port(&mut rs, &mut nodeport_rules, svc, &pe, &target);
+        }
+    }
+    rs.nat_rules.extend(nodeport_rules);
+    // Must stay the last rule of KUBE-SERVICES: node ports match any local address, so
+    // every more specific service address must have been tried first.
+    let local_dst = match family {
+        Family::V4 => "-m addrtype --dst-type LOCAL",
+        // No route_localnet for IPv6: DNAT from ::1 cannot leave the node.
+        Family::V6 => "-m addrtype --dst-type LOCAL ! -d ::1/128",
+    };
+    rs.nat_rules.push(
+        Rule::new(KUBE_SERVICES)
+            .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
+            .arg(local_dst)
+            .jump(KUBE_NODEPORTS),
+    );
+    rs
+}
+
+/// What one family's rendering of a service port needs besides the port.
+struct Target {
+    cluster_ip: IpAddr,
+    family: Family,
+    local_cidr: Option<(IpAddr, u8)>,
+    masquerade_all: bool,
+}
+
+fn render_port(
+    rs: &mut Ruleset,
+    nodeport_rules: &mut Vec<String>,
+    svc: &Service,
+    pe: &PortEndpoints<'_>,
+    t: &Target,
+) {
+    let (cluster_ip, family, local_cidr) = (t.cluster_ip, t.family, t.local_cidr);
+    let port = pe.port;
+    let c = &pe.categorized;
+    let spn = names::service_port_name(svc, port);
+    let proto = names::proto_lower(port.protocol);
+    let chains = PortChains::new(&spn, port.protocol);
+    let same_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
+        ips.iter()
+            .copied()
+            .filter(|ip| Family::of(ip) == family)
+            .collect()
+    };
+    let external_ips = same_family(&svc.external_ips);
+    let lb_ips = same_family(&svc.load_balancer_ips);
+    let source_ranges: Vec<(IpAddr, u8)> = svc
+        .load_balancer_source_ranges
+        .iter()
+        .copied()
+        .filter(|(ip, _)| Family::of(ip) == family)
+        .collect();
+
+    let cluster_eps = &c.cluster;
+    let local_eps = &c.local;
+    // Usable endpoints anywhere (kube-proxy's CategorizeEndpoints' hasAnyEndpoints): decides
+    // between REJECT (none at all) and DROP (none here, a Local policy).
+    let has_endpoints = c.has_any_endpoints;
+    let uses_cluster_endpoints = !svc.internal_policy_local || externally_accessible(svc);
+    let uses_local_endpoints =
+        svc.internal_policy_local || (svc.external_policy_local && externally_accessible(svc));
+
+    let cluster_policy_chain = chains.svc.as_str();
+    let local_policy_chain = chains.svl.as_str();
+    let (internal_chain, has_internal) = if svc.internal_policy_local {
+        (local_policy_chain, has_endpoints && !local_eps.is_empty())
+    } else {
+        (cluster_policy_chain, has_endpoints)
+    };
+    let (external_policy_chain, has_external) = if svc.external_policy_local {
+        (local_policy_chain, has_endpoints && !local_eps.is_empty())
+    } else {
+        (cluster_policy_chain, has_endpoints)
+    };
+    let external_chain = chains.ext.as_str();
+    let uses_cluster_chain = !cluster_eps.is_empty() && uses_cluster_endpoints;
+    let uses_local_chain = !local_eps.is_empty() && uses_local_endpoints;
+    let uses_external_chain = has_endpoints && externally_accessible(svc);
+    let uses_fw_chain = !lb_ips.is_empty() && !source_ranges.is_empty();
+    let lb_chain = if uses_fw_chain {
+        chains.fw.as_str()
+    } else {
+        external_chain
+    };
+
+    // What the filter table does with traffic the nat table did not translate.
+    let (internal_filter, external_filter) = if !has_endpoints {
+        let why = format!("{spn} has no endpoints");
+        (Some(("REJECT", why.clone())), Some(("REJECT", why)))
+    } else {
+        let why = format!("{spn} has no local endpoints");
+        (
+            (!has_internal).then(|| ("DROP", why.clone())),
+            (!has_external).then_some(("DROP", why)),
+        )
+    };
+
+    // The cluster IP.
+    let cluster_comment = format!("{spn} cluster IP");
+    if has_internal {
+        rs.nat_rules.push(
+            Rule::new(KUBE_SERVICES)
+                .comment(&cluster_comment)
+                .proto_port(proto, Some(cluster_ip), port.port)
+                .jump(internal_chain),
+        );
+    } else if let Some((target, why)) = &internal_filter {
+        rs.filter_rules.push(
+            Rule::new(KUBE_SERVICES)
+                .comment(why)
+                .proto_port(proto, Some(cluster_ip), port.port)
+                .jump(target),
+        );
+    }
+
+    // External IPs.
+    for &ip in &external_ips {
+        if has_endpoints {
+            rs.nat_rules.push(
+                Rule::new(KUBE_SERVICES)
+                    .comment(&format!("{spn} external IP"))
+                    .proto_port(proto, Some(ip), port.port)
+                    .jump(external_chain),
+            );
+        }
+        if let Some((target, why)) = &external_filter {
+            rs.filter_rules.push(
+                Rule::new(KUBE_EXTERNAL_SERVICES)
+                    .comment(why)
+                    .proto_port(proto, Some(ip), port.port)
+                    .jump(target),
+            );
+        }
+    }
+
+    // Load balancer IPs.
+    for &ip in &lb_ips {
+        if has_endpoints {
+            rs.nat_rules.push(
+                Rule::new(KUBE_SERVICES)
+                    .comment(&format!("{spn} loadbalancer IP"))
+                    .proto_port(proto, Some(ip), port.port)
+                    .jump(lb_chain),
+            );
+        }
+        if uses_fw_chain {
+            rs.filter_rules.push(
+                Rule::new(KUBE_PROXY_FIREWALL)
+                    .comment(&format!("{spn} traffic not accepted by {}", chains.fw))
+                    .proto_port(proto, Some(ip), port.port)
+                    .jump("DROP"),
+            );
+        }
+    }
+    if let Some((target, why)) = &external_filter {
+        for &ip in &lb_ips {
+            rs.filter_rules.push(
+                Rule::new(KUBE_EXTERNAL_SERVICES)
+                    .comment(why)
+                    .proto_port(proto, Some(ip), port.port)
+                    .jump(target),
+            );
+        }
+    }
+
+    // Node ports. Like kube-proxy, not subject to loadBalancerSourceRanges.
+    if let Some(node_port) = port.node_port {
+        if has_endpoints {
+            nodeport_rules.push(
+                Rule::new(KUBE_NODEPORTS)
+                    .comment(&spn)
+                    .proto_port(proto, None, node_port)
+                    .jump(external_chain),
+            );
+        }
+        if let Some((target, why)) = &external_filter {
+            rs.filter_rules.push(
+                Rule::new(KUBE_EXTERNAL_SERVICES)
+                    .comment(why)
+                    .arg("-m addrtype --dst-type LOCAL")
+                    .proto_port(proto, None, node_port)
+                    .jump(target),
+            );
+        }
+    }
+
+    // The health check node port is served by the proxy; let it in whatever the endpoints.
+    if let Some(hc) = svc.health_check_node_port {
+        rs.filter_rules.push(
+            Rule::new(KUBE_NODEPORTS)
+                .comment(&format!("{spn} health check node port"))
+                .proto_port("tcp", None, hc)
+                .jump("ACCEPT"),
+        );
+    }
+
+    // Masquerade cluster IP traffic that may leave the node with a source the endpoint
+    // cannot answer.
+    if has_internal {
+        let base = || {
+            Rule::new(internal_chain)
+                .comment(&cluster_comment)
+                .proto_port(proto, Some(cluster_ip), port.port)
+        };
+        if t.masquerade_all {
+            rs.nat_rules.push(base().jump(KUBE_MARK_MASQ));
+        } else if let Some((ip, len)) = local_cidr {
+            rs.nat_rules.push(
+                base()
+                    .arg(format!("! -s {}", cidr(ip, len)))
+                    .jump(KUBE_MARK_MASQ),
+            );
+        }
+    }
+
+    if uses_external_chain {
+        rs.nat_chains.push(external_chain.to_string());
+        if !svc.external_policy_local {
+            // Endpoints may be on another node: masquerade so replies come back through us.
+            rs.nat_rules.push(
+                Rule::new(external_chain)
+                    .comment(&format!(
+                        "masquerade traffic for {spn} external destinations"
+                    ))
+                    .jump(KUBE_MARK_MASQ),
+            );
+        } else {
+            // Local policy keeps the client's source address, with exceptions.
+            if let Some((ip, len)) = local_cidr {
+                // Pods reaching an external address behave as if they went out and back in
+                // through a load balancer: neither policy applies.
+                rs.nat_rules.push(
+                    Rule::new(external_chain)
+                        .comment(&format!("pod traffic for {spn} external destinations"))
+                        .arg(format!("-s {}", cidr(ip, len)))
+                        .jump(cluster_policy_chain),
+                );
+            }
+            // The node itself: its source address is local, so masquerade, and use every
+            // endpoint.
+            rs.nat_rules.push(
+                Rule::new(external_chain)
+                    .comment(&format!(
+                        "masquerade LOCAL traffic for {spn} external destinations"
+                    ))
+                    .arg("-m addrtype --src-type LOCAL")
+                    .jump(KUBE_MARK_MASQ),
+            );
+            rs.nat_rules.push(
+                Rule::new(external_chain)
+                    .comment(&format!(
+                        "route LOCAL traffic for {spn} external destinations"
+                    ))
+                    .arg("-m addrtype --src-type LOCAL")
+                    .jump(cluster_policy_chain),
+            );
+        }
+        if has_external {
+            rs.nat_rules
+                .push(Rule::new(external_chain).jump(external_policy_chain));
+        }
+    }
+
+    if uses_fw_chain {
+        let fw = chains.fw.as_str();
+        rs.nat_chains.push(fw.to_string());
+        let comment = format!("{spn} loadbalancer IP");
+        for &(ip, len) in &source_ranges {
+            rs.nat_rules.push(
+                Rule::new(fw)
+                    .comment(&comment)
+                    .arg(format!("-s {}", cidr(ip, len)))
+                    .jump(external_chain),
+            );
+        }
+        // What is left was not DNATed, so KUBE-PROXY-FIREWALL (filter) drops it.
+        rs.nat_rules.push(
+            Rule::new(fw)
+                .comment(&format!(
+                    "other traffic to {spn} will be dropped by KUBE-PROXY-FIREWALL"
+                ))
+                .0,
+        );
+    }
+
+    if uses_cluster_chain {
+        rs.nat_chains.push(cluster_policy_chain.to_string());
+        write_balancing(
+            rs,
+            svc,
+            &spn,
+            port.protocol,
+            cluster_policy_chain,
+            cluster_eps,
+        );
+    }
+    if uses_local_chain {
+        rs.nat_chains.push(local_policy_chain.to_string());
+        write_balancing(rs, svc, &spn, port.protocol, local_policy_chain, local_eps);
+    }
+
+    // One chain per endpoint either policy may use.
+    for ep in &c.all_reachable {
+        let addr = SocketAddr::new(ep.ip, ep.port);
+        let sep = names::endpoint_chain(&spn, port.protocol, addr);
+        rs.nat_chains.push(sep.clone());
+        // A pod reaching itself through the service: masquerade, or it would answer itself
+        // directly and the client would drop the reply.
+        rs.nat_rules.push(
+            Rule::new(&sep)
+                .comment(&spn)
+                .arg(format!("-s {}", ep.ip))
+                .jump(KUBE_MARK_MASQ),
+        );
+        let mut dnat = Rule::new(&sep).comment(&spn);
+        if svc.affinity_timeout.is_some() {
+            dnat = dnat.arg(format!("-m recent --name {sep} --set"));
+        }
+        rs.nat_rules.push(
+            dnat.arg(format!("-m {proto} -p {proto}"))
+                .jump(&format!("DNAT --to-destination {addr}")),
+        );
+    }
+}
+
+/// kube-proxy's `ExternallyAccessible`.
+fn externally_accessible(svc: &Service) -> bool {
+    svc.ports.iter().any(|p| p.node_port.is_some())
+        || !svc.load_balancer_ips.is_empty()
+        || !svc.external_ips.is_empty()
+}
+
+/// Affinity first (a client seen recently goes back to its endpoint), then the random
+/// spread: rule i of n matches with probability 1/(n-i), so each endpoint gets 1/n overall
+/// and the last rule always matches.
+fn write_balancing(
+    rs: &mut Ruleset,
+    svc: &Service,
+    spn: &str,
+    proto: crate::model::Protocol,
+    chain: &str,
+    eps: &[PortEndpoint],
+) {
+    let seps: Vec<(SocketAddr, String)> = eps
+        .iter()
+        .map(|e| {
+            let addr = SocketAddr::new(e.ip, e.port);
+            (addr, names::endpoint_chain(spn, proto, addr))
+        })
+        .collect();
+    if let Some(timeout) = svc.affinity_timeout {
+        for (addr, sep) in &seps {
+            rs.nat_rules.push(
+                Rule::new(chain)
+                    .comment(&format!("{spn} -> {addr}"))
+                    .arg(format!(
+                        "-m recent --name {sep} --rcheck --seconds {timeout} --reap"
+                    ))
+                    .jump(sep),
+            );
+        }
+    }
+    let n = seps.len();
+    for (i, (addr, sep)) in seps.iter().enumerate() {
+        let mut r = Rule::new(chain).comment(&format!("{spn} -> {addr}"));
+        if i + 1 < n {
+            r = r.arg(format!(
+                "-m statistic --mode random --probability {}",
+                probability(n - i)
+            ));
+        }
+        rs.nat_rules.push(r.jump(sep));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::BTreeMap, sync::Arc};
+
+    use super::*;
+    use crate::model::{
+        Endpoint, EndpointSet, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort,
+    };
+
+    fn ep(ip: &str, node: &str) -> Endpoint {
+        Endpoint {
+            ip: ip.parse().unwrap(),
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(node.into()),
+            zone: None,
+            zone_hints: vec![],
+        }
+    }
+
+    fn svc(name: &str, ip: &str) -> Service {
+        Service {
+            key: ServiceKey::new("ns1", name),
+            cluster_ips: vec![ip.parse().unwrap()],
+            ports: vec![ServicePort {
+                name: "p80".into(),
+                port: 80,
+                protocol: Protocol::Tcp,
+                node_port: None,
+            }],
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            affinity_timeout: None,
+            external_policy_local: false,
+            internal_policy_local: false,
+            health_check_node_port: None,
+            prefer_close: false,
+        }
+    }
+
+    fn eps(list: Vec<Endpoint>) -> EndpointSet {
+        let ports = vec![SlicePort {
+            name: "p80".into(),
+            port: 80,
+            protocol: Protocol::Tcp,
+        }];
+        EndpointSet {
+            slices: BTreeMap::from([(
+                "s".into(),
+                SliceInfo {
+                    ports,
+                    endpoints: list,
+                },
+            )]),
+        }
+    }
+
+    fn state(entries: Vec<(Service, Option<EndpointSet>)>) -> ProxyState {
+        let mut st = ProxyState::default();
+        for (s, e) in entries {
+            if let Some(e) = e {
+                st.endpoints.insert(s.key.clone(), Arc::new(e));
+            }
+            st.services.insert(s.key.clone(), Arc::new(s));
+        }
+        st
+    }
+
+    fn node() -> NodeInfo {
+        NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        }
+    }
+
+    fn v4(st: &ProxyState) -> Ruleset {
+        render(st, &node(), Family::V4, &RenderConfig::default())
+    }
+
+    fn has(rules: &[String], want: &str) -> bool {
+        rules.iter().any(|r| r == want)
+    }
+
+    #[test]
+    fn a_cluster_ip_is_spread_over_its_endpoints_like_kube_proxy() {
+        let s = svc("svc1", "172.30.0.41");
+        let st = state(vec![(
+            s,
+            Some(eps(vec![
+                ep("10.180.0.1", "node-a"),
+                ep("10.180.0.2", "node-b"),
+            ])),
+        )]);
+        let rs = v4(&st);
+        let svc_chain = "KUBE-SVC-XPGD46QRK7WJZT7O";
+        let sep1 = "KUBE-SEP-SXIVWICOYRO3J4NJ";
+        assert!(rs.nat_chains.iter().any(|c| c == svc_chain));
+        assert!(
+            has(
+                &rs.nat_rules,
+                &format!(
+                    "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 cluster IP\" -m tcp -p tcp -d 172.30.0.41 --dport 80 -j {svc_chain}"
+                )
+            ),
+            "{:#?}",
+            rs.nat_rules
+        );
+        assert!(
+            has(
+                &rs.nat_rules,
+                &format!(
+                    "-A {svc_chain} -m comment --comment \"ns1/svc1:p80 -> 10.180.0.1:80\" -m statistic --mode random --probability 0.5000000000 -j {sep1}"
+                )
+            ),
+            "{:#?}",
+            rs.nat_rules
+        );
+        assert!(has(
+            &rs.nat_rules,
+            &format!(
+                "-A {sep1} -m comment --comment \"ns1/svc1:p80\" -s 10.180.0.1 -j KUBE-MARK-MASQ"
+            )
+        ));
+        assert!(has(
+            &rs.nat_rules,
+            &format!(
+                "-A {sep1} -m comment --comment \"ns1/svc1:p80\" -m tcp -p tcp -j DNAT --to-destination 10.180.0.1:80"
+            )
+        ));
+        // The last endpoint's rule always matches.
+        let last = rs
+            .nat_rules
+            .iter()
+            .rfind(|r| r.starts_with(&format!("-A {svc_chain} ")))
+            .unwrap();
+        assert!(!last.contains("statistic"), "{last}");
+        // The node port catch-all is the very last rule of KUBE-SERVICES.
+        let last_services = rs
+            .nat_rules
+            .iter()
+            .rfind(|r| r.starts_with("-A KUBE-SERVICES "))
+            .unwrap();
+        assert!(
+            last_services.ends_with("-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS"),
+            "{last_services}"
+        );
+        assert!(rs.filter_rules.iter().all(|r| !r.contains("REJECT")));
+    }
+
+    #[test]
+    fn probabilities_give_every_endpoint_an_equal_share() {
+        assert_eq!(probability(4), "0.2500000000");
+        assert_eq!(probability(3), "0.3333333333");
+        assert_eq!(probability(2), "0.5000000000");
+        // Endpoint i is chosen when rules 0..i miss and rule i hits: 1/n for every i.
+        for n in 2..=7usize {
+            let mut miss = 1.0;
+            for i in 0..n {
+                let p = if i + 1 < n { 1.0 / (n - i) as f64 } else { 1.0 };
+                let share = miss * p;
+                assert!(
+                    (share - 1.0 / n as f64).abs() < 1e-9,
+                    "n={n} i={i} share={share}"
+                );
+                miss *= 1.0 - p;
+            }
+        }
+        let four: Vec<Endpoint> = (1..=4)
+            .map(|i| ep(&format!("10.180.0.{i}"), "node-a"))
+            .collect();
+        let rs = v4(&state(vec![(svc("svc1", "172.30.0.41"), Some(eps(four)))]));
+        let probs: Vec<&str> = rs
+            .nat_rules
+            .iter()
+            .filter_map(|r| r.split("--probability ").nth(1))
+            .map(|r| r.split(' ').next().unwrap())
+            .collect();
+        assert_eq!(probs, ["0.2500000000", "0.3333333333", "0.5000000000"]);
+    }
+
+    #[test]
+    fn no_endpoints_is_a_reject_in_the_filter_table_and_nothing_in_nat() {
+        let mut s = svc("svc1", "172.30.0.41");
+        s.ports[0].node_port = Some(3001);
+        s.external_ips = vec!["192.168.99.11".parse().unwrap()];
+        let rs = v4(&state(vec![(s, None)]));
+        assert!(has(
+            &rs.filter_rules,
+            "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m tcp -p tcp -d 172.30.0.41 --dport 80 -j REJECT"
+        ));
+        assert!(has(
+            &rs.filter_rules,
+            "-A KUBE-EXTERNAL-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m addrtype --dst-type LOCAL -m tcp -p tcp --dport 3001 -j REJECT"
+        ));
+        assert!(has(
+            &rs.filter_rules,
+            "-A KUBE-EXTERNAL-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m tcp -p tcp -d 192.168.99.11 --dport 80 -j REJECT"
+        ));
+        assert!(
+            rs.nat_chains
+                .iter()
+                .all(|c| !c.starts_with("KUBE-SVC-") && !c.starts_with("KUBE-EXT-"))
+        );
+    }
+
+    #[test]
+    fn client_ip_affinity_checks_recent_lists_before_the_random_spread() {
+        let mut s = svc("svc1", "172.30.0.41");
+        s.affinity_timeout = Some(10800);
+        let rs = v4(&state(vec![(
+            s,
+            Some(eps(vec![
+                ep("10.180.0.1", "node-a"),
+                ep("10.180.0.2", "node-a"),
+            ])),
+        )]));
+        let in_svc: Vec<&String> = rs
+            .nat_rules
+            .iter()
+            .filter(|r| r.starts_with("-A KUBE-SVC-XPGD46QRK7WJZT7O "))
+            .collect();
+        assert_eq!(in_svc.len(), 4);
+        assert!(in_svc[0].contains("-m recent --name KUBE-SEP-SXIVWICOYRO3J4NJ --rcheck --seconds 10800 --reap -j KUBE-SEP-SXIVWICOYRO3J4NJ"), "{}", in_svc[0]);
+        assert!(in_svc[1].contains("--rcheck"));
+        assert!(in_svc[2].contains("statistic"));
+        assert!(has(
+            &rs.nat_rules,
+            "-A KUBE-SEP-SXIVWICOYRO3J4NJ -m comment --comment \"ns1/svc1:p80\" -m recent --name KUBE-SEP-SXIVWICOYRO3J4NJ --set -m tcp -p tcp -j DNAT --to-destination 10.180.0.1:80"
+        ));
+    }
+
+    #[test]
+    fn external_traffic_policy_local_uses_svl_and_ext_chains() {
+        let mut s = svc("svc1", "172.30.0.41");
+        s.ports[0].node_port = Some(3001);
+        s.external_policy_local = true;
+        let st = state(vec![(
+            s,
+            Some(eps(vec![
+                ep("10.180.0.1", "node-a"),
+                ep("10.180.0.2", "node-b"),
+            ])),
+        )]);
+        let rs = v4(&st);
+        let h = "XPGD46QRK7WJZT7O";
+        let (svc_c, svl, ext) = (
+            format!("KUBE-SVC-{h}"),
+            format!("KUBE-SVL-{h}"),
+            format!("KUBE-EXT-{h}"),
+        );
+        for c in [&svc_c, &svl, &ext] {
+            assert!(
+                rs.nat_chains.contains(c),
+                "{c} missing from {:?}",
+                rs.nat_chains
+            );
+        }
+        assert!(has(
+            &rs.nat_rules,
+            &format!(
+                "-A KUBE-NODEPORTS -m comment --comment \"ns1/svc1:p80\" -m tcp -p tcp --dport 3001 -j {ext}"
+            )
+        ));
+        assert!(has(
+            &rs.nat_rules,
+            &format!(
+                "-A {ext} -m comment --comment \"masquerade LOCAL traffic for ns1/svc1:p80 external destinations\" -m addrtype --src-type LOCAL -j KUBE-MARK-MASQ"
+            )
+        ));
+        assert!(has(
+            &rs.nat_rules,
+            &format!(
+                "-A {ext} -m comment --comment \"route LOCAL traffic for ns1/svc1:p80 external destinations\" -m addrtype --src-type LOCAL -j {svc_c}"
+            )
+        ));
+        assert_eq!(
+            rs.nat_rules
+                .iter()
+                .rfind(|r| r.starts_with(&format!("-A {ext} ")))
+                .unwrap(),
+            &format!("-A {ext} -j {svl}")
+        );
+        // The local chain only has this node's endpoint; the cluster chain has both.
+        assert_eq!(
+            rs.nat_rules
+                .iter()
+                .filter(|r| r.starts_with(&format!("-A {svl} ")))
+                .count(),
+            1
+        );
+        assert_eq!(
+            rs.nat_rules
+                .iter()
+                .filter(|r| r.starts_with(&format!("-A {svc_c} ")))
+                .count(),
+            2
+        );
+        // No endpoint may be masqueraded for external traffic under Local policy.
+        assert!(!has(
+            &rs.nat_rules,
+            &format!(
+                "-A {ext} -m comment --comment \"masquerade traffic for ns1/svc1:p80 external destinations\" -j KUBE-MARK-MASQ"
+            )
+        ));
+
+        // With no local endpoint, external traffic is dropped (not rejected: other nodes have
+        // endpoints, a load balancer should try them).
+        let st = state(vec![(
+            st.services.values().next().unwrap().as_ref().clone(),
+            Some(eps(vec![ep("10.180.0.2", "node-b")])),
+        )]);
+        let rs = v4(&st);
+        assert!(rs.filter_rules.iter().any(|r| r.contains("has no local endpoints") && r.contains("--dport 3001 -j DROP")), "{:#?}", rs.filter_rules);
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_sends_the_cluster_ip_to_svl() {
+        let mut s = svc("svc1", "172.30.0.41");
+        s.internal_policy_local = true;
+        let rs = v4(&state(vec![(
+            s.clone(),
+            Some(eps(vec![
+                ep("10.180.0.1", "node-a"),
+                ep("10.180.0.2", "node-b"),
+            ])),
+        )]));
+        assert!(
+            rs.nat_rules
+                .iter()
+                .any(|r| r.starts_with("-A KUBE-SERVICES ")
+                    && r.ends_with("-j KUBE-SVL-XPGD46QRK7WJZT7O"))
+        );
+        assert!(!rs.nat_chains.iter().any(|c| c.starts_with("KUBE-SVC-")));
+        // Only remote endpoints: DROP at the cluster IP.
+        let rs = v4(&state(vec![(
+            s,
+            Some(eps(vec![ep("10.180.0.2", "node-b")])),
+        )]));
+        assert!(
+            rs.filter_rules
+                .iter()
+                .any(|r| r.contains("has no local endpoints")
+                    && r.contains("-d 172.30.0.41")
+                    && r.ends_with("-j DROP"))
+        );
+    }
+
+    #[test]
+    fn masquerading_follows_the_cluster_cidr_or_masquerade_all() {
+        let s = svc("svc1", "172.30.0.41");
+        let st = state(vec![(s, Some(eps(vec![ep("10.180.0.1", "node-a")])))]);
+        let cfg = RenderConfig {
+            cluster_cidrs: vec![("10.0.0.0".parse().unwrap(), 8)],
+            ..Default::default()
+        };
+        let rs = render(&st, &node(), Family::V4, &cfg);
+        assert!(
+            rs.nat_rules.iter().any(|r| r.starts_with("-A KUBE-SVC-")
+                && r.ends_with("! -s 10.0.0.0/8 -j KUBE-MARK-MASQ"))
+        );
+        let all = render(
+            &st,
+            &node(),
+            Family::V4,
+            &RenderConfig {
+                masquerade_all: true,
+                ..Default::default()
+            },
+        );
+        assert!(
+            all.nat_rules
+                .iter()
+                .any(|r| r.starts_with("-A KUBE-SVC-")
+                    && r.ends_with("--dport 80 -j KUBE-MARK-MASQ"))
+        );
+        assert!(has(
+            &all.nat_rules,
+            "-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000"
+        ));
+        assert!(has(
+            &all.nat_rules,
+            "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully"
+        ));
+    }
+
+    #[test]
+    fn load_balancer_source_ranges_use_a_firewall_chain() {
+        let mut s = svc("svc1", "172.30.0.41");
+        s.load_balancer_ips = vec!["1.2.3.4".parse().unwrap()];
+        s.load_balancer_source_ranges = vec![("203.0.113.0".parse().unwrap(), 25)];
+        let rs = v4(&state(vec![(
+            s,
+            Some(eps(vec![ep("10.180.0.1", "node-a")])),
+        )]));
+        let fw = "KUBE-FW-XPGD46QRK7WJZT7O";
+        assert!(
+            rs.nat_rules
+                .iter()
+                .any(|r| r.contains("-d 1.2.3.4") && r.ends_with(&format!("-j {fw}")))
+        );
+        assert!(has(
+            &rs.nat_rules,
+            &format!(
+                "-A {fw} -m comment --comment \"ns1/svc1:p80 loadbalancer IP\" -s 203.0.113.0/25 -j KUBE-EXT-XPGD46QRK7WJZT7O"
+            )
+        ));
+        assert!(
+            rs.filter_rules
+                .iter()
+                .any(|r| r.starts_with("-A KUBE-PROXY-FIREWALL ")
+                    && r.contains("-d 1.2.3.4")
+                    && r.ends_with("-j DROP"))
+        );
+    }
+
+    #[test]
+    fn each_family_gets_its_own_addresses_and_output_is_deterministic() {
+        let mut s = svc("svc1", "172.30.0.41");
+        s.cluster_ips.push("fd00::41".parse().unwrap());
+        let st = state(vec![
+            (
+                s,
+                Some(eps(vec![
+                    ep("10.180.0.1", "node-a"),
+                    ep("fd00::1", "node-a"),
+                ])),
+            ),
+            (svc("v4only", "172.30.0.42"), None),
+        ]);
+        let v6 = render(&st, &node(), Family::V6, &RenderConfig::default());
+        assert!(v6.nat_rules.iter().any(|r| r.contains("-d fd00::41")));
+        assert!(
+            v6.nat_rules
+                .iter()
+                .any(|r| r.ends_with("DNAT --to-destination [fd00::1]:80"))
+        );
+        assert!(
+            v6.nat_rules
+                .iter()
+                .chain(&v6.filter_rules)
+                .all(|r| !r.contains("172.30.") && !r.contains("10.180."))
+        );
+        assert!(
+            v6.filter_rules.iter().all(|r| !r.contains("v4only")),
+            "a v4-only service is not in ip6tables"
+        );
+        assert_eq!(v4(&st), v4(&st));
+        let text = v4(&st).restore_text(&BTreeSet::new());
+        assert!(text.starts_with("*filter\n:KUBE-SERVICES - [0:0]\n"));
+        assert_eq!(text.matches("COMMIT\n").count(), 2);
+    }
+
+    #[test]
+    fn stale_chains_are_flushed_and_deleted() {
+        let rs = v4(&state(vec![]));
+        let stale = BTreeSet::from([(Table::Nat, "KUBE-SVC-GONE".to_string())]);
+        let text = rs.restore_text(&stale);
+        let nat = &text[text.find("*nat").unwrap()..];
+        assert!(nat.contains(":KUBE-SVC-GONE - [0:0]\n"));
+        assert!(
+            nat.trim_end().ends_with("-X KUBE-SVC-GONE\nCOMMIT"),
+            "{nat}"
+        );
+        assert!(
+            is_our_chain(Table::Nat, "KUBE-SEP-X")
+                && !is_our_chain(Table::Nat, "KUBE-PORTALS-HOST")
+        );
+        assert!(
+            !is_our_chain(Table::Filter, "KUBE-FIREWALL"),
+            "kubelet's chain is not ours"
+        );
+    }
+}

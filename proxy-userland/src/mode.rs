@@ -1,0 +1,484 @@
+//! Which dataplane to run, as kube-proxy's getProxyMode decides it: probe the node, take the
+//! best mode it can run (eBPF, else iptables, else userspace), and say why. A mode asked for
+//! with `--proxy-mode` is checked the same way and refused with the reasons if the node
+//! cannot run it.
+//!
+//! The probes are plain data ([`Probes`]) so that the decision ([`decide`]) is a pure
+//! function tests can feed a node without BPF, or without iptables.
+//!
+//! Starting in one mode also removes what the others left behind ([`cleanup_leftovers`]),
+//! as kube-proxy's CleanupLeftovers does: their iptables chains, and our pinned BPF objects.
+//! eBPF programs need no cleanup: they are attached through links that die with us.
+
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    process::Stdio,
+    str::FromStr,
+};
+
+use tracing::{info, warn};
+
+use crate::dataplane::{
+    iptables::{self, Family, Table, apply::Runner},
+    netns,
+    userspace::portals,
+};
+
+/// Where fastpath would pin BPF objects; removed when another mode starts.
+pub const BPF_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
+/// BPF links (attaching cgroup programs without flags) came in Linux 5.7.
+pub const MIN_KERNEL_FOR_EBPF: (u32, u32) = (5, 7);
+/// `-C` and `--wait` appeared in iptables 1.4.11; kube-proxy required it.
+pub const MIN_IPTABLES: (u32, u32, u32) = (1, 4, 11);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
+pub enum Mode {
+    Ebpf,
+    Iptables,
+    Userspace,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Iptables => "iptables",
+            Mode::Userspace => "userspace",
+        }
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "ebpf" => Ok(Mode::Ebpf),
+            "iptables" => Ok(Mode::Iptables),
+            "userspace" => Ok(Mode::Userspace),
+            other => Err(format!(
+                "unknown proxy mode {other:?} (ebpf, iptables or userspace)"
+            )),
+        }
+    }
+}
+
+/// What the node offers. `Err` holds why a probe failed, for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Probes {
+    /// The bpf(2) syscall works for us (a tiny hash map could be created).
+    pub bpf_syscall: Result<(), String>,
+    /// The kernel loads cgroup sock_addr programs.
+    pub cgroup_sock_addr: Result<(), String>,
+    /// The cgroup v2 to attach to, if any.
+    pub cgroup2: Option<PathBuf>,
+    /// (major, minor) of the running kernel, if it could be read.
+    pub kernel: Option<(u32, u32)>,
+    /// `iptables --version`, e.g. "iptables v1.8.9 (nf_tables)".
+    pub iptables_version: Result<String, String>,
+    /// iptables-restore accepts (in test mode) the matches the iptables proxier uses.
+    pub iptables_matches: Result<(), String>,
+    /// iptables-restore accepts (in test mode) the userspace proxier's REDIRECT.
+    pub iptables_redirect: Result<(), String>,
+}
+
+impl Probes {
+    /// A node that can run everything; tests take away what they need to.
+    pub fn all_good() -> Probes {
+        Probes {
+            bpf_syscall: Ok(()),
+            cgroup_sock_addr: Ok(()),
+            cgroup2: Some(PathBuf::from("/sys/fs/cgroup")),
+            kernel: Some((6, 1)),
+            iptables_version: Ok("iptables v1.8.9 (nf_tables)".into()),
+            iptables_matches: Ok(()),
+            iptables_redirect: Ok(()),
+        }
+    }
+
+    /// Probes this node. `cgroup` overrides where to look for cgroup v2; `netns` is where
+    /// the iptables modes would run. `want_bpf` false skips the BPF probes (a forced
+    /// iptables or userspace mode need not touch bpf(2)).
+    pub fn detect(cgroup: Option<&Path>, netns: Option<&str>, want_bpf: bool) -> Probes {
+        let (bpf_syscall, cgroup_sock_addr) = if want_bpf {
+            let map = match aya::sys::is_map_supported(aya::maps::MapType::Hash) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err("the kernel does not create BPF hash maps".to_string()),
+                Err(e) => Err(format!(
+                    "the bpf() syscall failed: {e} (no CAP_BPF/CAP_SYS_ADMIN?)"
+                )),
+            };
+            let prog = match &map {
+                Err(e) => Err(e.clone()),
+                Ok(()) => {
+                    match aya::sys::is_program_supported(aya::programs::ProgramType::CgroupSockAddr)
+                    {
+                        Ok(true) => Ok(()),
+                        Ok(false) => {
+                            Err("the kernel does not support cgroup sock_addr programs".to_string())
+                        }
+                        Err(e) => Err(format!("probing cgroup sock_addr programs failed: {e}")),
+                    }
+                }
+            };
+            (map, prog)
+        } else {
+            let skipped = || Err("not probed".to_string());
+            (skipped(), skipped())
+        };
+        let cgroup2 = match cgroup {
+            Some(p) if p.is_dir() => Some(p.to_path_buf()),
+            Some(_) => None,
+            None => crate::config::cgroup2_mount(),
+        };
+        let runner = Runner::new(Family::V4, netns.map(str::to_string));
+        let iptables_version = runner.version().map_err(|e| e.to_string());
+        let test = |text: &str| -> Result<(), String> {
+            let mut cmd = netns::command(netns, "iptables-restore");
+            cmd.args(["--test", "--noflush"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped());
+            let mut child = cmd
+                .spawn()
+                .map_err(|e| format!("cannot run iptables-restore: {e}"))?;
+            if let Some(mut stdin) = child.stdin.take() {
+                let _ = std::io::Write::write_all(&mut stdin, text.as_bytes());
+            }
+            let out = child.wait_with_output().map_err(|e| e.to_string())?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "iptables-restore --test: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ))
+            }
+        };
+        let (iptables_matches, iptables_redirect) = if iptables_version.is_ok() {
+            (test(MATCHES_PROBE), test(REDIRECT_PROBE))
+        } else {
+            let e = iptables_version.clone().map(drop);
+            (e.clone(), e)
+        };
+        Probes {
+            bpf_syscall,
+            cgroup_sock_addr,
+            cgroup2,
+            kernel: kernel_version(),
+            iptables_version,
+            iptables_matches,
+            iptables_redirect,
+        }
+    }
+}
+
+/// Checked, never committed: every match and target the iptables proxier writes.
+const MATCHES_PROBE: &str = "*nat
+:FASTPATH-PROBE - [0:0]
+-A FASTPATH-PROBE -m comment --comment \"probe\" -m tcp -p tcp -d 198.18.0.1 --dport 1 -m addrtype --dst-type LOCAL -m mark --mark 0x4000/0x4000 -m statistic --mode random --probability 0.5 -m recent --name FASTPATH-PROBE --rcheck --seconds 1 --reap -j DNAT --to-destination 198.18.0.2:1
+-A FASTPATH-PROBE -j MASQUERADE --random-fully
+-A FASTPATH-PROBE -j MARK --or-mark 0x4000
+COMMIT
+*filter
+:FASTPATH-PROBE - [0:0]
+-A FASTPATH-PROBE -m conntrack --ctstate NEW -j REJECT
+COMMIT
+";
+
+const REDIRECT_PROBE: &str = "*nat
+:FASTPATH-PROBE - [0:0]
+-A FASTPATH-PROBE -m udp -p udp -d 198.18.0.1 --dport 1 -j REDIRECT --to-ports 2
+COMMIT
+";
+
+fn kernel_version() -> Option<(u32, u32)> {
+    // SAFETY: utsname is plain old data; uname fills it.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: u is a valid, writable utsname.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return None;
+    }
+    // SAFETY: uname NUL-terminates release.
+    let release = unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    parse_kernel_release(&release)
+}
+
+/// "6.1.0-18-amd64" -> (6, 1).
+pub fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+/// "iptables v1.8.9 (nf_tables)" -> ((1, 8, 9), Some("nf_tables")).
+pub fn parse_iptables_version(line: &str) -> Option<((u32, u32, u32), Option<String>)> {
+    let v = line.split_whitespace().find_map(|w| w.strip_prefix('v'))?;
+    let mut nums = v.split('.').map(|n| n.parse::<u32>().ok());
+    let version = (
+        nums.next()??,
+        nums.next()??,
+        nums.next().flatten().unwrap_or(0),
+    );
+    let backend = line
+        .find('(')
+        .and_then(|i| line[i + 1..].split(')').next())
+        .map(str::to_string);
+    Some((version, backend))
+}
+
+/// Why the node cannot run `mode`; empty if it can.
+pub fn blockers(mode: Mode, p: &Probes) -> Vec<String> {
+    let mut why = Vec::new();
+    match mode {
+        Mode::Ebpf => {
+            if let Err(e) = &p.bpf_syscall {
+                why.push(format!("BPF unusable: {e}"));
+            } else if let Err(e) = &p.cgroup_sock_addr {
+                why.push(e.clone());
+            }
+            if p.cgroup2.is_none() {
+                why.push("no cgroup v2 is mounted (or --cgroup-path is not a directory)".into());
+            }
+            match p.kernel {
+                Some(k) if k < MIN_KERNEL_FOR_EBPF => why.push(format!(
+                    "kernel {}.{} is older than {}.{} (BPF links)",
+                    k.0, k.1, MIN_KERNEL_FOR_EBPF.0, MIN_KERNEL_FOR_EBPF.1
+                )),
+                Some(_) => {}
+                None => why.push("cannot read the kernel version".into()),
+            }
+        }
+        Mode::Iptables => match &p.iptables_version {
+            Err(e) => why.push(format!("iptables unusable: {e}")),
+            Ok(line) => {
+                match parse_iptables_version(line) {
+                    Some((v, _)) if v < MIN_IPTABLES => why.push(format!(
+                        "{line} is older than {}.{}.{}",
+                        MIN_IPTABLES.0, MIN_IPTABLES.1, MIN_IPTABLES.2
+                    )),
+                    Some(_) => {}
+                    None => why.push(format!("cannot read the iptables version from {line:?}")),
+                }
+                if let Err(e) = &p.iptables_matches {
+                    why.push(format!(
+                        "the kernel or iptables lacks a match the iptables proxier needs: {e}"
+                    ));
+                }
+            }
+        },
+        Mode::Userspace => match (&p.iptables_version, &p.iptables_redirect) {
+            (Err(e), _) => why.push(format!("iptables unusable (the portals need it): {e}")),
+            (Ok(_), Err(e)) => why.push(format!("iptables REDIRECT unusable: {e}")),
+            _ => {}
+        },
+    }
+    why
+}
+
+/// The mode chosen and why, for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModeDecision {
+    pub mode: Mode,
+    pub reasons: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModeError {
+    #[error("--proxy-mode {mode} cannot run on this node: {}", reasons.join("; "))]
+    Unavailable { mode: Mode, reasons: Vec<String> },
+    #[error("no proxy mode can run on this node: {}", reasons.join("; "))]
+    NothingWorks { reasons: Vec<String> },
+}
+
+/// kube-proxy's getProxyMode: the requested mode if the node can run it, else an error;
+/// with none requested, the first of ebpf, iptables, userspace the node can run.
+pub fn decide(requested: Option<Mode>, p: &Probes) -> Result<ModeDecision, ModeError> {
+    if let Some(mode) = requested {
+        let why = blockers(mode, p);
+        return if why.is_empty() {
+            Ok(ModeDecision {
+                mode,
+                reasons: vec![format!("{mode} was asked for (--proxy-mode)")],
+            })
+        } else {
+            Err(ModeError::Unavailable { mode, reasons: why })
+        };
+    }
+    let mut reasons = Vec::new();
+    for mode in [Mode::Ebpf, Mode::Iptables, Mode::Userspace] {
+        let why = blockers(mode, p);
+        if why.is_empty() {
+            reasons.push(format!("{mode}: the node supports it"));
+            return Ok(ModeDecision { mode, reasons });
+        }
+        reasons.extend(why.into_iter().map(|w| format!("not {mode}: {w}")));
+    }
+    Err(ModeError::NothingWorks { reasons })
+}
+
+/// Removes what modes other than `mode` left: iptables-mode chains, userspace portal
+/// chains (both families), and our BPF pins (only without `netns`: pins are node-wide,
+/// while a namespaced proxier is one of several). Failures are logged, never fatal: a node
+/// without ip6tables, say, has nothing to clean there.
+pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>) {
+    type Pred = fn(Table, &str) -> bool;
+    let mut what: Vec<(&str, Pred)> = Vec::new();
+    if mode != Mode::Iptables {
+        what.push(("iptables", iptables::render::is_our_chain));
+    }
+    if mode != Mode::Userspace {
+        what.push(("userspace", portals::is_userspace_chain));
+    }
+    for family in [Family::V4, Family::V6] {
+        let runner = Runner::new(family, netns.map(str::to_string));
+        if runner.version().is_err() {
+            continue;
+        }
+        for (name, pred) in &what {
+            match iptables::apply::remove_chains(&runner, pred) {
+                Ok(0) => {}
+                Ok(n) => info!(
+                    ?family,
+                    chains = n,
+                    "removed the {name} mode's leftover chains"
+                ),
+                Err(e) => warn!(?family, "cannot remove the {name} mode's leftovers: {e}"),
+            }
+        }
+    }
+    if mode != Mode::Ebpf && netns.is_none() && Path::new(BPF_PIN_DIR).exists() {
+        match std::fs::remove_dir_all(BPF_PIN_DIR) {
+            Ok(()) => info!("removed pinned BPF objects under {BPF_PIN_DIR}"),
+            Err(e) => warn!("cannot remove {BPF_PIN_DIR}: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_capable_node_runs_ebpf() {
+        let d = decide(None, &Probes::all_good()).unwrap();
+        assert_eq!(d.mode, Mode::Ebpf);
+    }
+
+    #[test]
+    fn without_the_bpf_syscall_iptables_is_chosen_and_the_reason_given() {
+        let p = Probes {
+            bpf_syscall: Err("EPERM".into()),
+            ..Probes::all_good()
+        };
+        let d = decide(None, &p).unwrap();
+        assert_eq!(d.mode, Mode::Iptables);
+        assert!(
+            d.reasons
+                .iter()
+                .any(|r| r.starts_with("not ebpf") && r.contains("EPERM")),
+            "{:?}",
+            d.reasons
+        );
+    }
+
+    #[test]
+    fn old_kernels_and_missing_cgroup2_rule_out_ebpf() {
+        let p = Probes {
+            kernel: Some((5, 4)),
+            cgroup2: None,
+            ..Probes::all_good()
+        };
+        let d = decide(None, &p).unwrap();
+        assert_eq!(d.mode, Mode::Iptables);
+        assert!(
+            d.reasons
+                .iter()
+                .any(|r| r.contains("5.4 is older than 5.7")),
+            "{:?}",
+            d.reasons
+        );
+        assert!(
+            d.reasons.iter().any(|r| r.contains("cgroup v2")),
+            "{:?}",
+            d.reasons
+        );
+    }
+
+    #[test]
+    fn without_the_matches_userspace_is_the_last_resort() {
+        let p = Probes {
+            bpf_syscall: Err("ENOSYS".into()),
+            iptables_matches: Err("no statistic match".into()),
+            ..Probes::all_good()
+        };
+        assert_eq!(decide(None, &p).unwrap().mode, Mode::Userspace);
+        let old = Probes {
+            bpf_syscall: Err("ENOSYS".into()),
+            iptables_version: Ok("iptables v1.4.7".into()),
+            ..Probes::all_good()
+        };
+        assert_eq!(decide(None, &old).unwrap().mode, Mode::Userspace);
+    }
+
+    #[test]
+    fn nothing_usable_is_an_error_listing_every_reason() {
+        let p = Probes {
+            bpf_syscall: Err("ENOSYS".into()),
+            iptables_version: Err("iptables: not found".into()),
+            iptables_matches: Err("iptables: not found".into()),
+            iptables_redirect: Err("iptables: not found".into()),
+            ..Probes::all_good()
+        };
+        let e = decide(None, &p).unwrap_err().to_string();
+        assert!(
+            e.contains("not ebpf") && e.contains("not iptables") && e.contains("not userspace"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_forced_mode_is_checked_not_trusted() {
+        let p = Probes {
+            bpf_syscall: Err("EPERM".into()),
+            ..Probes::all_good()
+        };
+        let e = decide(Some(Mode::Ebpf), &p).unwrap_err().to_string();
+        assert!(
+            e.contains("--proxy-mode ebpf cannot run") && e.contains("EPERM"),
+            "{e}"
+        );
+        // Even though eBPF would work, iptables was asked for.
+        assert_eq!(
+            decide(Some(Mode::Iptables), &Probes::all_good())
+                .unwrap()
+                .mode,
+            Mode::Iptables
+        );
+    }
+
+    #[test]
+    fn versions_parse() {
+        assert_eq!(parse_kernel_release("6.18.44-fc-v1045"), Some((6, 18)));
+        assert_eq!(parse_kernel_release("5.7.0"), Some((5, 7)));
+        assert_eq!(parse_kernel_release("garbage"), None);
+        assert_eq!(
+            parse_iptables_version("iptables v1.8.9 (nf_tables)"),
+            Some(((1, 8, 9), Some("nf_tables".into())))
+        );
+        assert_eq!(
+            parse_iptables_version("iptables v1.4.7"),
+            Some(((1, 4, 7), None))
+        );
+        assert_eq!(parse_iptables_version("nonsense"), None);
+        assert_eq!("IPTABLES".parse::<Mode>(), Ok(Mode::Iptables));
+        assert!("ipvs".parse::<Mode>().is_err());
+    }
+}

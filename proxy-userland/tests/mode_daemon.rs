@@ -1,0 +1,138 @@
+//! The `fastpath` binary in the fallback modes, run for a test bed's node namespace
+//! (`--netns`): `--proxy-mode iptables` reaches a ClusterIP, keeps its rules across a stop
+//! (as kube-proxy does), and a following `--proxy-mode userspace` clears them away and
+//! serves the same ClusterIP through its relays, then removes its own on exit when asked.
+
+mod common;
+mod nat_common;
+
+use common::*;
+use nat_common::*;
+
+const MANIFEST: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 198.19.0.10
+  clusterIPs: [198.19.0.10]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: demo
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- addresses: [198.18.1.11]
+  conditions: {ready: true}
+- addresses: [198.18.1.12]
+  conditions: {ready: true}
+"#;
+
+const WEB: &str = "198.19.0.10:80";
+
+fn start(bed: &xtask::testbed::Testbed, mode: &str, extra: &[&str]) -> Daemon {
+    let manifests = bed.dir().join("manifests.yaml");
+    let manifests = manifests.to_str().unwrap();
+    let mut args = vec![
+        "--proxy-mode",
+        mode,
+        "--netns",
+        bed.node_netns(),
+        "--manifests",
+        manifests,
+        // Not needed here, and the host's ports may be taken by other tests' daemons.
+        "--healthz-bind-address",
+        "",
+        "--metrics-bind-address",
+        "",
+    ];
+    args.extend_from_slice(extra);
+    Daemon::start(bed.cgroup_path(), &args)
+}
+
+fn all_ok(bed: &xtask::testbed::Testbed) -> bool {
+    let a = tcp(bed, WEB, 6);
+    a.iter().all(|x| x.is_ok()) && reached(&a).len() == 2
+}
+
+#[test]
+fn daemon_runs_iptables_then_userspace_for_a_namespace() {
+    let (bed, _pods) = bed_with_pods("modedmn", 2);
+    route_services(&bed);
+    std::fs::write(bed.dir().join("manifests.yaml"), MANIFEST).unwrap();
+
+    let mut ipt = start(&bed, "iptables", &[]);
+    assert!(
+        eventually(20, || all_ok(&bed)),
+        "ClusterIP through the iptables mode:\n{}",
+        ipt.log()
+    );
+    let log = ipt.log();
+    assert!(
+        log.contains("proxy mode chosen") && log.contains("iptables was asked for"),
+        "{log}"
+    );
+    assert!(ipt.stop().success(), "{}", ipt.log());
+    // Kept on a plain stop: Services keep working while the proxy restarts.
+    assert!(!chains_with(&saved(bed.node_netns(), "iptables-save"), "KUBE-SVC-").is_empty());
+    assert!(all_ok(&bed), "traffic still flows after the proxy stopped");
+
+    let mut us = start(&bed, "userspace", &["--cleanup-on-exit"]);
+    assert!(
+        eventually(20, || {
+            let nat = saved(bed.node_netns(), "iptables-save");
+            chains_with(&nat, "KUBE-PORTALS-").len() == 2
+                && chains_with(&nat, "KUBE-SVC-").is_empty()
+        }),
+        "the userspace mode replaced the iptables mode's chains:\n{}",
+        us.log()
+    );
+    assert!(
+        eventually(20, || all_ok(&bed)),
+        "ClusterIP through the relays:\n{}",
+        us.log()
+    );
+    assert!(us.stop().success(), "{}", us.log());
+    let after = saved(bed.node_netns(), "iptables-save");
+    assert!(
+        chains_with(&after, "KUBE-").is_empty(),
+        "--cleanup-on-exit leaves nothing: {after}"
+    );
+}
+
+#[test]
+fn a_mode_the_node_cannot_run_is_refused_clearly() {
+    let bed = xtask::testbed::Testbed::new("modebad").expect("test bed");
+    std::fs::write(bed.dir().join("manifests.yaml"), MANIFEST).unwrap();
+    // No such namespace: iptables cannot run there, and the daemon says so and exits.
+    let manifests = bed.dir().join("manifests.yaml");
+    let mut d = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "iptables",
+            "--netns",
+            "fp-no-such-namespace",
+            "--manifests",
+            manifests.to_str().unwrap(),
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+        ],
+    );
+    let status = d.wait_exit(20).expect("the daemon gives up by itself");
+    assert!(!status.success());
+    let log = d.log();
+    assert!(
+        log.contains("--proxy-mode iptables cannot run on this node"),
+        "{log}"
+    );
+}
