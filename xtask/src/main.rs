@@ -1,4 +1,4 @@
-//! `cargo xtask <setup|test|run>`; see the README.
+//! `cargo xtask <setup|test|run|bench>`; see the README.
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -26,6 +26,16 @@ enum Cmd {
         /// Passed to `cargo test` unchanged (including any `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
+    },
+    /// Set up, then run the side-by-side benchmark (eBPF against iptables, control plane and
+    /// data path) and write its table to target/bench/results.md.
+    Bench {
+        /// Service counts for the control-plane rows (the data path uses 1 and the largest).
+        #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
+        sizes: Vec<u32>,
+        /// New connections per data-path row.
+        #[arg(long, default_value_t = 2000)]
+        connections: u32,
     },
     /// Set up, build (release), and run the demo; with --manifests or --kubeconfig, run the
     /// daemon instead.
@@ -57,6 +67,7 @@ fn main() -> ExitCode {
         match Cli::parse().command {
             Cmd::Setup => xtask::setup::setup(),
             Cmd::Test { args } => xtask::run::test(&args),
+            Cmd::Bench { sizes, connections } => xtask::run::bench(&sizes, connections),
             Cmd::Run {
                 manifests,
                 kubeconfig,

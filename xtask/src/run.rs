@@ -30,6 +30,20 @@ pub fn test(args: &[String]) -> Result<()> {
     cmd::run(&mut test)
 }
 
+/// `cargo xtask bench`: set-up, then the `dataplane` bench of proxy-userland (a plain
+/// program printing a table; see proxy-userland/benches/dataplane.rs).
+pub fn bench(sizes: &[u32], connections: u32) -> Result<()> {
+    setup::setup()?;
+    let sizes: Vec<String> = sizes.iter().map(u32::to_string).collect();
+    let mut bench = crate::cargo();
+    bench
+        .args(["bench", "-p", "proxy-userland", "--bench", "dataplane"])
+        .env("FASTPATH_BENCH_SIZES", sizes.join(","))
+        .env("FASTPATH_BENCH_CONNS", connections.to_string());
+    println!("bench: running `{}`", cmd::describe(&bench));
+    cmd::run(&mut bench)
+}
+
 /// Builds the daemon and the probe (release).
 pub fn build_release() -> Result<()> {
     let mut build = crate::cargo();
