@@ -28,6 +28,9 @@ use crate::{
 };
 
 pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+    if args.cleanup {
+        return cleanup(&args);
+    }
     let mut node = NodeInfo { name: args.node_name(), zone: args.zone.clone() };
     info!(node = %node.name, "starting fastpath");
     match args.node_setup() {
@@ -198,6 +201,20 @@ fn bpf_occupancy(proxier: &Proxier) -> Option<Occupancy> {
         #[allow(unreachable_patterns)]
         _ => None,
     }
+}
+
+/// `--cleanup`: remove every mode's leftovers on this node (or in --netns), then exit.
+fn cleanup(args: &Args) -> anyhow::Result<()> {
+    // "ebpf" as the mode to keep makes it remove the iptables and userspace chains; the
+    // pins go below, wherever --bpf-pin-dir put them.
+    crate::mode::cleanup_leftovers(crate::mode::Mode::Ebpf, args.netns.as_deref());
+    if args.netns.is_none() {
+        let pins = args.bpf_pin_dir.clone().unwrap_or_else(|| crate::mode::BPF_PIN_DIR.into());
+        dataplane::bpf::loader::remove_pinned(&pins)?;
+        info!(pins = %pins.display(), "removed pinned eBPF programs and maps");
+    }
+    info!("clean-up done");
+    Ok(())
 }
 
 fn apply(tracker: &mut ChangeTracker, ev: SourceEvent) {

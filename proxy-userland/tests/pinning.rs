@@ -94,3 +94,54 @@ fn restart_keeps_connections_flowing_and_reconciles_what_changed_meanwhile() {
     drop(second);
     assert!(!tcp(&bed, "198.19.0.10:80", 1)[0].is_ok(), "no translation after clean-up");
 }
+
+#[test]
+fn pinned_daemon_keeps_services_after_exit_until_cleanup() {
+    let (bed, _pods) = bed_with_pods("pincleanup", 2);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("fastpath");
+    let dir = bed.dir().join("manifests");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("web.yaml"),
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 198.19.0.10
+  ports: [{name: http, port: 80, targetPort: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints: [{addresses: [198.18.1.11]}, {addresses: [198.18.1.12]}]
+"#,
+    )
+    .unwrap();
+    let pin_arg = pin.to_str().unwrap();
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &["--manifests", dir.to_str().unwrap(), "--proxy-mode", "ebpf", "--bpf-pin-dir", pin_arg],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
+        "never reachable; log:\n{}",
+        daemon.log()
+    );
+    assert!(daemon.stop().success(), "{}", daemon.log());
+    // No daemon runs, and Services still work: the programs stay attached through the pins.
+    let without_daemon = tcp(&bed, "198.19.0.10:80", 20);
+    assert!(without_daemon.iter().all(|o| o.is_ok()), "{without_daemon:?}");
+    assert_eq!(reached(&without_daemon).len(), 2);
+
+    let cleanup = std::process::Command::new(FASTPATH)
+        .args(["--cleanup", "--bpf-pin-dir", pin_arg])
+        .output()
+        .unwrap();
+    assert!(cleanup.status.success(), "{}", String::from_utf8_lossy(&cleanup.stderr));
+    assert!(!tcp(&bed, "198.19.0.10:80", 1)[0].is_ok(), "nothing translates after --cleanup");
+    assert!(!pin.exists(), "the pin folder is gone");
+}

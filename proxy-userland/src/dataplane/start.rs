@@ -100,8 +100,20 @@ pub fn select_and_start(
     let decision = mode::decide(requested, &probes)?;
     info!(mode = %decision.mode, reasons = ?decision.reasons, "proxy mode chosen");
     mode::cleanup_leftovers(decision.mode, opts.netns.as_deref());
-    let proxier = start(decision.mode, opts)?;
-    Ok((proxier, decision))
+    match start(decision.mode, opts) {
+        Ok(proxier) => Ok((proxier, decision)),
+        // Probes passed but the real load failed (a verifier rejection, a map the kernel
+        // will not create): a node that was not forced into eBPF still gets Services.
+        Err(e) if requested.is_none() && decision.mode == Mode::Ebpf => {
+            tracing::error!("the eBPF dataplane failed to start: {e}; falling back");
+            let probes = Probes { bpf_syscall: Err(format!("loading our programs failed: {e}")), ..probes };
+            let decision = mode::decide(None, &probes)?;
+            info!(mode = %decision.mode, reasons = ?decision.reasons, "proxy mode chosen after the eBPF failure");
+            mode::cleanup_leftovers(decision.mode, opts.netns.as_deref());
+            Ok((start(decision.mode, opts)?, decision))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 impl StartOptions {
