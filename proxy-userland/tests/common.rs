@@ -21,6 +21,39 @@ use xtask::{
 };
 
 pub const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
+
+/// The ClusterIP most tests give their `demo/web` service, and its two ports.
+pub const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+pub const WEB: &str = "198.19.0.10:80";
+pub const WEB_DNS: &str = "198.19.0.10:53";
+
+/// The node the tests' proxy runs as ("node-a", no zone).
+pub fn node() -> proxy_userland::model::NodeInfo {
+    proxy_userland::model::NodeInfo { name: "node-a".into(), zone: None }
+}
+
+/// Manifests for `demo/web` on [`WEB_IP`] (http TCP 80->8080, dns UDP 53->5353) with one
+/// EndpointSlice listing `pods` as ready endpoints.
+pub fn web_manifest(pods: &[Ipv4Addr]) -> String {
+    let mut yaml = String::from(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: demo}\nspec:\n  \
+         clusterIP: 198.19.0.10\n  clusterIPs: [198.19.0.10]\n  ports:\n  \
+         - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n  \
+         - {name: dns, port: 53, targetPort: 5353, protocol: UDP}\n---\n\
+         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  \
+         namespace: demo\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\n\
+         ports:\n- {name: http, port: 8080, protocol: TCP}\n- {name: dns, port: 5353, protocol: UDP}\n\
+         endpoints:\n",
+    );
+    for ip in pods {
+        yaml.push_str(&format!("- addresses: [{ip}]\n  conditions: {{ready: true}}\n"));
+    }
+    if pods.is_empty() {
+        yaml.push_str("[]\n");
+        yaml = yaml.replace("endpoints:\n[]", "endpoints: []");
+    }
+    yaml
+}
 pub const FASTPATH: &str = env!("CARGO_BIN_EXE_fastpath");
 
 pub fn probe() -> &'static Path {

@@ -8,37 +8,6 @@ use std::path::PathBuf;
 
 use common::*;
 
-const MANIFEST: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: demo}
-spec:
-  clusterIP: 198.19.0.10
-  clusterIPs: [198.19.0.10]
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
-  - {name: dns, port: 53, targetPort: 5353, protocol: UDP}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-abc
-  namespace: demo
-  labels: {kubernetes.io/service-name: web}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-- {name: dns, port: 5353, protocol: UDP}
-endpoints:
-- addresses: [198.18.1.11]
-  conditions: {ready: true}
-- addresses: [198.18.1.12]
-  conditions: {ready: true}
-ENDPOINT3
-"#;
-
-const POD3: &str = "- addresses: [198.18.1.13]\n  conditions: {ready: true}";
-
 const BROKEN: &str = r#"
 apiVersion: v1
 kind: Service
@@ -78,7 +47,7 @@ fn daemon_follows_manifests_survives_bad_ones_and_cleans_up() {
         }
     }
     let _rm = RmDir(dir.clone());
-    std::fs::write(dir.join("web.yaml"), MANIFEST.replace("ENDPOINT3", POD3)).unwrap();
+    std::fs::write(dir.join("web.yaml"), web_manifest(&[pod_ip(1), pod_ip(2), pod_ip(3)])).unwrap();
     std::fs::write(dir.join("broken.yaml"), BROKEN).unwrap();
 
     let mut daemon = Daemon::start(bed.cgroup_path(), &["--manifests", dir.to_str().unwrap(), "--manifest-poll-period", "100ms"]);
@@ -94,7 +63,7 @@ fn daemon_follows_manifests_survives_bad_ones_and_cleans_up() {
     assert!(log.contains("demo/broken") && log.contains("70000"), "log:\n{log}");
 
     // pod-3 leaves the slice: new connections stop reaching it.
-    std::fs::write(dir.join("web.yaml"), MANIFEST.replace("ENDPOINT3", "")).unwrap();
+    std::fs::write(dir.join("web.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
     assert!(
         eventually(10, || !reached(&tcp(&bed, "198.19.0.10:80", 30)).contains("pod-3")),
         "pod-3 still reached after removal; log:\n{}",

@@ -18,20 +18,9 @@ use proxy_userland::{
         Dataplane, Scope,
         iptables::{Family, IptablesConfig, IptablesDataplane},
     },
-    model::{Endpoint, NodeInfo},
+    model::Endpoint,
 };
 use xtask::testbed::Testbed;
-
-const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
-const WEB: &str = "198.19.0.10:80";
-const WEB_DNS: &str = "198.19.0.10:53";
-
-fn node() -> NodeInfo {
-    NodeInfo {
-        name: "node-a".into(),
-        zone: None,
-    }
-}
 
 fn proxier(bed: &Testbed) -> IptablesDataplane {
     route_services(bed);

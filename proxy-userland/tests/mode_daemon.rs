@@ -9,34 +9,6 @@ mod nat_common;
 use common::*;
 use nat_common::*;
 
-const MANIFEST: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: web, namespace: demo}
-spec:
-  clusterIP: 198.19.0.10
-  clusterIPs: [198.19.0.10]
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-abc
-  namespace: demo
-  labels: {kubernetes.io/service-name: web}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-endpoints:
-- addresses: [198.18.1.11]
-  conditions: {ready: true}
-- addresses: [198.18.1.12]
-  conditions: {ready: true}
-"#;
-
-const WEB: &str = "198.19.0.10:80";
-
 fn start(bed: &xtask::testbed::Testbed, mode: &str, extra: &[&str]) -> Daemon {
     let manifests = bed.dir().join("manifests.yaml");
     let manifests = manifests.to_str().unwrap();
@@ -66,7 +38,7 @@ fn all_ok(bed: &xtask::testbed::Testbed) -> bool {
 fn daemon_runs_iptables_then_userspace_for_a_namespace() {
     let (bed, _pods) = bed_with_pods("modedmn", 2);
     route_services(&bed);
-    std::fs::write(bed.dir().join("manifests.yaml"), MANIFEST).unwrap();
+    std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
 
     let mut ipt = start(&bed, "iptables", &[]);
     assert!(
@@ -110,7 +82,7 @@ fn daemon_runs_iptables_then_userspace_for_a_namespace() {
 #[test]
 fn a_mode_the_node_cannot_run_is_refused_clearly() {
     let bed = xtask::testbed::Testbed::new("modebad").expect("test bed");
-    std::fs::write(bed.dir().join("manifests.yaml"), MANIFEST).unwrap();
+    std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
     // No such namespace: iptables cannot run there, and the daemon says so and exits.
     let manifests = bed.dir().join("manifests.yaml");
     let mut d = Daemon::start(

@@ -15,14 +15,6 @@ use proxy_userland::{
     model::NodeInfo,
 };
 
-const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
-const WEB: &str = "198.19.0.10:80";
-const WEB_DNS: &str = "198.19.0.10:53";
-
-fn node() -> NodeInfo {
-    NodeInfo { name: "node-a".into(), zone: None }
-}
-
 fn attach(bed: &xtask::testbed::Testbed) -> BpfDataplane {
     BpfDataplane::attach(bed.cgroup_path()).expect("programs load and attach")
 }

@@ -4,7 +4,7 @@
 mod common;
 mod nat_common;
 
-use std::{collections::BTreeSet, net::Ipv4Addr, time::Duration};
+use std::{collections::BTreeSet, time::Duration};
 
 use common::*;
 use nat_common::*;
@@ -14,20 +14,9 @@ use proxy_userland::{
         frontends::Frontend,
         userspace::{UserspaceConfig, UserspaceDataplane, relay::RelayConfig},
     },
-    model::{NodeInfo, Protocol},
+    model::Protocol,
 };
 use xtask::testbed::Testbed;
-
-const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
-const WEB: &str = "198.19.0.10:80";
-const WEB_DNS: &str = "198.19.0.10:53";
-
-fn node() -> NodeInfo {
-    NodeInfo {
-        name: "node-a".into(),
-        zone: None,
-    }
-}
 
 fn proxier(bed: &Testbed, idle: Duration) -> UserspaceDataplane {
     route_services(bed);
