@@ -38,7 +38,7 @@ const UPDATES: usize = 200;
 /// is seconds each, so it gets fewer samples (the count is in the table).
 fn updates_for(backend: &str, n: u32) -> usize {
     match backend {
-        "iptables" => (200_000 / n.max(1) as usize).clamp(10, UPDATES),
+        "iptables" => (20_000 / n.max(1) as usize).clamp(10, UPDATES),
         _ => UPDATES,
     }
 }

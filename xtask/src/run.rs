@@ -25,7 +25,8 @@ pub struct RunOptions {
 pub fn test(args: &[String]) -> Result<()> {
     setup::setup()?;
     let mut test = crate::cargo();
-    test.arg("test").args(args);
+    // Every test binary runs even after one fails, so a CI log shows all failures at once.
+    test.args(["test", "--no-fail-fast"]).args(args);
     println!("test: running `{}`", cmd::describe(&test));
     cmd::run(&mut test)
 }
