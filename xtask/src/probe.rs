@@ -50,6 +50,11 @@ pub fn parse_line(line: &str) -> Option<Outcome> {
     let line = line.trim();
     if let Some(rest) = line.strip_prefix("err ") {
         let (errno, message) = rest.split_once(' ').unwrap_or((rest, ""));
+        // The probe ends every line with the attempt's duration; it is not part of the error.
+        let message = match message.rsplit_once(" us=") {
+            Some((m, us)) if us.bytes().all(|b| b.is_ascii_digit()) => m,
+            _ => message,
+        };
         return Some(Outcome::Err {
             errno: errno.to_string(),
             message: message.to_string(),
