@@ -9,7 +9,9 @@
 //!
 //! Everything runs in namespaces the bench creates, with 198.18.0.0/15 addresses only, and
 //! every loop is bounded. Sizes: FASTPATH_BENCH_SIZES (default "100,1000,10000");
-//! connections per data-path run: FASTPATH_BENCH_CONNS (default 2000).
+//! connections per data-path run: FASTPATH_BENCH_CONNS (default 2000); iptables rows only up
+//! to FASTPATH_BENCH_IPTABLES_MAX services (default: every size), since at 10,000 services
+//! each iptables update takes seconds on a small machine.
 
 use std::{
     collections::BTreeSet,
@@ -199,7 +201,7 @@ fn data_state(extra: u32) -> ProxyState {
     state
 }
 
-fn data_path(sizes: &[u32], conns: usize) -> Result<Vec<DataRow>> {
+fn data_path(sizes: &[u32], conns: usize, iptables_max: u32) -> Result<Vec<DataRow>> {
     let (bed, _pods) = common::bed_with_pods("bench", 2);
     // iptables translates after routing: the node needs a route for service addresses.
     nat_common::route_services(&bed);
@@ -217,7 +219,7 @@ fn data_path(sizes: &[u32], conns: usize) -> Result<Vec<DataRow>> {
             let (rate, p50, p99, failures) = connections(&bed, "198.19.0.10:80", conns)?;
             rows.push(DataRow { path: "ClusterIP via eBPF".into(), services: n, conns_per_sec: rate, p50, p99, failures });
         }
-        {
+        if n <= iptables_max {
             let mut dp = IptablesDataplane::new(IptablesConfig {
                 netns: Some(bed.node_netns().to_string()),
                 cleanup_on_exit: true,
@@ -246,6 +248,10 @@ fn main() -> Result<()> {
         .collect();
     let conns: usize = std::env::var("FASTPATH_BENCH_CONNS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000).clamp(10, 100_000);
 
+    let iptables_max: u32 = std::env::var("FASTPATH_BENCH_IPTABLES_MAX")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u32::MAX);
     let mut control = Vec::new();
     for &n in &sizes {
         eprintln!("bench: control plane, {n} services x {ENDPOINTS_PER_SERVICE} endpoints");
@@ -253,6 +259,9 @@ fn main() -> Result<()> {
         let mut bpf = BpfDataplane::attach(bed.cgroup_path())?;
         control.push(control_plane("ebpf", &mut bpf, n)?);
         drop(bpf);
+        if n > iptables_max {
+            continue;
+        }
         let mut ipt = IptablesDataplane::new(IptablesConfig {
             netns: Some(bed.node_netns().to_string()),
             cleanup_on_exit: true,
@@ -261,7 +270,7 @@ fn main() -> Result<()> {
         control.push(control_plane("iptables", &mut ipt, n)?);
     }
     eprintln!("bench: data path, {conns} connections per run");
-    let data = data_path(&[1, *sizes.iter().max().unwrap_or(&1)], conns)?;
+    let data = data_path(&[1, *sizes.iter().max().unwrap_or(&1)], conns, iptables_max)?;
 
     let mut out = String::new();
     let _ = writeln!(out, "## Control plane ({ENDPOINTS_PER_SERVICE} endpoints per service)\n");
