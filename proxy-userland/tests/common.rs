@@ -106,10 +106,7 @@ pub fn ready(ip: Ipv4Addr) -> Endpoint {
 
 /// A service `demo/<name>` on `cluster_ip` with http TCP 80->8080 and dns UDP 53->5353.
 pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
-    Service {
-        key: ServiceKey::new("demo", name),
-        cluster_ips: vec![IpAddr::V4(cluster_ip)],
-        ports: vec![
+    Service::cluster_ip(ServiceKey::new("demo", name), vec![IpAddr::V4(cluster_ip)], vec![
             ServicePort {
                 name: "http".into(),
                 port: 80,
@@ -122,16 +119,7 @@ pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
                 protocol: Protocol::Udp,
                 node_port: None,
             },
-        ],
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        affinity_timeout: None,
-        external_policy_local: false,
-        internal_policy_local: false,
-        health_check_node_port: None,
-        prefer_close: false,
-    }
+        ])
 }
 
 pub fn web_endpoints(endpoints: Vec<Endpoint>) -> EndpointSet {

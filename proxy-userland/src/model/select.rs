@@ -321,19 +321,7 @@ mod tests {
     }
 
     fn svc() -> Service {
-        Service {
-            key: ServiceKey::new("default", "web"),
-            cluster_ips: vec!["10.96.0.1".parse().unwrap()],
-            ports: vec![port("http", Protocol::Tcp)],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            affinity_timeout: None,
-            external_policy_local: false,
-            internal_policy_local: false,
-            health_check_node_port: None,
-            prefer_close: false,
-        }
+        Service::cluster_ip(ServiceKey::new("default", "web"), vec!["10.96.0.1".parse().unwrap()], vec![port("http", Protocol::Tcp)])
     }
 
     fn node_port_svc() -> Service {

@@ -106,3 +106,23 @@ pub struct Service {
     /// trafficDistribution: PreferClose (or topology-mode Auto hints).
     pub prefer_close: bool,
 }
+
+impl Service {
+    /// A plain ClusterIP service: these addresses and ports, every other field as the API
+    /// defaults it (no external addresses, no affinity, Cluster traffic policies).
+    pub fn cluster_ip(key: ServiceKey, cluster_ips: Vec<IpAddr>, ports: Vec<ServicePort>) -> Self {
+        Self {
+            key,
+            cluster_ips,
+            ports,
+            external_ips: vec![],
+            load_balancer_ips: vec![],
+            load_balancer_source_ranges: vec![],
+            affinity_timeout: None,
+            external_policy_local: false,
+            internal_policy_local: false,
+            health_check_node_port: None,
+            prefer_close: false,
+        }
+    }
+}

@@ -286,24 +286,12 @@ mod tests {
     }
 
     fn svc(name: &str, port: u16) -> Service {
-        Service {
-            key: key(name),
-            cluster_ips: vec!["10.96.0.1".parse().unwrap()],
-            ports: vec![ServicePort {
+        Service::cluster_ip(key(name), vec!["10.96.0.1".parse().unwrap()], vec![ServicePort {
                 name: "http".into(),
                 port,
                 protocol: Protocol::Tcp,
                 node_port: None,
-            }],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            affinity_timeout: None,
-            external_policy_local: false,
-            internal_policy_local: false,
-            health_check_node_port: None,
-            prefer_close: false,
-        }
+            }])
     }
 
     fn slice(ips: &[&str]) -> SliceInfo {

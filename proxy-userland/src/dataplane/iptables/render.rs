@@ -688,24 +688,12 @@ mod tests {
     }
 
     fn svc(name: &str, ip: &str) -> Service {
-        Service {
-            key: ServiceKey::new("ns1", name),
-            cluster_ips: vec![ip.parse().unwrap()],
-            ports: vec![ServicePort {
+        Service::cluster_ip(ServiceKey::new("ns1", name), vec![ip.parse().unwrap()], vec![ServicePort {
                 name: "p80".into(),
                 port: 80,
                 protocol: Protocol::Tcp,
                 node_port: None,
-            }],
-            external_ips: vec![],
-            load_balancer_ips: vec![],
-            load_balancer_source_ranges: vec![],
-            affinity_timeout: None,
-            external_policy_local: false,
-            internal_policy_local: false,
-            health_check_node_port: None,
-            prefer_close: false,
-        }
+            }])
     }
 
     fn eps(list: Vec<Endpoint>) -> EndpointSet {
