@@ -14,10 +14,17 @@ pub struct Backend4 {
     /// Network byte order.
     pub port: u16,
     pub proto: u8,
-    /// Reserved for backend state (e.g. terminating); zero today.
+    /// [`flags`] bits.
     pub flags: u8,
 }
 const _: () = assert!(core::mem::size_of::<Backend4>() == 8);
+
+/// `Backend*::flags`.
+pub mod flags {
+    /// The backend runs on this node: the packet path reaches it without SNAT, and its
+    /// replies are translated back as they leave the node.
+    pub const LOCAL: u8 = 1 << 0;
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]

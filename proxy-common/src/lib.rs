@@ -10,18 +10,22 @@
 //! - [`backend`]: the backend map (backend id -> address, port).
 //! - [`revnat`]: reverse translation for sockets (cookie + backend -> service).
 //! - [`affinity`]: which backend a client got last, for ClientIP session affinity.
+//! - [`nat`]: the packet path's connection tracking and source ranges (node ports,
+//!   external and load-balancer IPs).
 //! - [`maps`]: names and sizes of the maps, shared so the loader and programs cannot drift.
 #![no_std]
 
 pub mod affinity;
 pub mod backend;
 pub mod maps;
+pub mod nat;
 pub mod revnat;
 pub mod service;
 
 pub use affinity::{AffinityKey, AffinityValue};
 pub use backend::{Backend4, Backend6, BackendId};
 pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
+pub use nat::{Ct4Key, Ct4Value, SourceRange4};
 pub use service::{Service4Key, Service6Key, ServiceValue};
 
 /// IP protocol numbers as used in the maps (the same as `IPPROTO_*`).
@@ -54,4 +58,7 @@ user_pod!(
     SockRevNat4Value,
     SockRevNat6Key,
     SockRevNat6Value,
+    Ct4Key,
+    Ct4Value,
+    SourceRange4,
 );

@@ -9,6 +9,13 @@ pub const SERVICES6: &str = "FP_SERVICES6";
 pub const BACKENDS6: &str = "FP_BACKENDS6";
 pub const SOCK_REVNAT6: &str = "FP_SOCK_RNAT6";
 pub const AFFINITY: &str = "FP_AFFINITY";
+pub const CT4: &str = "FP_CT4";
+pub const SOURCE_RANGES4: &str = "FP_SRC_RANGE4";
+/// This node's addresses that node ports answer on (address -> 1).
+pub const NODE_ADDRS4: &str = "FP_NODE_ADDR4";
+/// The address SNATed traffic leaves each device with (ifindex -> address).
+pub const DEVICE_ADDRS4: &str = "FP_DEV_ADDR4";
+pub const STATS: &str = "FP_STATS";
 
 /// Service entries: one master plus one per backend slot, for every frontend.
 pub const SERVICES_MAX: u32 = 262_144;
@@ -18,6 +25,23 @@ pub const SOCK_REVNAT_MAX: u32 = 262_144;
 /// LRU: clients that have not connected for longest are forgotten first.
 pub const AFFINITY_MAX: u32 = 65_536;
 
+/// LRU: two entries per flow from outside the node; the oldest flows go first.
+pub const CT_MAX: u32 = 262_144;
+pub const SOURCE_RANGES_MAX: u32 = 16_384;
+pub const NODE_ADDRS_MAX: u32 = 256;
+
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 7] =
-    [SERVICES4, BACKENDS4, SOCK_REVNAT4, SERVICES6, BACKENDS6, SOCK_REVNAT6, AFFINITY];
+pub const ALL: [&str; 12] = [
+    SERVICES4,
+    BACKENDS4,
+    SOCK_REVNAT4,
+    SERVICES6,
+    BACKENDS6,
+    SOCK_REVNAT6,
+    AFFINITY,
+    CT4,
+    SOURCE_RANGES4,
+    NODE_ADDRS4,
+    DEVICE_ADDRS4,
+    STATS,
+];

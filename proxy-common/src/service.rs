@@ -59,29 +59,52 @@ pub struct ServiceValue {
 }
 const _: () = assert!(core::mem::size_of::<ServiceValue>() == 16);
 
-/// `Service*Key::scope`.
+/// `Service*Key::scope`: which hook reads the entry. A service may look different from the
+/// node's own sockets (internalTrafficPolicy, ClusterIPs) than from packets arriving from
+/// outside (externalTrafficPolicy, node ports, external and load-balancer IPs), as in
+/// Cilium's two-scope services.
 pub mod scope {
-    /// Applies to every client.
-    pub const EXTERNAL: u8 = 0;
-    /// Only for traffic from this node (internalTrafficPolicy=Local views).
-    pub const INTERNAL: u8 = 1;
+    /// Read by the socket hooks: connections made on this node.
+    pub const SOCKET: u8 = 0;
+    /// Read by the packet hooks (tc, XDP) on the node's devices: traffic from elsewhere.
+    /// A node port's entry has address 0 and matches any address of the node.
+    pub const PACKET: u8 = 1;
 }
 
 /// `ServiceValue::flags`.
 pub mod flags {
     /// ClientIP session affinity is on.
     pub const AFFINITY: u16 = 1 << 0;
+    /// Packet path: rewrite the source of traffic sent to a backend on another node to this
+    /// node's address (externalTrafficPolicy: Cluster), so replies come back through us.
+    pub const SNAT: u16 = 1 << 1;
+    /// Packet path: only clients in the service's loadBalancerSourceRanges may use it.
+    pub const SOURCE_RANGES: u16 = 1 << 2;
 }
 
 impl Service4Key {
     pub const fn new(address: u32, dport: u16, proto: u8, backend_slot: u16) -> Self {
-        Self { address, dport, backend_slot, proto, scope: scope::EXTERNAL, _pad: [0; 2] }
+        Self::scoped(address, dport, proto, backend_slot, scope::SOCKET)
+    }
+
+    pub const fn scoped(address: u32, dport: u16, proto: u8, backend_slot: u16, scope: u8) -> Self {
+        Self { address, dport, backend_slot, proto, scope, _pad: [0; 2] }
     }
 }
 
 impl Service6Key {
     pub const fn new(address: [u8; 16], dport: u16, proto: u8, backend_slot: u16) -> Self {
-        Self { address, dport, backend_slot, proto, scope: scope::EXTERNAL, _pad: [0; 2] }
+        Self::scoped(address, dport, proto, backend_slot, scope::SOCKET)
+    }
+
+    pub const fn scoped(
+        address: [u8; 16],
+        dport: u16,
+        proto: u8,
+        backend_slot: u16,
+        scope: u8,
+    ) -> Self {
+        Self { address, dport, backend_slot, proto, scope, _pad: [0; 2] }
     }
 }
 

@@ -2,6 +2,9 @@
 //!
 //! - [`sock4`]: cgroup `sock_addr` hooks for IPv4 (connect, sendmsg, recvmsg, getpeername):
 //!   ClusterIP translation at the socket, before a packet exists.
+//! - [`sock6`]: the same for IPv6.
+//! - [`nodeport`]: tc programs on the node's devices: node ports, external and
+//!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
 //! - [`lb`]: backend selection shared by every hook.
 //! - [`maps`]: the maps, laid out in `proxy-common`.
 //!
@@ -13,10 +16,15 @@
 
 mod lb;
 mod maps;
+mod nodeport;
 mod sock4;
 mod sock6;
 
-use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    bindings::TC_ACT_OK,
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
 
 /// Return values of cgroup sock_addr programs.
 pub(crate) const PROCEED: i32 = 1;
@@ -60,6 +68,19 @@ pub fn fp_recvmsg6(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn fp_getpeer6(ctx: SockAddrContext) -> i32 {
     sock6::try_rev_translate6(&ctx).unwrap_or(PROCEED)
+}
+
+/// tc ingress on each node device: new flows to node ports, external and load-balancer
+/// IPs, and replies to SNATed flows. An error lets the packet pass as it came.
+#[classifier]
+pub fn fp_nodeport_in(mut ctx: TcContext) -> i32 {
+    nodeport::try_nodeport_ingress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+}
+
+/// tc egress on each node device: replies of local backends leaving for the client.
+#[classifier]
+pub fn fp_nodeport_out(mut ctx: TcContext) -> i32 {
+    nodeport::try_nodeport_egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
 }
 
 #[cfg(not(test))]

@@ -3,12 +3,17 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap},
+    maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
-    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
-    maps::{AFFINITY_MAX, BACKENDS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX},
+    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
+    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
+    SockRevNat6Value, SourceRange4,
+    maps::{
+        AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX,
+        SOURCE_RANGES_MAX,
+    },
+    nat::stat,
 };
 
 #[map(name = "FP_SERVICES4")]
@@ -37,3 +42,29 @@ pub static SOCK_REVNAT6: LruHashMap<SockRevNat6Key, SockRevNat6Value> =
 #[map(name = "FP_AFFINITY")]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::with_max_entries(AFFINITY_MAX, 0);
+
+/// The packet path's flows: forward and reply entries (see `proxy_common::nat`).
+#[map(name = "FP_CT4")]
+pub static CT4: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::with_max_entries(CT_MAX, 0);
+
+/// loadBalancerSourceRanges per frontend (aya adds the BPF_F_NO_PREALLOC tries need).
+#[map(name = "FP_SRC_RANGE4")]
+pub static SOURCE_RANGES4: LpmTrie<SourceRange4, u8> =
+    LpmTrie::with_max_entries(SOURCE_RANGES_MAX, 0);
+
+#[map(name = "FP_NODE_ADDR4")]
+pub static NODE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
+
+#[map(name = "FP_DEV_ADDR4")]
+pub static DEVICE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
+
+#[map(name = "FP_STATS")]
+pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
+
+#[inline(always)]
+pub fn count(which: u32) {
+    if let Some(c) = STATS.get_ptr_mut(which) {
+        // Per-CPU: no other writer.
+        unsafe { *c += 1 };
+    }
+}

@@ -175,11 +175,7 @@ fn idle_udp_flows_are_forgotten() {
         &node(),
         Scope::Full,
     );
-    let fe = Frontend {
-        ip: WEB_IP.into(),
-        port: 53,
-        proto: Protocol::Udp,
-    };
+    let fe = Frontend::socket(WEB_IP.into(), 53, Protocol::Udp);
 
     let udp = run_probe(
         &bed,

@@ -2,16 +2,30 @@
 //! agrees: per service port, the endpoints each traffic policy may use on this node; per
 //! cluster IP, the frontend (address, port, protocol) and its backends.
 //!
-//! The eBPF backend programs [`desired_frontends`] into its maps and the userspace proxier
-//! opens one relay per frontend; the iptables proxier, which also serves node ports and
-//! external addresses, renders from [`port_endpoints`].
+//! The eBPF backend programs [`desired_frontends`] into its maps, plus
+//! [`desired_packet_frontends`] for its tc programs; the userspace proxier opens one relay
+//! per frontend; the iptables proxier, which also serves node ports and external
+//! addresses, renders from [`port_endpoints`].
 
 use std::{collections::BTreeMap, net::IpAddr};
 
 use crate::model::{
     EndpointSet, NodeInfo, Protocol, Service, ServicePort,
+    endpoint::PortEndpoint,
     select::{self, Categorized},
 };
+
+/// Which traffic a frontend applies to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FrontendScope {
+    /// Connections made on this node (cluster IPs; internalTrafficPolicy).
+    #[default]
+    Socket,
+    /// Packets arriving from other hosts (node ports, external and load-balancer IPs;
+    /// externalTrafficPolicy). A node port's frontend has the unspecified address: it
+    /// answers on every node address.
+    Packet,
+}
 
 /// A service address as the dataplanes match it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -19,6 +33,19 @@ pub struct Frontend {
     pub ip: IpAddr,
     pub port: u16,
     pub proto: Protocol,
+    pub scope: FrontendScope,
+}
+
+impl Frontend {
+    /// A frontend for connections made on this node.
+    pub fn socket(ip: IpAddr, port: u16, proto: Protocol) -> Self {
+        Self { ip, port, proto, scope: FrontendScope::Socket }
+    }
+
+    /// A frontend for packets from other hosts.
+    pub fn packet(ip: IpAddr, port: u16, proto: Protocol) -> Self {
+        Self { ip, port, proto, scope: FrontendScope::Packet }
+    }
 }
 
 /// Where a backend slot sends traffic.
@@ -27,19 +54,33 @@ pub struct BackendAddr {
     pub ip: IpAddr,
     pub port: u16,
     pub proto: Protocol,
+    /// The endpoint runs on this node.
+    pub local: bool,
 }
 
 /// What a frontend should look like.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredFrontend {
     pub backends: Vec<BackendAddr>,
     pub affinity_timeout: Option<u32>,
+    /// Packet path: masquerade traffic sent to other nodes' backends
+    /// (externalTrafficPolicy: Cluster).
+    pub snat: bool,
+    /// Packet path: only these clients (loadBalancerSourceRanges); empty: everyone.
+    pub source_ranges: Vec<(IpAddr, u8)>,
 }
 
 pub(crate) fn frontend_name(fe: &Frontend) -> String {
-    match fe.ip {
-        IpAddr::V4(ip) => format!("{ip}:{}/{}", fe.port, fe.proto),
-        IpAddr::V6(ip) => format!("[{ip}]:{}/{}", fe.port, fe.proto),
+    let ip = match fe.ip {
+        IpAddr::V4(ip) if ip.is_unspecified() && fe.scope == FrontendScope::Packet => {
+            "<node>".to_string()
+        }
+        IpAddr::V4(ip) => ip.to_string(),
+        IpAddr::V6(ip) => format!("[{ip}]"),
+    };
+    match fe.scope {
+        FrontendScope::Socket => format!("{ip}:{}/{}", fe.port, fe.proto),
+        FrontendScope::Packet => format!("{ip}:{}/{} (external)", fe.port, fe.proto),
     }
 }
 
@@ -94,29 +135,82 @@ pub fn desired_frontends(
         let port = pe.port;
         let chosen = pe.categorized.internal(svc);
         for &ip in &svc.cluster_ips {
-            let mut backends: Vec<BackendAddr> = chosen
-                .iter()
-                .filter(|e| e.ip.is_ipv4() == ip.is_ipv4())
-                .map(|e| BackendAddr {
-                    ip: e.ip,
-                    port: e.port,
-                    proto: port.protocol,
-                })
-                .collect();
-            backends.sort();
-            backends.dedup();
-            let fe = Frontend {
-                ip,
-                port: port.port,
-                proto: port.protocol,
-            };
+            let fe = Frontend::socket(ip, port.port, port.protocol);
             out.insert(
                 fe,
                 DesiredFrontend {
-                    backends,
+                    backends: backend_addrs(chosen, ip.is_ipv4(), port, node),
                     affinity_timeout: svc.affinity_timeout,
+                    ..Default::default()
                 },
             );
+        }
+    }
+    out
+}
+
+/// The endpoints of one family as backends, sorted so the same endpoints always land in
+/// the same slots.
+fn backend_addrs(
+    chosen: &[PortEndpoint],
+    v4: bool,
+    port: &ServicePort,
+    node: &NodeInfo,
+) -> Vec<BackendAddr> {
+    let mut backends: Vec<BackendAddr> = chosen
+        .iter()
+        .filter(|e| e.ip.is_ipv4() == v4)
+        .map(|e| BackendAddr {
+            ip: e.ip,
+            port: e.port,
+            proto: port.protocol,
+            local: select::is_local(&e.endpoint, node),
+        })
+        .collect();
+    backends.sort();
+    backends.dedup();
+    backends
+}
+
+/// The frontends the packet path (tc programs on the node's devices) needs for traffic from
+/// other hosts: per port, the node port on every node address, and the port on each
+/// external IP and load-balancer IP, with the endpoints `externalTrafficPolicy` allows
+/// here. IPv4 only: the packet programs do not translate IPv6 yet.
+pub fn desired_packet_frontends(
+    svc: &Service,
+    endpoints: Option<&EndpointSet>,
+    node: &NodeInfo,
+) -> BTreeMap<Frontend, DesiredFrontend> {
+    let mut out = BTreeMap::new();
+    let v4 = |ips: &[IpAddr]| ips.iter().copied().filter(IpAddr::is_ipv4).collect::<Vec<_>>();
+    let (external_ips, lb_ips) = (v4(&svc.external_ips), v4(&svc.load_balancer_ips));
+    if svc.ports.iter().all(|p| p.node_port.is_none()) && external_ips.is_empty() && lb_ips.is_empty()
+    {
+        return out;
+    }
+    let mut ranges: Vec<(IpAddr, u8)> =
+        svc.load_balancer_source_ranges.iter().copied().filter(|(ip, _)| ip.is_ipv4()).collect();
+    // Sorted as the maps give them back, so an adopted frontend compares equal.
+    ranges.sort();
+    ranges.dedup();
+    for pe in port_endpoints(svc, endpoints, node, Some(true)) {
+        let port = pe.port;
+        let want = |source_ranges: &[(IpAddr, u8)]| DesiredFrontend {
+            backends: backend_addrs(pe.categorized.external(svc), true, port, node),
+            affinity_timeout: svc.affinity_timeout,
+            snat: !svc.external_policy_local,
+            source_ranges: source_ranges.to_vec(),
+        };
+        if let Some(np) = port.node_port {
+            let any = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+            out.insert(Frontend::packet(any, np, port.protocol), want(&[]));
+        }
+        for &ip in &external_ips {
+            out.insert(Frontend::packet(ip, port.port, port.protocol), want(&[]));
+        }
+        // kube-proxy applies the source ranges to the load-balancer IPs only.
+        for &ip in &lb_ips {
+            out.insert(Frontend::packet(ip, port.port, port.protocol), want(&ranges));
         }
     }
     out

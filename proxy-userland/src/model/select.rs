@@ -109,7 +109,8 @@ fn uses_local_endpoints(svc: &Service) -> bool {
     svc.internal_policy_local || (svc.external_policy_local && externally_accessible(svc))
 }
 
-fn is_local(ep: &Endpoint, node: &NodeInfo) -> bool {
+/// The endpoint runs on `node`.
+pub fn is_local(ep: &Endpoint, node: &NodeInfo) -> bool {
     !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str())
 }
 

@@ -17,11 +17,13 @@ use std::{
 use aya::{
     Ebpf, EbpfError, EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError,
+        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
     },
 };
 use proxy_common::maps as map_names;
+
+use super::devices::{DeviceError, NodeDevices, PacketPathConfig};
 
 /// Maps of this layout live in `<pin dir>/maps-v<N>`: a daemon with another layout never
 /// reads maps it does not understand.
@@ -38,6 +40,10 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "fp_recvmsg6",
     "fp_getpeer6",
 ];
+
+/// The packet programs (node ports, external and load-balancer IPs), by function name.
+pub const NODEPORT_INGRESS: &str = "fp_nodeport_in";
+pub const NODEPORT_EGRESS: &str = "fp_nodeport_out";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -57,12 +63,18 @@ pub enum LoadError {
     Map { name: &'static str, source: aya::maps::MapError },
     #[error("pinning under {path}: {source} (is it on a bpffs mount?)")]
     Pin { path: String, source: io::Error },
+    #[error("attaching {name} to device {device}: {source}")]
+    Device { name: &'static str, device: String, source: ProgramError },
+    #[error(transparent)]
+    Devices(#[from] DeviceError),
 }
 
 /// The loaded object with its programs attached. Dropping it detaches them (aya attaches
 /// through BPF links, which go when their fd closes) and frees the maps.
 pub struct Attached {
     ebpf: Ebpf,
+    /// The packet path's devices and addresses, when it is attached.
+    pub node_devices: Option<NodeDevices>,
 }
 
 impl Attached {
@@ -101,9 +113,14 @@ pub fn remove_pinned(dir: &Path) -> Result<(), LoadError> {
     }
 }
 
-/// Loads the programs and attaches them to `cgroup`. With `pin_dir`, maps are reused from
+/// Loads the programs and attaches them to `cgroup` and, with `packet`, the node-port
+/// programs to its devices (tc ingress and egress). With `pin_dir`, maps are reused from
 /// (or pinned to) it and the links are pinned there, replacing an older generation's.
-pub fn load_and_attach(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Attached, LoadError> {
+pub fn load_and_attach(
+    cgroup: &Path,
+    pin_dir: Option<&Path>,
+    packet: Option<&PacketPathConfig>,
+) -> Result<Attached, LoadError> {
     let cgroup_file = File::open(cgroup)
         .map_err(|source| LoadError::Cgroup { path: cgroup.display().to_string(), source })?;
     let layout = pin_dir.map(PinLayout::new);
@@ -127,6 +144,19 @@ pub fn load_and_attach(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Attached
         .map(|d| d.as_nanos())
         .unwrap_or_default());
     let mut pinned_now = Vec::new();
+    // With a pin directory a link is pinned there, so it outlives us; without, it stays
+    // with its program and goes when we exit.
+    let mut pin = |name: &'static str, link: Result<FdLink, String>, tag: &str| {
+        let Some(l) = &layout else { return Ok(()) };
+        let fd_link = link.map_err(|e| LoadError::Pin {
+            path: l.links.display().to_string(),
+            source: io::Error::other(format!("link of {name} is not a BPF link: {e}")),
+        })?;
+        let path = l.links.join(format!("{tag}@{generation}"));
+        fd_link.pin(&path).map_err(|e| pin_err(&path)(io::Error::other(e)))?;
+        pinned_now.push(path);
+        Ok::<(), LoadError>(())
+    };
     for name in SOCK_PROGRAMS {
         let program: &mut CgroupSockAddr = ebpf
             .program_mut(name)
@@ -139,16 +169,40 @@ pub fn load_and_attach(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Attached
         let link_id = program
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(|source| LoadError::Program { name, source })?;
-        if let Some(l) = &layout {
+        if layout.is_some() {
             let link = program.take_link(link_id).map_err(|source| LoadError::Program { name, source })?;
-            let fd_link = FdLink::try_from(link).map_err(|e| LoadError::Pin {
-                path: l.links.display().to_string(),
-                source: io::Error::other(format!("link of {name} is not a BPF link: {e}")),
-            })?;
-            let path = l.links.join(format!("{name}@{generation}"));
-            fd_link.pin(&path).map_err(|e| pin_err(&path)(io::Error::other(e)))?;
-            pinned_now.push(path);
+            pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), name)?;
         }
+    }
+    let mut node_devices = None;
+    if let Some(cfg) = packet {
+        let devices = NodeDevices::read(cfg)?;
+        for (name, attach_type) in
+            [(NODEPORT_INGRESS, TcAttachType::Ingress), (NODEPORT_EGRESS, TcAttachType::Egress)]
+        {
+            let program: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::MissingProgram { name })?
+                .try_into()
+                .map_err(|_| LoadError::WrongType { name })?;
+            program.load().map_err(|source| LoadError::Program { name, source })?;
+            for dev in &devices.devices {
+                // Interface names resolve in the devices' namespace.
+                let link_id = super::devices::in_netns(cfg.netns.as_deref(), || {
+                    program.attach(&dev.name, attach_type)
+                })
+                .map_err(DeviceError::from)?
+                .map_err(|source| LoadError::Device { name, device: dev.name.clone(), source })?;
+                if layout.is_some() {
+                    let link = program
+                        .take_link(link_id)
+                        .map_err(|source| LoadError::Program { name, source })?;
+                    let tag = format!("{name}-{}", dev.ifindex);
+                    pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), &tag)?;
+                }
+            }
+        }
+        node_devices = Some(devices);
     }
     // Ours are attached: only now let the previous generation go.
     if let Some(l) = &layout {
@@ -164,5 +218,5 @@ pub fn load_and_attach(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Attached
             }
         }
     }
-    Ok(Attached { ebpf })
+    Ok(Attached { ebpf, node_devices })
 }

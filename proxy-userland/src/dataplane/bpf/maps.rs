@@ -7,14 +7,16 @@ use std::net::{IpAddr, SocketAddr};
 
 use aya::{
     Ebpf,
-    maps::{HashMap, MapData, MapError},
+    maps::{HashMap, MapData, MapError, PerCpuArray, lpm_trie::{Key as LpmKey, LpmTrie}},
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
-    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps as names,
+    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
+    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
+    SockRevNat6Value, SourceRange4, backend::flags as backend_flags, maps as names, nat,
+    service::scope,
 };
 
-use crate::model::Protocol;
+use crate::{dataplane::frontends::FrontendScope, model::Protocol};
 
 use super::{
     loader::LoadError,
@@ -31,6 +33,23 @@ pub struct ServiceMaps {
     sock_revnat6: HashMap<MapData, SockRevNat6Key, SockRevNat6Value>,
     // Written by the programs; the daemon deletes entries that point at removed backends.
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    // The packet path: flows (written by the programs), source ranges, node and device
+    // addresses, and the programs' counters.
+    ct4: HashMap<MapData, Ct4Key, Ct4Value>,
+    source_ranges4: LpmTrie<MapData, SourceRange4, u8>,
+    node_addrs4: HashMap<MapData, u32, u32>,
+    device_addrs4: HashMap<MapData, u32, u32>,
+    stats: PerCpuArray<MapData, u64>,
+}
+
+/// What the packet programs counted, summed over CPUs (see `proxy_common::nat::stat`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PacketStats {
+    pub new_flows: u64,
+    pub translated: u64,
+    pub dropped_no_backend: u64,
+    pub dropped_source_range: u64,
+    pub dropped_nat: u64,
 }
 
 fn take<K: aya::Pod, V: aya::Pod>(
@@ -45,6 +64,26 @@ fn v4(ip: std::net::Ipv4Addr) -> u32 {
     u32::from_ne_bytes(ip.octets())
 }
 
+fn scope_of(s: FrontendScope) -> u8 {
+    match s {
+        FrontendScope::Socket => scope::SOCKET,
+        FrontendScope::Packet => scope::PACKET,
+    }
+}
+
+fn key4(fe: &Frontend, ip: std::net::Ipv4Addr, slot: u16) -> Service4Key {
+    Service4Key::scoped(v4(ip), fe.port.to_be(), fe.proto.number(), slot, scope_of(fe.scope))
+}
+
+fn key6(fe: &Frontend, ip: std::net::Ipv6Addr, slot: u16) -> Service6Key {
+    Service6Key::scoped(ip.octets(), fe.port.to_be(), fe.proto.number(), slot, scope_of(fe.scope))
+}
+
+fn source_range_key(rev_nat_index: u16, ip: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange4> {
+    let data = SourceRange4 { rev_nat_index, _pad: 0, addr: v4(ip) };
+    LpmKey::new(nat::SOURCE_RANGE_PREFIX_BITS + u32::from(len.min(32)), data)
+}
+
 impl ServiceMaps {
     pub fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
         Ok(Self {
@@ -55,22 +94,32 @@ impl ServiceMaps {
             sock_revnat4: take(ebpf, names::SOCK_REVNAT4)?,
             sock_revnat6: take(ebpf, names::SOCK_REVNAT6)?,
             affinity: take(ebpf, names::AFFINITY)?,
+            ct4: take(ebpf, names::CT4)?,
+            source_ranges4: {
+                let name = names::SOURCE_RANGES4;
+                let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+                LpmTrie::try_from(map).map_err(|source| LoadError::Map { name, source })?
+            },
+            node_addrs4: take(ebpf, names::NODE_ADDRS4)?,
+            device_addrs4: take(ebpf, names::DEVICE_ADDRS4)?,
+            stats: {
+                let name = names::STATS;
+                let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+                PerCpuArray::try_from(map).map_err(|source| LoadError::Map { name, source })?
+            },
         })
     }
 
     pub fn put_backend(&mut self, id: BackendId, b: &BackendAddr) -> Result<(), MapError> {
         let (port, proto) = (b.port.to_be(), b.proto.number());
+        let flags = if b.local { backend_flags::LOCAL } else { 0 };
         match b.ip {
-            IpAddr::V4(ip) => self.backends4.insert(
-                id,
-                Backend4 { address: v4(ip), port, proto, flags: 0 },
-                0,
-            ),
-            IpAddr::V6(ip) => self.backends6.insert(
-                id,
-                Backend6 { address: ip.octets(), port, proto, flags: 0 },
-                0,
-            ),
+            IpAddr::V4(ip) => {
+                self.backends4.insert(id, Backend4 { address: v4(ip), port, proto, flags }, 0)
+            }
+            IpAddr::V6(ip) => {
+                self.backends6.insert(id, Backend6 { address: ip.octets(), port, proto, flags }, 0)
+            }
         }
     }
 
@@ -87,37 +136,24 @@ impl ServiceMaps {
         slot: u16,
         value: ServiceValue,
     ) -> Result<(), MapError> {
-        let (port, proto) = (fe.port.to_be(), fe.proto.number());
         match fe.ip {
-            IpAddr::V4(ip) => {
-                self.services4.insert(Service4Key::new(v4(ip), port, proto, slot), value, 0)
-            }
-            IpAddr::V6(ip) => {
-                self.services6.insert(Service6Key::new(ip.octets(), port, proto, slot), value, 0)
-            }
+            IpAddr::V4(ip) => self.services4.insert(key4(fe, ip, slot), value, 0),
+            IpAddr::V6(ip) => self.services6.insert(key6(fe, ip, slot), value, 0),
         }
     }
 
     pub fn del_service(&mut self, fe: &Frontend, slot: u16) -> Result<(), MapError> {
-        let (port, proto) = (fe.port.to_be(), fe.proto.number());
         ignore_missing(match fe.ip {
-            IpAddr::V4(ip) => self.services4.remove(&Service4Key::new(v4(ip), port, proto, slot)),
-            IpAddr::V6(ip) => {
-                self.services6.remove(&Service6Key::new(ip.octets(), port, proto, slot))
-            }
+            IpAddr::V4(ip) => self.services4.remove(&key4(fe, ip, slot)),
+            IpAddr::V6(ip) => self.services6.remove(&key6(fe, ip, slot)),
         })
     }
 
     /// The entry the programs would read, for tests and diagnostics.
     pub fn get_service(&self, fe: &Frontend, slot: u16) -> Option<ServiceValue> {
-        let (port, proto) = (fe.port.to_be(), fe.proto.number());
         match fe.ip {
-            IpAddr::V4(ip) => {
-                self.services4.get(&Service4Key::new(v4(ip), port, proto, slot), 0).ok()
-            }
-            IpAddr::V6(ip) => {
-                self.services6.get(&Service6Key::new(ip.octets(), port, proto, slot), 0).ok()
-            }
+            IpAddr::V4(ip) => self.services4.get(&key4(fe, ip, slot), 0).ok(),
+            IpAddr::V6(ip) => self.services6.get(&key6(fe, ip, slot), 0).ok(),
         }
     }
 
@@ -129,6 +165,7 @@ impl ServiceMaps {
                 ip: IpAddr::V4(std::net::Ipv4Addr::from(k.address.to_ne_bytes())),
                 port: u16::from_be(k.dport),
                 proto: Protocol::from_number(k.proto)?,
+                scope: scope_from(k.scope)?,
             };
             Some((fe, k.backend_slot, v))
         });
@@ -137,6 +174,7 @@ impl ServiceMaps {
                 ip: IpAddr::V6(std::net::Ipv6Addr::from(k.address)),
                 port: u16::from_be(k.dport),
                 proto: Protocol::from_number(k.proto)?,
+                scope: scope_from(k.scope)?,
             };
             Some((fe, k.backend_slot, v))
         });
@@ -147,11 +185,11 @@ impl ServiceMaps {
     pub fn backend_entries(&self) -> Vec<(BackendId, BackendAddr)> {
         let v4 = self.backends4.iter().filter_map(Result::ok).filter_map(|(id, b)| {
             let ip = IpAddr::V4(std::net::Ipv4Addr::from(b.address.to_ne_bytes()));
-            Some((id, BackendAddr { ip, port: u16::from_be(b.port), proto: Protocol::from_number(b.proto)? }))
+            Some((id, backend_addr(ip, b.port, b.proto, b.flags)?))
         });
         let v6 = self.backends6.iter().filter_map(Result::ok).filter_map(|(id, b)| {
             let ip = IpAddr::V6(std::net::Ipv6Addr::from(b.address));
-            Some((id, BackendAddr { ip, port: u16::from_be(b.port), proto: Protocol::from_number(b.proto)? }))
+            Some((id, backend_addr(ip, b.port, b.proto, b.flags)?))
         });
         v4.chain(v6).collect()
     }
@@ -190,6 +228,83 @@ impl ServiceMaps {
         doomed.iter().filter(|k| self.affinity.remove(k).is_ok()).count()
     }
 
+    /// Lets `ranges` use the frontend `rev_nat_index` (loadBalancerSourceRanges). Written
+    /// before the master entry that turns the check on.
+    pub fn put_source_ranges(&mut self, rev_nat_index: u16, ranges: &[(IpAddr, u8)]) -> Result<(), MapError> {
+        for &(ip, len) in ranges {
+            if let IpAddr::V4(ip) = ip {
+                self.source_ranges4.insert(&source_range_key(rev_nat_index, ip, len), 1, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn del_source_ranges(&mut self, rev_nat_index: u16, ranges: &[(IpAddr, u8)]) {
+        for &(ip, len) in ranges {
+            if let IpAddr::V4(ip) = ip {
+                let _ = self.source_ranges4.remove(&source_range_key(rev_nat_index, ip, len));
+            }
+        }
+    }
+
+    /// Every source range: (frontend's reverse-NAT index, network, prefix length); for
+    /// adopting pinned maps.
+    pub fn source_range_entries(&self) -> Vec<(u16, (IpAddr, u8))> {
+        self.source_ranges4
+            .keys()
+            .filter_map(Result::ok)
+            .filter_map(|k| {
+                let len = k.prefix_len().checked_sub(nat::SOURCE_RANGE_PREFIX_BITS)?;
+                let d = k.data();
+                let ip = IpAddr::V4(std::net::Ipv4Addr::from(d.addr.to_ne_bytes()));
+                Some((d.rev_nat_index, (ip, len as u8)))
+            })
+            .collect()
+    }
+
+    /// Makes the node-port addresses exactly `addrs`, and the SNAT address of each device
+    /// (ifindex) exactly `devices`.
+    pub fn set_node_addresses(
+        &mut self,
+        addrs: &[std::net::Ipv4Addr],
+        devices: &[(u32, std::net::Ipv4Addr)],
+    ) -> Result<(), MapError> {
+        let want: std::collections::BTreeSet<u32> = addrs.iter().map(|a| v4(*a)).collect();
+        for a in &want {
+            self.node_addrs4.insert(a, 1, 0)?;
+        }
+        let stale: Vec<u32> =
+            self.node_addrs4.keys().filter_map(Result::ok).filter(|a| !want.contains(a)).collect();
+        for a in stale {
+            ignore_missing(self.node_addrs4.remove(&a))?;
+        }
+        let want: std::collections::BTreeMap<u32, u32> =
+            devices.iter().map(|(i, a)| (*i, v4(*a))).collect();
+        for (i, a) in &want {
+            self.device_addrs4.insert(i, a, 0)?;
+        }
+        let stale: Vec<u32> =
+            self.device_addrs4.keys().filter_map(Result::ok).filter(|i| !want.contains_key(i)).collect();
+        for i in stale {
+            ignore_missing(self.device_addrs4.remove(&i))?;
+        }
+        Ok(())
+    }
+
+    /// The packet programs' counters, summed over CPUs.
+    pub fn packet_stats(&self) -> PacketStats {
+        let get = |i: u32| -> u64 {
+            self.stats.get(&i, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+        };
+        PacketStats {
+            new_flows: get(nat::stat::NEW_FLOW),
+            translated: get(nat::stat::TRANSLATED),
+            dropped_no_backend: get(nat::stat::DROP_NO_BACKEND),
+            dropped_source_range: get(nat::stat::DROP_SOURCE_RANGE),
+            dropped_nat: get(nat::stat::DROP_NAT),
+        }
+    }
+
     /// Entries per map, for metrics and leak checks.
     pub fn occupancy(&self) -> Occupancy {
         Occupancy {
@@ -197,6 +312,7 @@ impl ServiceMaps {
             backends: self.backends4.keys().count() + self.backends6.keys().count(),
             sock_revnat: self.sock_revnat4.keys().count() + self.sock_revnat6.keys().count(),
             affinity: self.affinity.keys().count(),
+            conntrack: self.ct4.keys().count(),
         }
     }
 }
@@ -207,6 +323,25 @@ pub struct Occupancy {
     pub backends: usize,
     pub sock_revnat: usize,
     pub affinity: usize,
+    /// Packet-path flow entries (two per flow).
+    pub conntrack: usize,
+}
+
+fn scope_from(s: u8) -> Option<FrontendScope> {
+    match s {
+        scope::SOCKET => Some(FrontendScope::Socket),
+        scope::PACKET => Some(FrontendScope::Packet),
+        _ => None,
+    }
+}
+
+fn backend_addr(ip: IpAddr, port: u16, proto: u8, flags: u8) -> Option<BackendAddr> {
+    Some(BackendAddr {
+        ip,
+        port: u16::from_be(port),
+        proto: Protocol::from_number(proto)?,
+        local: flags & backend_flags::LOCAL != 0,
+    })
 }
 
 /// Deleting what is already gone is success: the goal is its absence.

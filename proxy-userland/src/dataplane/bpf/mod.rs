@@ -1,12 +1,15 @@
 //! The eBPF dataplane: socket-level load balancing through cgroup `sock_addr` programs.
 //!
-//! - [`loader`]: loads the embedded object and attaches the programs to a cgroup v2.
+//! - [`loader`]: loads the embedded object and attaches the programs to a cgroup v2 and,
+//!   for node ports and external addresses, to the node's devices.
+//! - [`devices`]: which devices those are, and the node's addresses.
 //! - [`maps`]: typed access to the service, backend and reverse-NAT maps, written in the
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
 //! - [`stale_sockets`]: connected UDP sockets of removed backends, destroyed so clients
 //!   reconnect instead of sending into the void.
 
+pub mod devices;
 pub mod loader;
 pub mod maps;
 pub mod program;
@@ -14,6 +17,7 @@ pub mod stale_sockets;
 
 use std::path::Path;
 
+pub use devices::PacketPathConfig;
 pub use loader::LoadError;
 
 use self::{loader::Attached, maps::ServiceMaps, program::Programmer};
@@ -37,9 +41,32 @@ impl BpfDataplane {
     /// [`loader`]): what a previous daemon programmed there is adopted and reconciled by the
     /// first full sync, and on exit everything stays for the next one.
     pub fn attach_pinned(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Self, LoadError> {
-        let mut attached = loader::load_and_attach(cgroup, pin_dir)?;
+        Self::attach_with(cgroup, pin_dir, None)
+    }
+
+    /// As [`attach_pinned`](Self::attach_pinned), and with `packet` the node-port programs
+    /// on the node's devices, so node ports, external IPs and load-balancer IPs work for
+    /// traffic from other hosts.
+    pub fn attach_with(
+        cgroup: &Path,
+        pin_dir: Option<&Path>,
+        packet: Option<&PacketPathConfig>,
+    ) -> Result<Self, LoadError> {
+        let mut attached = loader::load_and_attach(cgroup, pin_dir, packet)?;
         let maps = ServiceMaps::take(attached.ebpf_mut())?;
         let mut programmer = Programmer::new(maps, Some(cgroup.to_path_buf()));
+        if let Some(devices) = &attached.node_devices {
+            programmer
+                .maps_mut()
+                .set_node_addresses(&devices.node_port_addrs, &devices.snat_addresses())
+                .map_err(|source| LoadError::Map { name: proxy_common::maps::NODE_ADDRS4, source })?;
+            programmer.enable_packet_path();
+            tracing::info!(
+                devices = ?devices.devices.iter().map(|d| &d.name).collect::<Vec<_>>(),
+                node_port_addresses = ?devices.node_port_addrs,
+                "node-port programs attached"
+            );
+        }
         if pin_dir.is_some() {
             let adopted = programmer.adopt_existing();
             if adopted > 0 {
@@ -51,6 +78,11 @@ impl BpfDataplane {
 
     pub fn programmer(&self) -> &Programmer {
         &self.programmer
+    }
+
+    /// The devices the node-port programs are attached to, if they are.
+    pub fn node_devices(&self) -> Option<&devices::NodeDevices> {
+        self._attached.node_devices.as_ref()
     }
 }
 

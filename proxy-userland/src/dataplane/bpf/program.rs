@@ -22,7 +22,10 @@ use super::{
 };
 // The frontend types and their derivation from the model are shared with the other
 // dataplanes (see `dataplane::frontends`); re-exported where the eBPF code finds them.
-pub use crate::dataplane::frontends::{BackendAddr, DesiredFrontend, Frontend, desired_frontends};
+pub use crate::dataplane::frontends::{
+    BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_frontends,
+    desired_packet_frontends,
+};
 use crate::{
     dataplane::{Scope, SyncReport, frontends::frontend_name},
     model::{NodeInfo, Protocol, ProxyState, ServiceKey},
@@ -48,6 +51,17 @@ struct FrontendState {
     backends: Vec<BackendAddr>,
     ids: Vec<BackendId>,
     affinity_timeout: Option<u32>,
+    snat: bool,
+    source_ranges: Vec<(std::net::IpAddr, u8)>,
+}
+
+impl FrontendState {
+    fn is(&self, want: &DesiredFrontend) -> bool {
+        self.backends == want.backends
+            && self.affinity_timeout == want.affinity_timeout
+            && self.snat == want.snat
+            && self.source_ranges == want.source_ranges
+    }
 }
 
 struct BackendRef {
@@ -108,6 +122,9 @@ pub struct Programmer {
     cgroup: Option<PathBuf>,
     /// (frontend, backend) pairs a UDP frontend lost during the current sync.
     departed_udp: BTreeSet<(SocketAddr, SocketAddr)>,
+    /// Whether packet programs are attached, so node ports, external and load-balancer
+    /// IPs get packet-scope frontends.
+    packet_path: bool,
 }
 
 impl Programmer {
@@ -116,6 +133,7 @@ impl Programmer {
         Self {
             cgroup,
             departed_udp: BTreeSet::new(),
+            packet_path: false,
             maps,
             frontends: HashMap::new(),
             owners: HashMap::new(),
@@ -127,6 +145,15 @@ impl Programmer {
 
     pub fn maps(&self) -> &ServiceMaps {
         &self.maps
+    }
+
+    pub fn maps_mut(&mut self) -> &mut ServiceMaps {
+        &mut self.maps
+    }
+
+    /// From now on, program the packet-scope frontends too (the tc programs are attached).
+    pub fn enable_packet_path(&mut self) {
+        self.packet_path = true;
     }
 
     pub fn occupancy(&self) -> Occupancy {
@@ -157,7 +184,14 @@ impl Programmer {
             let desired = state
                 .services
                 .get(&key)
-                .map(|svc| desired_frontends(svc, state.endpoints.get(&key).map(|e| &**e), node))
+                .map(|svc| {
+                    let eps = state.endpoints.get(&key).map(|e| &**e);
+                    let mut all = desired_frontends(svc, eps, node);
+                    if self.packet_path {
+                        all.extend(desired_packet_frontends(svc, eps, node));
+                    }
+                    all
+                })
                 .unwrap_or_default();
             report.services_synced += 1;
             if let Err(e) = self.sync_service(&key, &desired, &mut report) {
@@ -185,6 +219,10 @@ impl Programmer {
     /// Entries that reference nothing are deleted. Returns how many frontends were adopted.
     pub fn adopt_existing(&mut self) -> usize {
         let backends: HashMap<BackendId, BackendAddr> = self.maps.backend_entries().into_iter().collect();
+        let mut ranges: HashMap<u16, Vec<(std::net::IpAddr, u8)>> = HashMap::new();
+        for (rev, range) in self.maps.source_range_entries() {
+            ranges.entry(rev).or_default().push(range);
+        }
         let mut masters = BTreeMap::new();
         let mut slots = HashMap::new();
         for (fe, slot, value) in self.maps.service_entries() {
@@ -201,6 +239,12 @@ impl Programmer {
                 backends: Vec::new(),
                 ids: Vec::new(),
                 affinity_timeout: (master.flags & flags::AFFINITY != 0).then_some(master.affinity_timeout),
+                snat: master.flags & flags::SNAT != 0,
+                source_ranges: {
+                    let mut r = ranges.remove(&master.rev_nat_index).unwrap_or_default();
+                    r.sort();
+                    r
+                },
             };
             for slot in 1..=master.count {
                 // A gap means a half-written frontend; keep the prefix, the sync rewrites it.
@@ -225,11 +269,16 @@ impl Programmer {
                 let _ = self.maps.del_backend(*id, b);
             }
         }
+        // Ranges of frontends that are gone.
+        for (rev, r) in ranges {
+            self.maps.del_source_ranges(rev, &r);
+        }
         masters.len()
     }
 
     fn note_departed(&mut self, fe: &Frontend, gone: impl IntoIterator<Item = BackendAddr>) {
-        if fe.proto == Protocol::Udp {
+        // Only sockets can be reset; the packet path re-picks for flows whose backend went.
+        if fe.proto == Protocol::Udp && fe.scope == FrontendScope::Socket {
             let frontend = SocketAddr::new(fe.ip, fe.port);
             self.departed_udp
                 .extend(gone.into_iter().map(|b| (frontend, SocketAddr::new(b.ip, b.port))));
@@ -305,8 +354,7 @@ impl Programmer {
         want: &DesiredFrontend,
     ) -> Result<bool, ProgramError> {
         if let Some(old) = self.frontends.get_mut(fe)
-            && old.backends == want.backends
-            && old.affinity_timeout == want.affinity_timeout
+            && old.is(want)
         {
             if old.owner != *key {
                 // Adopted from pinned maps exactly as wanted: claim it, write nothing.
@@ -325,15 +373,16 @@ impl Programmer {
                 max,
             });
         }
-        let (old_ids, old_backends) =
-            old.map(|o| (o.ids.clone(), o.backends.clone())).unwrap_or_default();
+        let (old_ids, old_backends, old_ranges) = old
+            .map(|o| (o.ids.clone(), o.backends.clone(), o.source_ranges.clone()))
+            .unwrap_or_default();
         let old_owner = old.map(|o| o.owner.clone());
         let (rev_nat_index, new_rev) = match old {
             Some(o) => (o.rev_nat_index, false),
             None => (self.rev_nat_ids.alloc().ok_or(ProgramError::RevNatExhausted)? as u16, true),
         };
 
-        let result = self.publish(fe, want, rev_nat_index, &old_ids);
+        let result = self.publish(fe, want, rev_nat_index, &old_ids, &old_ranges);
         let ids = match result {
             Ok(ids) => ids,
             Err(e) => {
@@ -354,6 +403,9 @@ impl Programmer {
         for slot in ids.len() + 1..=old_ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
         }
+        let dropped: Vec<_> =
+            old_ranges.iter().filter(|r| !want.source_ranges.contains(r)).copied().collect();
+        self.maps.del_source_ranges(rev_nat_index, &dropped);
         let gone: Vec<BackendAddr> =
             // `want.backends` is sorted (see desired_frontends).
             old_backends.iter().filter(|b| want.backends.binary_search(b).is_err()).copied().collect();
@@ -372,6 +424,8 @@ impl Programmer {
                 backends: want.backends.clone(),
                 ids,
                 affinity_timeout: want.affinity_timeout,
+                snat: want.snat,
+                source_ranges: want.source_ranges.clone(),
             },
         );
         self.owners.entry(key.clone()).or_default().insert(*fe);
@@ -386,9 +440,13 @@ impl Programmer {
         want: &DesiredFrontend,
         rev_nat_index: u16,
         old_ids: &[BackendId],
+        old_ranges: &[(std::net::IpAddr, u8)],
     ) -> Result<Vec<BackendId>, ProgramError> {
         let mut ids = Vec::with_capacity(want.backends.len());
+        let added_ranges: Vec<_> =
+            want.source_ranges.iter().filter(|r| !old_ranges.contains(r)).copied().collect();
         let undo = |this: &mut Self, ids: &[BackendId], slots_written: usize| {
+            this.maps.del_source_ranges(rev_nat_index, &added_ranges);
             for slot in 1..=slots_written {
                 match old_ids.get(slot - 1) {
                     Some(&id) => {
@@ -430,10 +488,24 @@ impl Programmer {
                 });
             }
         }
-        let (flag_bits, timeout) = match want.affinity_timeout {
+        if let Err(source) = self.maps.put_source_ranges(rev_nat_index, &added_ranges) {
+            undo(self, &ids, ids.len());
+            return Err(ProgramError::Map {
+                what: "the source ranges",
+                frontend: frontend_name(fe),
+                source,
+            });
+        }
+        let (mut flag_bits, timeout) = match want.affinity_timeout {
             Some(t) => (flags::AFFINITY, t),
             None => (0, 0),
         };
+        if want.snat {
+            flag_bits |= flags::SNAT;
+        }
+        if !want.source_ranges.is_empty() {
+            flag_bits |= flags::SOURCE_RANGES;
+        }
         let master = ServiceValue::master(ids.len() as u16, rev_nat_index, flag_bits, timeout);
         if let Err(source) = self.maps.put_service(fe, 0, master) {
             undo(self, &ids, ids.len());
@@ -466,6 +538,7 @@ impl Programmer {
         for b in &st.backends {
             self.release_backend(b);
         }
+        self.maps.del_source_ranges(st.rev_nat_index, &st.source_ranges);
         self.note_departed(fe, st.backends.iter().copied());
         self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
@@ -564,11 +637,11 @@ mod tests {
     }
 
     fn fe(ip: &str, port: u16, proto: Protocol) -> Frontend {
-        Frontend { ip: ip.parse().unwrap(), port, proto }
+        Frontend::socket(ip.parse().unwrap(), port, proto)
     }
 
     fn be(ip: &str, port: u16, proto: Protocol) -> BackendAddr {
-        BackendAddr { ip: ip.parse().unwrap(), port, proto }
+        BackendAddr { ip: ip.parse().unwrap(), port, proto, local: true }
     }
 
     #[test]

@@ -91,11 +91,7 @@ mod tests {
 
     #[test]
     fn each_frontend_is_redirected_in_both_chains() {
-        let fe = Frontend {
-            ip: "198.19.0.10".parse().unwrap(),
-            port: 53,
-            proto: Protocol::Udp,
-        };
+        let fe = Frontend::socket("198.19.0.10".parse().unwrap(), 53, Protocol::Udp);
         let text = render(&[Portal {
             service: "demo/web".into(),
             frontend: fe,

@@ -1,0 +1,99 @@
+//! The packet path's NAT state, after Cilium's `ct4`/`snat4` maps and `lb4_src_range`.
+//!
+//! Traffic from outside the node to a node port, external IP or load-balancer IP is
+//! translated per packet by the tc programs on the node's devices. The first packet of a
+//! flow picks a backend and records two entries in one LRU map: the *forward* entry (keyed
+//! by the tuple as the client sent it) pins the flow to that backend and source port, and
+//! the *reply* entry (keyed by the tuple as the backend answers) restores what the client
+//! expects to see. Entries age out by LRU and by their `last_seen_ns`.
+
+use bytemuck::{Pod, Zeroable};
+
+/// `Ct4Key::dir`.
+pub mod dir {
+    /// Client -> frontend, as it arrives at the node.
+    pub const FORWARD: u8 = 0;
+    /// Backend -> client (or -> our SNAT address), as the backend answers.
+    pub const REPLY: u8 = 1;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct Ct4Key {
+    /// Network byte order, as in the packet.
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+const _: () = assert!(core::mem::size_of::<Ct4Key>() == 16);
+
+/// A forward entry says where the flow goes: `addr:port` is the backend, `snat_addr:snat_port`
+/// the source we give it (0: the client's own). A reply entry says what the client sees:
+/// `addr:port` is the frontend the reply must come from and `snat_addr:snat_port` the
+/// client to send it back to (0: the destination is already the client).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct Ct4Value {
+    pub addr: u32,
+    pub port: u16,
+    pub rev_nat_index: u16,
+    pub snat_addr: u32,
+    pub snat_port: u16,
+    pub _pad: u16,
+    /// Forward entries: the backend chosen, to notice when it leaves.
+    pub backend_id: u32,
+    pub _pad2: u32,
+    /// bpf_ktime_get_ns() of the last packet.
+    pub last_seen_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<Ct4Value>() == 32);
+
+/// Data of the source-range LPM trie key: the prefix covers `rev_nat_index` and `_pad`
+/// (32 bits) plus the CIDR's own length, so a lookup matches one frontend's ranges only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+pub struct SourceRange4 {
+    pub rev_nat_index: u16,
+    pub _pad: u16,
+    /// Network byte order.
+    pub addr: u32,
+}
+const _: () = assert!(core::mem::size_of::<SourceRange4>() == 8);
+
+/// Bits of the trie key's prefix taken by `rev_nat_index` and `_pad`.
+pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
+
+/// Where the source ports of SNATed flows come from: above the default ephemeral range
+/// (32768-60999), so they never collide with the node's own connections.
+pub const SNAT_PORT_MIN: u16 = 61_000;
+pub const SNAT_PORT_MAX: u16 = 65_535;
+
+/// Idle time after which a flow's entries no longer count, per protocol. TCP's matches
+/// nf_conntrack's established timeout order of magnitude without keeping dead flows for
+/// days; UDP's is long enough for DNS and statsd clients between bursts.
+pub const CT_TCP_TIMEOUT_NS: u64 = 6 * 3600 * 1_000_000_000;
+pub const CT_UDP_TIMEOUT_NS: u64 = 120 * 1_000_000_000;
+
+/// Affinity on the packet path keys clients by IPv4 address; this bit keeps those keys
+/// apart from the socket path's netns cookies in the shared affinity map.
+pub const AFFINITY_CLIENT_IP: u64 = 1 << 63;
+
+/// Counters in the per-CPU stats array: where packets went, for metrics and debugging.
+pub mod stat {
+    /// Packets of new flows translated to a backend.
+    pub const NEW_FLOW: u32 = 0;
+    /// Packets of known flows translated (forward or reply).
+    pub const TRANSLATED: u32 = 1;
+    /// Dropped: the frontend has no usable backend (e.g. externalTrafficPolicy: Local and
+    /// no endpoint on this node).
+    pub const DROP_NO_BACKEND: u32 = 2;
+    /// Dropped: the client is outside loadBalancerSourceRanges.
+    pub const DROP_SOURCE_RANGE: u32 = 3;
+    /// Dropped: no free SNAT port, or no route to the backend.
+    pub const DROP_NAT: u32 = 4;
+    pub const COUNT: u32 = 5;
+}
