@@ -8,6 +8,7 @@ mod nat_common;
 use std::{
     collections::BTreeSet,
     net::{IpAddr, Ipv4Addr},
+    thread,
     time::Duration,
 };
 
@@ -94,4 +95,114 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     // A port nobody serves is left to the node's stack, which refuses it.
     let other = tcp_from(&ext, &node_addr(&bed, 30999), 1);
     assert_eq!(other[0].errno(), Some("ECONNREFUSED"), "{other:?}");
+}
+
+#[test]
+fn local_policy_uses_only_this_nodes_endpoints_and_drops_without_one() {
+    let (mut bed, _pods) = bed_with_pods("nplocal", 2);
+    let ext = external_client(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth]);
+    let mut local = node_port_service("local", WEB_IP, NODE_PORT);
+    local.external_policy_local = true;
+    let mut elsewhere = node_port_service("elsewhere", Ipv4Addr::new(198, 19, 0, 12), 30180);
+    elsewhere.external_policy_local = true;
+    // pod-1 runs on this node, pod-2 on another.
+    let eps = || web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-b", ready(pod_ip(2)))]);
+    let remote_only = web_endpoints(vec![on("node-b", ready(pod_ip(2)))]);
+    let state = state_of(vec![(local, Some(eps())), (elsewhere, Some(remote_only))]);
+    let report = dp.sync(&state, &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let attempts = tcp_from(&ext, &node_addr(&bed, NODE_PORT), 20);
+    assert!(attempts.iter().all(|a| a.reply() == Some("pod-1")), "{attempts:?}");
+
+    // No endpoint here: dropped (kube-proxy drops too, so a load balancer's health check
+    // steers clients to nodes that have one), and counted.
+    let before = dp.programmer().maps().packet_stats().dropped_no_backend;
+    let attempts = tcp_from(&ext, &node_addr(&bed, 30180), 2);
+    assert!(attempts.iter().all(|a| !a.is_ok()), "{attempts:?}");
+    assert!(dp.programmer().maps().packet_stats().dropped_no_backend > before);
+}
+
+#[test]
+fn external_and_load_balancer_ips_serve_and_source_ranges_keep_others_out() {
+    let (mut bed, _pods) = bed_with_pods("npextlb", 2);
+    let ext = external_client(&mut bed);
+    // A second outside client, in a range the load balancer does not allow.
+    let stranger = bed.add_pod("stranger", Ipv4Addr::new(198, 18, 4, 1), None).expect("client");
+    let mut dp = attach(&bed, &[&ext.node_veth, &stranger.node_veth]);
+    let mut svc = web_service("web", WEB_IP);
+    svc.external_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 1))];
+    svc.load_balancer_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 2))];
+    svc.load_balancer_source_ranges = vec![(IpAddr::V4(Ipv4Addr::new(198, 18, 2, 0)), 24)];
+    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    for client in [&ext, &stranger] {
+        let attempts = tcp_from(client, "198.19.1.1:80", 10);
+        assert!(attempts.iter().all(|a| a.is_ok()), "external IP serves everyone: {attempts:?}");
+        assert!(attempts.iter().all(|a| peer(a) == Some("198.19.1.1:80")), "{attempts:?}");
+    }
+    let attempts = tcp_from(&ext, "198.19.1.2:80", 10);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
+
+    let attempts = tcp_from(&stranger, "198.19.1.2:80", 2);
+    assert!(attempts.iter().all(|a| !a.is_ok()), "outside loadBalancerSourceRanges: {attempts:?}");
+    assert!(dp.programmer().maps().packet_stats().dropped_source_range > 0);
+}
+
+#[test]
+fn client_ip_affinity_holds_for_traffic_from_outside() {
+    let (mut bed, _pods) = bed_with_pods("npaff", 3);
+    let ext = external_client(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth]);
+    let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.affinity_timeout = Some(600);
+    let eps = web_endpoints((1..=3).map(|i| on("node-a", ready(pod_ip(i)))).collect());
+    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+
+    let attempts = tcp_from(&ext, &node_addr(&bed, NODE_PORT), 20);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    assert_eq!(names(&attempts).len(), 1, "one client, one backend: {attempts:?}");
+}
+
+#[test]
+fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
+    let (mut bed, _pods) = bed_with_pods("npudpgo", 2);
+    let ext = external_client(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth]);
+    let svc = node_port_service("web", WEB_IP, NODE_PORT);
+    let both = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
+    dp.sync(&state_of(vec![(svc.clone(), Some(both))]), &node(), Scope::Full);
+
+    // One socket, one flow, a datagram every 100 ms for 3 s, like a statsd client.
+    let target = node_addr(&bed, UDP_NODE_PORT);
+    let netns = ext.netns.clone();
+    let client = thread::spawn(move || {
+        probe_from(
+            &netns,
+            &["udp", &target, "--connected", "--count", "30", "--interval-ms", "100", "--timeout-ms", "500"],
+        )
+    });
+    thread::sleep(Duration::from_millis(800));
+    // Remove whichever pod the flow went to: the flow table says.
+    let first = dp.programmer().maps().packet_flows().into_iter().next().expect("a flow");
+    let gone = if first == IpAddr::V4(pod_ip(1)) { 1 } else { 2 };
+    let stay = 3 - gone;
+    let changed = BTreeSet::from([svc.key.clone()]);
+    let one = web_endpoints(vec![on("node-a", ready(pod_ip(stay)))]);
+    let report = dp.sync(&state_of(vec![(svc, Some(one))]), &node(), Scope::Changed(&changed));
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let attempts = client.join().expect("client thread");
+    assert_eq!(attempts.len(), 30);
+    let last = &attempts[20..];
+    assert!(
+        last.iter().all(|a| a.reply() == Some(format!("pod-{stay}").as_str())),
+        "after the removal the same socket is served by pod-{stay}: {attempts:?}"
+    );
+    let lost = attempts.iter().filter(|a| !a.is_ok()).count();
+    assert!(lost <= 1, "at most the datagram in flight is lost: {attempts:?}");
 }

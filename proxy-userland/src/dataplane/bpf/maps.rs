@@ -291,6 +291,16 @@ impl ServiceMaps {
         Ok(())
     }
 
+    /// The backend of every flow the packet programs track, for diagnostics and tests.
+    pub fn packet_flows(&self) -> Vec<IpAddr> {
+        self.ct4
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, _)| k.dir == nat::dir::FORWARD)
+            .map(|(_, v)| IpAddr::V4(std::net::Ipv4Addr::from(v.addr.to_ne_bytes())))
+            .collect()
+    }
+
     /// The packet programs' counters, summed over CPUs.
     pub fn packet_stats(&self) -> PacketStats {
         let get = |i: u32| -> u64 {
