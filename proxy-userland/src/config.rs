@@ -145,6 +145,17 @@ pub struct Args {
     )]
     pub node_port_addresses: Vec<String>,
 
+    /// eBPF mode: the devices whose traffic from other hosts gets node ports, external IPs
+    /// and load-balancer IPs (tc programs on each): names, "auto" (the devices of the IPv4
+    /// default routes; without one, the packet path is off with a warning) or "none".
+    #[arg(
+        long = "nodeport-devices",
+        value_name = "DEV",
+        value_delimiter = ',',
+        default_value = "auto"
+    )]
+    pub nodeport_devices: Vec<String>,
+
     /// Apply the conntrack and OOM settings to the node (kube-proxy does so always; off by
     /// default here so that running on a workstation never changes its sysctls).
     #[arg(long, default_value_t = false)]

@@ -210,6 +210,9 @@ impl Daemon {
             .arg("--cgroup-path")
             .arg(cgroup)
             .args(["--hostname-override", "node-a"])
+            // The daemon runs in the host's namespace: keep its packet programs off the
+            // host's devices.
+            .args(["--nodeport-devices", "none"])
             // Admin servers on loopback, on ports the kernel picks, so parallel tests never
             // collide or listen on every address; a test's own `args` override these.
             .args([

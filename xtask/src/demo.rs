@@ -196,7 +196,10 @@ pub fn demo(
     cmd.arg("--manifests")
         .arg(&manifests)
         .arg("--cgroup-path")
-        .arg(bed.cgroup_path());
+        .arg(bed.cgroup_path())
+        // The daemon runs in this machine's own namespace: its packet programs stay off
+        // the machine's devices.
+        .args(["--nodeport-devices", "none"]);
     if let Some(level) = log_level {
         cmd.args(["--log-level", level]);
     }

@@ -7,7 +7,7 @@ use tracing::info;
 
 use super::{
     Proxier,
-    bpf::{BpfDataplane, LoadError},
+    bpf::{BpfDataplane, LoadError, PacketPathConfig},
     iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
@@ -20,6 +20,11 @@ pub struct StartOptions {
     pub cgroup: Option<PathBuf>,
     /// eBPF: pin maps and links here (a bpffs folder) so restarts keep traffic flowing.
     pub bpf_pin_dir: Option<PathBuf>,
+    /// eBPF: node ports, external and load-balancer IPs on these devices; None: off.
+    pub packet: Option<PacketPathConfig>,
+    /// eBPF: the devices were not named, so failing to find or attach to them turns the
+    /// packet path off with a warning instead of failing the mode.
+    pub packet_auto: bool,
     /// iptables and userspace: run in this network namespace instead of our own.
     pub netns: Option<String>,
     /// iptables and userspace: remove our rules when stopping (default: keep them).
@@ -58,12 +63,18 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 Some(c) => c.clone(),
                 None => crate::config::cgroup2_mount().ok_or(StartError::NoCgroup)?,
             };
-            let dp = BpfDataplane::attach_pinned(&cgroup, opts.bpf_pin_dir.as_deref()).map_err(
-                |source| StartError::Bpf {
-                    cgroup: cgroup.display().to_string(),
-                    source: Box::new(source),
-                },
-            )?;
+            let pin = opts.bpf_pin_dir.as_deref();
+            let attached = match BpfDataplane::attach_with(&cgroup, pin, opts.packet.as_ref()) {
+                Err(e @ (LoadError::Devices(_) | LoadError::Device { .. })) if opts.packet_auto => {
+                    tracing::warn!("node ports from other hosts are off: {e}");
+                    BpfDataplane::attach_with(&cgroup, pin, None)
+                }
+                other => other,
+            };
+            let dp = attached.map_err(|source| StartError::Bpf {
+                cgroup: cgroup.display().to_string(),
+                source: Box::new(source),
+            })?;
             info!(cgroup = %cgroup.display(), "eBPF socket load-balancing attached");
             Ok(Proxier::Bpf(Box::new(dp)))
         }
@@ -126,9 +137,26 @@ impl StartOptions {
                     .map_err(|e| format!("--cluster-cidr {c:?}: {e}"))?,
             );
         }
+        let mut node_port_cidrs = Vec::new();
+        for a in args.node_port_addresses.iter().filter(|a| *a != "primary") {
+            node_port_cidrs.push(
+                crate::model::convert::parse_cidr(a.trim())
+                    .map_err(|e| format!("--nodeport-addresses {a:?}: {e}"))?,
+            );
+        }
+        let devices: Vec<String> =
+            args.nodeport_devices.iter().map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect();
+        let packet_auto = devices.iter().any(|d| d == "auto");
+        let packet = (!devices.iter().any(|d| d == "none")).then(|| PacketPathConfig {
+            netns: args.netns.clone(),
+            devices: devices.iter().filter(|d| *d != "auto").cloned().collect(),
+            node_port_cidrs,
+        });
         Ok(StartOptions {
             cgroup: args.cgroup_path.clone(),
             bpf_pin_dir: args.bpf_pin_dir.clone(),
+            packet,
+            packet_auto,
             netns: args.netns.clone(),
             cleanup_on_exit: args.cleanup_on_exit,
             render: RenderConfig {
@@ -138,5 +166,34 @@ impl StartOptions {
             },
             relay: RelayConfig::default(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn opts(flags: &[&str]) -> StartOptions {
+        let args = crate::config::Args::try_parse_from(std::iter::once("fastpath").chain(flags.iter().copied()))
+            .expect("flags parse");
+        StartOptions::from_args(&args).expect("options")
+    }
+
+    #[test]
+    fn nodeport_devices_choose_the_packet_path() {
+        let auto = opts(&[]);
+        assert!(auto.packet_auto);
+        assert_eq!(auto.packet.as_ref().map(|p| p.devices.len()), Some(0), "auto: default-route devices");
+
+        let named = opts(&["--nodeport-devices", "eth1,eth2", "--nodeport-addresses", "198.18.0.0/15,primary"]);
+        let packet = named.packet.expect("on");
+        assert!(!named.packet_auto, "named devices must attach or fail");
+        assert_eq!(packet.devices, ["eth1", "eth2"]);
+        assert_eq!(packet.node_port_cidrs, [("198.18.0.0".parse().unwrap(), 15)]);
+
+        // The last occurrence wins, so a wrapper can turn it off.
+        assert!(opts(&["--nodeport-devices", "eth1", "--nodeport-devices", "none"]).packet.is_none());
     }
 }
