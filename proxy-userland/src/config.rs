@@ -60,6 +60,12 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub bpf_pin_dir: Option<PathBuf>,
 
+    /// Entries of the eBPF service and backend maps (as Cilium's --bpf-lb-map-max); default:
+    /// 262144 service entries and 131072 backends. Services that do not fit fail one by one,
+    /// with an error and an Event, and the rest keep working.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
+    pub bpf_lb_map_max: Option<u32>,
+
     /// Remove everything fastpath left on this node (pinned eBPF objects in --bpf-pin-dir
     /// or /sys/fs/bpf/fastpath, iptables chains) and exit, like kube-proxy --cleanup.
     #[arg(long)]

@@ -17,7 +17,7 @@ use nat_common::*;
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::{BpfDataplane, PacketPathConfig},
+        bpf::{AttachOptions, BpfDataplane, PacketPathConfig},
     },
     model::{Endpoint, Service},
 };
@@ -33,7 +33,8 @@ fn attach(bed: &Testbed, devices: &[&str]) -> BpfDataplane {
         devices: devices.iter().map(|d| d.to_string()).collect(),
         node_port_cidrs: vec![],
     };
-    BpfDataplane::attach_with(bed.cgroup_path(), None, Some(&packet))
+    let opts = AttachOptions { packet: Some(packet), ..Default::default() };
+    BpfDataplane::attach_with(bed.cgroup_path(), &opts)
         .expect("programs load and attach")
 }
 

@@ -7,7 +7,7 @@ use tracing::info;
 
 use super::{
     Proxier,
-    bpf::{BpfDataplane, LoadError, PacketPathConfig},
+    bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig},
     iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
@@ -25,6 +25,8 @@ pub struct StartOptions {
     /// eBPF: the devices were not named, so failing to find or attach to them turns the
     /// packet path off with a warning instead of failing the mode.
     pub packet_auto: bool,
+    /// eBPF: entries of the service and backend maps; None: built-in sizes.
+    pub bpf_lb_map_max: Option<u32>,
     /// iptables and userspace: run in this network namespace instead of our own.
     pub netns: Option<String>,
     /// iptables and userspace: remove our rules when stopping (default: keep them).
@@ -63,11 +65,16 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 Some(c) => c.clone(),
                 None => crate::config::cgroup2_mount().ok_or(StartError::NoCgroup)?,
             };
-            let pin = opts.bpf_pin_dir.as_deref();
-            let attached = match BpfDataplane::attach_with(&cgroup, pin, opts.packet.as_ref()) {
+            let mut attach = AttachOptions {
+                pin_dir: opts.bpf_pin_dir.clone(),
+                packet: opts.packet.clone(),
+                lb_map_max: opts.bpf_lb_map_max,
+            };
+            let attached = match BpfDataplane::attach_with(&cgroup, &attach) {
                 Err(e @ (LoadError::Devices(_) | LoadError::Device { .. })) if opts.packet_auto => {
                     tracing::warn!("node ports from other hosts are off: {e}");
-                    BpfDataplane::attach_with(&cgroup, pin, None)
+                    attach.packet = None;
+                    BpfDataplane::attach_with(&cgroup, &attach)
                 }
                 other => other,
             };
@@ -157,6 +164,7 @@ impl StartOptions {
             bpf_pin_dir: args.bpf_pin_dir.clone(),
             packet,
             packet_auto,
+            bpf_lb_map_max: args.bpf_lb_map_max,
             netns: args.netns.clone(),
             cleanup_on_exit: args.cleanup_on_exit,
             render: RenderConfig {

@@ -23,7 +23,10 @@ use aya::{
 };
 use proxy_common::maps as map_names;
 
-use super::devices::{DeviceError, NodeDevices, PacketPathConfig};
+use super::{
+    AttachOptions,
+    devices::{DeviceError, NodeDevices},
+};
 
 /// Maps of this layout live in `<pin dir>/maps-v<N>`: a daemon with another layout never
 /// reads maps it does not understand.
@@ -116,11 +119,8 @@ pub fn remove_pinned(dir: &Path) -> Result<(), LoadError> {
 /// Loads the programs and attaches them to `cgroup` and, with `packet`, the node-port
 /// programs to its devices (tc ingress and egress). With `pin_dir`, maps are reused from
 /// (or pinned to) it and the links are pinned there, replacing an older generation's.
-pub fn load_and_attach(
-    cgroup: &Path,
-    pin_dir: Option<&Path>,
-    packet: Option<&PacketPathConfig>,
-) -> Result<Attached, LoadError> {
+pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, LoadError> {
+    let (pin_dir, packet) = (opts.pin_dir.as_deref(), opts.packet.as_ref());
     let cgroup_file = File::open(cgroup)
         .map_err(|source| LoadError::Cgroup { path: cgroup.display().to_string(), source })?;
     let layout = pin_dir.map(PinLayout::new);
@@ -135,6 +135,11 @@ pub fn load_and_attach(
     };
     for (name, path) in &map_paths {
         loader.map_pin_path(name, path.as_path());
+    }
+    if let Some(max) = opts.lb_map_max {
+        for name in [map_names::SERVICES4, map_names::SERVICES6, map_names::BACKENDS4, map_names::BACKENDS6] {
+            loader.map_max_entries(name, max.max(1));
+        }
     }
     let mut ebpf = loader.load(object())?;
     // A generation tag keeps this daemon's link pins apart from the previous one's until

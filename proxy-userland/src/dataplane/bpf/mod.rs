@@ -15,7 +15,7 @@ pub mod maps;
 pub mod program;
 pub mod stale_sockets;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 pub use devices::PacketPathConfig;
 pub use loader::LoadError;
@@ -23,6 +23,18 @@ pub use loader::LoadError;
 use self::{loader::Attached, maps::ServiceMaps, program::Programmer};
 use super::{Dataplane, Scope, SyncReport};
 use crate::model::{NodeInfo, ProxyState};
+
+/// How to load and attach the programs.
+#[derive(Clone, Debug, Default)]
+pub struct AttachOptions {
+    /// Pin maps and links here (a bpffs folder); see [`loader`].
+    pub pin_dir: Option<PathBuf>,
+    /// Attach the node-port programs to these devices; None: socket load-balancing only.
+    pub packet: Option<PacketPathConfig>,
+    /// Entries of the service and backend maps (Cilium's `--bpf-lb-map-max`); None: the
+    /// built-in sizes. A full map fails the services that do not fit, not the daemon.
+    pub lb_map_max: Option<u32>,
+}
 
 pub struct BpfDataplane {
     programmer: Programmer,
@@ -41,18 +53,14 @@ impl BpfDataplane {
     /// [`loader`]): what a previous daemon programmed there is adopted and reconciled by the
     /// first full sync, and on exit everything stays for the next one.
     pub fn attach_pinned(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Self, LoadError> {
-        Self::attach_with(cgroup, pin_dir, None)
+        Self::attach_with(cgroup, &AttachOptions { pin_dir: pin_dir.map(Path::to_path_buf), ..Default::default() })
     }
 
-    /// As [`attach_pinned`](Self::attach_pinned), and with `packet` the node-port programs
-    /// on the node's devices, so node ports, external IPs and load-balancer IPs work for
-    /// traffic from other hosts.
-    pub fn attach_with(
-        cgroup: &Path,
-        pin_dir: Option<&Path>,
-        packet: Option<&PacketPathConfig>,
-    ) -> Result<Self, LoadError> {
-        let mut attached = loader::load_and_attach(cgroup, pin_dir, packet)?;
+    /// Loads and attaches as `opts` say: pinned, with the node-port programs on the node's
+    /// devices (so node ports, external IPs and load-balancer IPs work for traffic from other
+    /// hosts), with other map sizes.
+    pub fn attach_with(cgroup: &Path, opts: &AttachOptions) -> Result<Self, LoadError> {
+        let mut attached = loader::load_and_attach(cgroup, opts)?;
         let maps = ServiceMaps::take(attached.ebpf_mut())?;
         let mut programmer = Programmer::new(maps, Some(cgroup.to_path_buf()));
         if let Some(devices) = &attached.node_devices {
@@ -67,7 +75,7 @@ impl BpfDataplane {
                 "node-port programs attached"
             );
         }
-        if pin_dir.is_some() {
+        if opts.pin_dir.is_some() {
             let adopted = programmer.adopt_existing();
             if adopted > 0 {
                 tracing::info!(frontends = adopted, "adopted frontends a previous daemon programmed");

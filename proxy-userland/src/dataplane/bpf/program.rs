@@ -56,6 +56,16 @@ struct FrontendState {
 }
 
 impl FrontendState {
+    /// What it was programmed from.
+    fn desired(&self) -> DesiredFrontend {
+        DesiredFrontend {
+            backends: self.backends.clone(),
+            affinity_timeout: self.affinity_timeout,
+            snat: self.snat,
+            source_ranges: self.source_ranges.clone(),
+        }
+    }
+
     fn is(&self, want: &DesiredFrontend) -> bool {
         self.backends == want.backends
             && self.affinity_timeout == want.affinity_timeout
@@ -329,9 +339,30 @@ impl Programmer {
                 });
             }
         }
+        let mut written: Vec<(Frontend, Option<(ServiceKey, DesiredFrontend)>)> = Vec::new();
         for (fe, want) in desired {
-            if self.write_frontend(key, fe, want)? {
-                report.frontends_written += 1;
+            let before = self.frontends.get(fe).map(|st| (st.owner.clone(), st.desired()));
+            match self.write_frontend(key, fe, want) {
+                Ok(true) => {
+                    report.frontends_written += 1;
+                    written.push((*fe, before));
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    // All of the service or none of it: put back the frontends this sync
+                    // already changed, so no port of it runs ahead of the others.
+                    for (fe, before) in written.into_iter().rev() {
+                        let undone = match before {
+                            Some((owner, old)) => self.write_frontend(&owner, &fe, &old).map(drop),
+                            None => self.remove_frontend(&fe),
+                        };
+                        if let Err(u) = undone {
+                            tracing::error!(service = %key, frontend = %fe, "rolling back failed: {u}");
+                        }
+                        report.frontends_written -= 1;
+                    }
+                    return Err(e);
+                }
             }
         }
         let stale: Vec<Frontend> = self
