@@ -108,3 +108,41 @@ fn a_mode_the_node_cannot_run_is_refused_clearly() {
         "{log}"
     );
 }
+
+#[test]
+fn when_the_ebpf_load_fails_the_daemon_falls_back_and_says_why() {
+    let (bed, _pods) = bed_with_pods("modefall", 2);
+    route_services(&bed);
+    std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
+    // The probes pass, but the maps cannot be pinned in a folder that is not on bpffs, so
+    // loading fails as a verifier rejection would: after the probes, at load time.
+    let not_bpffs = bed.dir().join("not-bpffs");
+    let manifests = bed.dir().join("manifests.yaml");
+    let mut d = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--netns",
+            bed.node_netns(),
+            "--bpf-pin-dir",
+            not_bpffs.to_str().unwrap(),
+            "--manifests",
+            manifests.to_str().unwrap(),
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+            "--cleanup-on-exit",
+        ],
+    );
+    assert!(
+        eventually(20, || all_ok(&bed)),
+        "Services work through the fallback:\n{}",
+        d.log()
+    );
+    let log = d.log();
+    assert!(log.contains("the eBPF dataplane failed to start"), "{log}");
+    assert!(log.contains("is it on a bpffs mount?"), "the reason is named: {log}");
+    assert!(log.contains("proxy mode chosen after the eBPF failure"), "{log}");
+    assert!(!chains_with(&saved(bed.node_netns(), "iptables-save"), "KUBE-SVC-").is_empty());
+    assert!(d.stop().success(), "{}", d.log());
+}

@@ -95,6 +95,22 @@ fn pin_err(path: &Path) -> impl FnOnce(io::Error) -> LoadError + '_ {
     move |source| LoadError::Pin { path: path.display().to_string(), source }
 }
 
+/// Pinning works only on bpffs; saying so beats the loader's bare "pinning failed".
+fn check_bpffs(dir: &Path) -> Result<(), LoadError> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
+        .map_err(|e| pin_err(dir)(io::Error::other(e)))?;
+    // SAFETY: statfs fills the zeroed struct; the path is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(pin_err(dir)(io::Error::last_os_error()));
+    }
+    if st.f_type as i64 != BPF_FS_MAGIC {
+        return Err(pin_err(dir)(io::Error::other("not a bpffs file system")));
+    }
+    Ok(())
+}
+
 /// Where pinned maps and links go under a pin directory.
 pub struct PinLayout {
     pub maps: PathBuf,
@@ -129,6 +145,7 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         Some(l) => {
             std::fs::create_dir_all(&l.maps).map_err(pin_err(&l.maps))?;
             std::fs::create_dir_all(&l.links).map_err(pin_err(&l.links))?;
+            check_bpffs(&l.maps)?;
             map_names::ALL.iter().map(|n| (*n, l.maps.join(n))).collect()
         }
         None => Vec::new(),
