@@ -151,6 +151,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
                     failed: report.failed.len(),
                     pending_since: pending_since.take(),
                     occupancy: bpf_occupancy(&proxier),
+                    packet_stats: packet_stats(&proxier),
                     services: changes.state.services.len(),
                     services_changed_total: tracker.services_changed_total(),
                     endpoints_changed_total: tracker.endpoints_changed_total(),
@@ -192,6 +193,14 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     proxier.shutdown();
     info!(mode, "dataplane stopped; bye");
     Ok(())
+}
+
+/// The packet path's counters, when the eBPF dataplane has it attached.
+fn packet_stats(proxier: &Proxier) -> Option<crate::dataplane::bpf::maps::PacketStats> {
+    match proxier {
+        Proxier::Bpf(d) if d.node_devices().is_some() => Some(d.programmer().maps().packet_stats()),
+        _ => None,
+    }
 }
 
 /// Map occupancy for the metrics, from the dataplanes that have BPF maps.

@@ -20,13 +20,18 @@ use prometheus_client::{
     registry::Registry,
 };
 
-use crate::dataplane::bpf::maps::Occupancy;
+use crate::dataplane::bpf::maps::{Occupancy, PacketStats};
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MapLabel {
     pub map: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
 }
 
 pub struct Metrics {
@@ -42,6 +47,7 @@ pub struct Metrics {
     pub sync_failures: Counter,
     pub service_failures: Counter,
     pub map_entries: Family<MapLabel, Gauge>,
+    pub packets: Family<ResultLabel, Counter>,
     pub services: Gauge,
     pub healthcheck_servers: Gauge,
 }
@@ -81,6 +87,7 @@ impl Metrics {
             sync_failures: Counter::default(),
             service_failures: Counter::default(),
             map_entries: Family::default(),
+            packets: Family::default(),
             services: Gauge::default(),
             healthcheck_servers: Gauge::default(),
             registry: Registry::default(),
@@ -143,6 +150,12 @@ impl Metrics {
             m.map_entries.clone(),
         );
         registry.register(
+            "fastpath_packets",
+            "Packets from other hosts the eBPF packet path handled, by what became of them: \
+             new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat",
+            m.packets.clone(),
+        );
+        registry.register(
             "fastpath_services",
             "Services this node proxies",
             m.services.clone(),
@@ -172,11 +185,26 @@ impl Metrics {
             ("backends", o.backends),
             ("sock_revnat", o.sock_revnat),
             ("affinity", o.affinity),
+            ("conntrack", o.conntrack),
         ];
         for (map, n) in maps {
             self.map_entries
                 .get_or_create(&MapLabel { map })
                 .set(n as i64);
+        }
+    }
+
+    /// Brings the packet counters up to the programs' totals.
+    pub fn set_packet_stats(&self, s: &PacketStats) {
+        let all = [
+            ("new_flow", s.new_flows),
+            ("translated", s.translated),
+            ("dropped_no_backend", s.dropped_no_backend),
+            ("dropped_source_range", s.dropped_source_range),
+            ("dropped_nat", s.dropped_nat),
+        ];
+        for (result, n) in all {
+            Self::catch_up(&self.packets.get_or_create(&ResultLabel { result }), n);
         }
     }
 
@@ -217,8 +245,11 @@ mod tests {
             services: 4,
             backends: 6,
             sock_revnat: 0,
+            conntrack: 2,
             ..Default::default()
         });
+        m.set_packet_stats(&PacketStats { new_flows: 3, dropped_source_range: 1, ..Default::default() });
+        m.set_packet_stats(&PacketStats { new_flows: 5, dropped_source_range: 1, ..Default::default() });
         m.last_sync_timestamp.set(unix_seconds(
             SystemTime::UNIX_EPOCH + Duration::from_secs(7),
         ));
@@ -233,6 +264,9 @@ mod tests {
             "fastpath_bpf_map_entries{map=\"services\"} 4",
             "fastpath_bpf_map_entries{map=\"backends\"} 6",
             "fastpath_bpf_map_entries{map=\"sock_revnat\"} 0",
+            "fastpath_bpf_map_entries{map=\"conntrack\"} 2",
+            "fastpath_packets_total{result=\"new_flow\"} 5",
+            "fastpath_packets_total{result=\"dropped_source_range\"} 1",
             "fastpath_sync_failures_total 0",
             "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\"} 0",
         ] {

@@ -31,7 +31,10 @@ use self::{
     http::{Handler, Request, Response},
     metrics::Metrics,
 };
-use crate::{config::Args, dataplane::bpf::maps::Occupancy};
+use crate::{
+    config::Args,
+    dataplane::bpf::maps::{Occupancy, PacketStats},
+};
 
 /// How long to wait before trying a busy admin port again (kube-proxy: 5 s).
 const REBIND_PERIOD: Duration = Duration::from_secs(5);
@@ -53,6 +56,8 @@ pub struct SyncRecord {
     /// When the oldest change this sync programmed arrived, if it programmed any.
     pub pending_since: Option<Instant>,
     pub occupancy: Option<Occupancy>,
+    /// The packet path's counters, when it is attached.
+    pub packet_stats: Option<PacketStats>,
     pub services: usize,
     pub services_changed_total: u64,
     pub endpoints_changed_total: u64,
@@ -110,6 +115,9 @@ impl AdminState {
         m.services.set(r.services as i64);
         if let Some(o) = &r.occupancy {
             m.set_occupancy(o);
+        }
+        if let Some(s) = &r.packet_stats {
+            m.set_packet_stats(s);
         }
         if let Some(since) = r.pending_since {
             m.network_programming.observe(since.elapsed().as_secs_f64());
