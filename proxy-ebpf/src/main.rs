@@ -3,8 +3,9 @@
 //! - [`sock4`]: cgroup `sock_addr` hooks for IPv4 (connect, sendmsg, recvmsg, getpeername):
 //!   ClusterIP translation at the socket, before a packet exists.
 //! - [`sock6`]: the same for IPv6.
-//! - [`nodeport`]: tc programs on the node's devices: node ports, external and
+//! - [`nodeport`]: tc (and XDP) programs on the node's devices: node ports, external and
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
+//! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
 //! - [`maps`]: the maps, laid out in `proxy-common`.
 //!
@@ -17,13 +18,14 @@
 mod lb;
 mod maps;
 mod nodeport;
+mod packet;
 mod sock4;
 mod sock6;
 
 use aya_ebpf::{
-    bindings::TC_ACT_OK,
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    bindings::{TC_ACT_OK, xdp_action},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 
 /// Return values of cgroup sock_addr programs.
@@ -74,13 +76,21 @@ pub fn fp_getpeer6(ctx: SockAddrContext) -> i32 {
 /// IPs, and replies to SNATed flows. An error lets the packet pass as it came.
 #[classifier]
 pub fn fp_nodeport_in(mut ctx: TcContext) -> i32 {
-    nodeport::try_nodeport_ingress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+    nodeport::ingress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
 }
 
 /// tc egress on each node device: replies of local backends leaving for the client.
 #[classifier]
 pub fn fp_nodeport_out(mut ctx: TcContext) -> i32 {
-    nodeport::try_nodeport_egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+    nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+}
+
+/// XDP on node devices whose driver runs it natively: the ingress work of
+/// [`fp_nodeport_in`] before the kernel allocates a socket buffer. What it cannot finish
+/// (a neighbour not yet resolved) it passes on to tc.
+#[xdp]
+pub fn fp_nodeport_xdp(mut ctx: XdpContext) -> u32 {
+    nodeport::ingress(&mut ctx).map_or(xdp_action::XDP_PASS, |v| v as u32)
 }
 
 #[cfg(not(test))]

@@ -1,29 +1,22 @@
 //! Node ports, external IPs and load-balancer IPs: per-packet NAT on the node's devices.
 //!
 //! Sockets on this node never need this (the cgroup hooks translate them); traffic from
-//! other hosts does. The ingress program turns the first packet of a flow into a backend
-//! choice recorded in [`CT4`], rewrites the destination to the backend and, when the
-//! backend is on another node under externalTrafficPolicy Cluster, the source to this
-//! node (SNAT) so the reply comes back here. Packets it rewrote to leave the node are sent
-//! straight out of the right device after a FIB lookup: their source is now a local address,
-//! which the stack would drop as martian if it routed them itself. Replies are translated
-//! back at ingress (SNATed flows: the reply is addressed to us) or at egress (flows to local
-//! backends, which answer the client directly through the node).
+//! other hosts does. On ingress (tc, or XDP before it where the driver allows), the first
+//! packet of a flow picks a backend, recorded in [`CT4`]; the destination becomes the
+//! backend and, when the backend is on another node under externalTrafficPolicy Cluster,
+//! the source becomes this node (SNAT) so the reply comes back here. Packets that must leave
+//! again are sent straight out of the device the FIB names: their source is now a local
+//! address, which the stack would drop as martian if it routed them itself. Replies are
+//! translated back at ingress (SNATed flows: the reply is addressed to us) or at tc egress
+//! (flows to local backends, which answer the client directly through the node).
 //!
-//! IPv4 only; IPv6, fragments and anything not TCP or UDP pass untouched.
-
-use core::{ffi::c_void, mem};
+//! Written once over [`Packet`] for both hooks. IPv4 only; IPv6, fragments and anything
+//! not TCP or UDP pass untouched.
 
 use aya_ebpf::{
-    bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT,
-        bpf_fib_lookup as FibParams,
-    },
-    helpers::{
-        bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh,
-    },
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     maps::lpm_trie::Key as LpmKey,
-    programs::TcContext,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Ct4Key, Ct4Value, Service4Key, ServiceValue,
@@ -36,6 +29,7 @@ use crate::{
     maps::{
         AFFINITY, BACKENDS4, CT4, DEVICE_ADDRS4, NODE_ADDRS4, SERVICES4, SOURCE_RANGES4, count,
     },
+    packet::{FIB_NOT_FWDED, Packet},
 };
 
 const ETH_HLEN: usize = 14;
@@ -46,10 +40,6 @@ const IP_PROTO: usize = ETH_HLEN + 9;
 const IP_CSUM: usize = ETH_HLEN + 10;
 const IP_SRC: usize = ETH_HLEN + 12;
 const IP_DST: usize = ETH_HLEN + 16;
-const AF_INET: u8 = 2;
-const FIB_SUCCESS: i64 = 0;
-const FIB_NOT_FWDED: i64 = 4;
-const FIB_NO_NEIGH: i64 = 7;
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 8;
 
@@ -78,22 +68,39 @@ impl Flow {
         }
     }
 
-    fn csum_offset(&self) -> usize {
-        self.l4 + if self.proto == proto::TCP { 16 } else { 6 }
-    }
-
     fn timeout_ns(&self) -> u64 {
         if self.proto == proto::TCP { nat::CT_TCP_TIMEOUT_NS } else { nat::CT_UDP_TIMEOUT_NS }
     }
 }
 
+/// What to turn a packet into: a new destination, and maybe a new source.
+#[derive(Clone, Copy)]
+struct Nat {
+    dst: Option<(u32, u16)>,
+    src: Option<(u32, u16)>,
+}
+
+impl Nat {
+    /// The flow as it will look once translated.
+    fn applied_to(&self, f: &Flow) -> Flow {
+        let mut out = *f;
+        if let Some((a, p)) = self.dst {
+            (out.daddr, out.dport) = (a, p);
+        }
+        if let Some((a, p)) = self.src {
+            (out.saddr, out.sport) = (a, p);
+        }
+        out
+    }
+}
+
 #[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Flow> {
-    let eth_proto: u16 = ctx.load(12).ok()?;
+fn parse<P: Packet>(pkt: &P) -> Option<Flow> {
+    let eth_proto: u16 = pkt.load(12)?;
     if u16::from_be(eth_proto) != ETH_P_IP {
         return None;
     }
-    let ver_ihl: u8 = ctx.load(ETH_HLEN).ok()?;
+    let ver_ihl: u8 = pkt.load(ETH_HLEN)?;
     if ver_ihl >> 4 != 4 {
         return None;
     }
@@ -102,20 +109,20 @@ fn parse(ctx: &TcContext) -> Option<Flow> {
         return None;
     }
     // Fragments carry no ports after the first; leave them to the stack.
-    let frag: u16 = ctx.load(IP_FRAG).ok()?;
+    let frag: u16 = pkt.load(IP_FRAG)?;
     if u16::from_be(frag) & 0x3fff != 0 {
         return None;
     }
-    let proto: u8 = ctx.load(IP_PROTO).ok()?;
+    let proto: u8 = pkt.load(IP_PROTO)?;
     if proto != proto::TCP && proto != proto::UDP {
         return None;
     }
     let l4 = ETH_HLEN + ihl;
     Some(Flow {
-        saddr: ctx.load(IP_SRC).ok()?,
-        daddr: ctx.load(IP_DST).ok()?,
-        sport: ctx.load(l4).ok()?,
-        dport: ctx.load(l4 + 2).ok()?,
+        saddr: pkt.load(IP_SRC)?,
+        daddr: pkt.load(IP_DST)?,
+        sport: pkt.load(l4)?,
+        dport: pkt.load(l4 + 2)?,
         proto,
         l4,
     })
@@ -124,98 +131,82 @@ fn parse(ctx: &TcContext) -> Option<Flow> {
 /// Rewrites one address and port of the packet (`source` picks which), fixing the IP and
 /// L4 checksums incrementally. `f` holds the values the packet has now.
 #[inline(always)]
-fn rewrite(ctx: &mut TcContext, f: &Flow, source: bool, addr: u32, port: u16) -> Result<(), ()> {
+fn rewrite<P: Packet>(pkt: &mut P, f: &Flow, source: bool, addr: u32, port: u16) -> Result<(), ()> {
     let (old_addr, old_port, addr_off, port_off) = if source {
         (f.saddr, f.sport, IP_SRC, f.l4)
     } else {
         (f.daddr, f.dport, IP_DST, f.l4 + 2)
     };
-    // A UDP checksum of 0 means "none" and must stay 0.
-    let mangled = if f.proto == proto::UDP { u64::from(BPF_F_MARK_MANGLED_0) } else { 0 };
-    let csum = f.csum_offset();
+    let udp = f.proto == proto::UDP;
+    let csum = f.l4 + if udp { 6 } else { 16 };
     if addr != old_addr {
-        let pseudo = u64::from(BPF_F_PSEUDO_HDR) | mangled | 4;
-        ctx.l4_csum_replace(csum, u64::from(old_addr), u64::from(addr), pseudo).map_err(drop)?;
-        ctx.l3_csum_replace(IP_CSUM, u64::from(old_addr), u64::from(addr), 4).map_err(drop)?;
-        ctx.store(addr_off, &addr, 0).map_err(drop)?;
+        pkt.l4_csum_replace(csum, old_addr, addr, 4, true, udp)?;
+        pkt.l3_csum_replace(IP_CSUM, old_addr, addr)?;
+        pkt.store(addr_off, &addr)?;
     }
     if port != old_port {
-        ctx.l4_csum_replace(csum, u64::from(old_port), u64::from(port), mangled | 2)
-            .map_err(drop)?;
-        ctx.store(port_off, &port, 0).map_err(drop)?;
+        pkt.l4_csum_replace(csum, u32::from(old_port), u32::from(port), 2, false, udp)?;
+        pkt.store(port_off, &port)?;
     }
     Ok(())
 }
 
-/// Where a packet to `daddr` leaves the node: the FIB's answer for it.
 #[inline(always)]
-fn fib_lookup(ctx: &TcContext, f: &Flow, saddr: u32, daddr: u32) -> (i64, FibParams) {
-    let mut p: FibParams = unsafe { mem::zeroed() };
-    p.family = AF_INET;
-    p.l4_protocol = f.proto;
-    p.sport = f.sport;
-    p.dport = f.dport;
-    p.__bindgen_anon_1.tot_len = ctx.load::<u16>(IP_TOT_LEN).map(u16::from_be).unwrap_or(0);
-    p.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    p.__bindgen_anon_3.ipv4_src = saddr;
-    p.__bindgen_anon_4.ipv4_dst = daddr;
-    let ret = unsafe {
-        bpf_fib_lookup(
-            ctx.skb.skb as *mut c_void,
-            &mut p,
-            mem::size_of::<FibParams>() as i32,
-            0,
-        )
-    };
-    (ret, p)
-}
-
-/// Sends the (already translated) packet out of the device the FIB names, with its MACs
-/// set, bypassing the stack. Not forwardable (e.g. addressed to this node): let it in.
-#[inline(always)]
-fn redirect(ctx: &mut TcContext, fib: (i64, FibParams)) -> i32 {
-    let (ret, p) = fib;
-    match ret {
-        FIB_SUCCESS => {
-            if ctx.store(0, &p.dmac, 0).is_err() || ctx.store(6, &p.smac, 0).is_err() {
-                return TC_ACT_SHOT as i32;
-            }
-            unsafe { bpf_redirect(p.ifindex, 0) as i32 }
-        }
-        // The next hop's MAC is not known yet: let the kernel resolve it.
-        FIB_NO_NEIGH => unsafe { bpf_redirect_neigh(p.ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-        FIB_NOT_FWDED => TC_ACT_OK as i32,
-        _ => {
-            count(nat::stat::DROP_NAT);
-            TC_ACT_SHOT as i32
-        }
+fn apply<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<(), ()> {
+    let mut now = *f;
+    if let Some((a, p)) = nat.dst {
+        rewrite(pkt, &now, false, a, p)?;
+        (now.daddr, now.dport) = (a, p);
     }
+    if let Some((a, p)) = nat.src {
+        rewrite(pkt, &now, true, a, p)?;
+    }
+    Ok(())
 }
 
-/// Translates a reply (backend -> client or -> our SNAT address) back to what the client
-/// expects. Returns the translated flow and whether it was SNATed (its destination was us),
-/// or None if the packet is no reply of ours.
+/// Translates the packet and sends it out of the device the FIB names for its new
+/// destination; if this hook cannot (XDP without a known neighbour), passes it untouched
+/// for tc to do the same with the flow entries already in place.
 #[inline(always)]
-fn translate_reply(ctx: &mut TcContext, f: &Flow) -> Result<Option<(Flow, bool)>, ()> {
-    let Some(entry) = CT4.get_ptr_mut(&f.key(nat::dir::REPLY)) else {
-        return Ok(None);
-    };
-    let now = unsafe { bpf_ktime_get_ns() };
+fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<i32, ()> {
+    let out = nat.applied_to(f);
+    let tot_len = pkt.load::<u16>(IP_TOT_LEN).map(u16::from_be).unwrap_or(0);
+    let (ret, fib) = pkt.fib_lookup(out.proto, out.sport, out.dport, out.saddr, out.daddr, tot_len);
+    if ret == FIB_NOT_FWDED {
+        apply(pkt, f, nat)?;
+        return Ok(P::PASS);
+    }
+    if !P::can_redirect(ret) {
+        if ret == crate::packet::FIB_NO_NEIGH {
+            return Ok(P::PASS);
+        }
+        count(nat::stat::DROP_NAT);
+        return Ok(P::DROP);
+    }
+    apply(pkt, f, nat)?;
+    if ret == crate::packet::FIB_SUCCESS {
+        pkt.store(0, &fib.dmac)?;
+        pkt.store(6, &fib.smac)?;
+    }
+    Ok(pkt.redirect(ret, fib.ifindex))
+}
+
+/// A reply (backend -> client, or -> our SNAT address) of a flow we translate: what it
+/// must become, and whether it was SNATed (then it is addressed to us and must be sent on).
+#[inline(always)]
+fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
+    let entry = CT4.get_ptr_mut(&f.key(nat::dir::REPLY))?;
     let e = unsafe { &mut *entry };
     if now.wrapping_sub(e.last_seen_ns) > f.timeout_ns() {
-        return Ok(None);
+        return None;
     }
     e.last_seen_ns = now;
-    let (addr, port, client, client_port) = (e.addr, e.port, e.snat_addr, e.snat_port);
-    rewrite(ctx, f, true, addr, port)?;
-    let mut out = Flow { saddr: addr, sport: port, ..*f };
-    if client != 0 {
-        rewrite(ctx, &out, false, client, client_port)?;
-        out.daddr = client;
-        out.dport = client_port;
-    }
-    count(nat::stat::TRANSLATED);
-    Ok(Some((out, client != 0)))
+    let snat = e.snat_addr != 0;
+    let nat = Nat {
+        src: Some((e.addr, e.port)),
+        dst: snat.then_some((e.snat_addr, e.snat_port)),
+    };
+    Some((nat, snat))
 }
 
 /// The master entry of the frontend this packet is addressed to: its own address (external
@@ -311,19 +302,24 @@ fn source_allowed(master: &ServiceValue, saddr: u32) -> bool {
     SOURCE_RANGES4.get(key).is_some()
 }
 
-/// A new flow to a frontend: pick the backend, record both directions, translate.
-/// Returns the translated flow and whether it was SNATed, or the verdict to return.
+/// The address SNATed traffic to `backend` leaves with: the one configured for the device
+/// the FIB sends it out of.
 #[inline(always)]
-fn new_flow(
-    ctx: &mut TcContext,
-    f: &Flow,
-    fe_addr: u32,
-    master: &ServiceValue,
-    now: u64,
-) -> Result<(Flow, bool), i32> {
+fn snat_address<P: Packet>(pkt: &P, f: &Flow, backend: u32) -> Option<u32> {
+    let (ret, p) = pkt.fib_lookup(f.proto, f.sport, f.dport, 0, backend, 0);
+    if ret != crate::packet::FIB_SUCCESS && ret != crate::packet::FIB_NO_NEIGH {
+        return None;
+    }
+    unsafe { DEVICE_ADDRS4.get(&p.ifindex) }.copied()
+}
+
+/// A new flow to a frontend: pick the backend and record both directions. Returns the
+/// forward entry, or the verdict for a packet that may not pass.
+#[inline(always)]
+fn new_flow<P: Packet>(pkt: &P, f: &Flow, fe_addr: u32, master: &ServiceValue, now: u64) -> Result<Ct4Value, i32> {
     let drop_as = |stat| {
         count(stat);
-        TC_ACT_SHOT as i32
+        P::DROP
     };
     if !source_allowed(master, f.saddr) {
         return Err(drop_as(nat::stat::DROP_SOURCE_RANGE));
@@ -347,7 +343,7 @@ fn new_flow(
     };
     let (mut snat_addr, mut snat_port) = (0, 0);
     if snat {
-        let Some(addr) = snat_address(ctx, f, b.address) else {
+        let Some(addr) = snat_address(pkt, f, b.address) else {
             return Err(drop_as(nat::stat::DROP_NAT));
         };
         reply.snat_addr = f.saddr;
@@ -384,56 +380,30 @@ fn new_flow(
         return Err(drop_as(nat::stat::DROP_NAT));
     }
     count(nat::stat::NEW_FLOW);
-    let out = apply_forward(ctx, f, &forward).map_err(|()| TC_ACT_SHOT as i32)?;
-    Ok((out, snat))
+    Ok(forward)
 }
 
-/// The address SNATed traffic to `backend` leaves with: the one configured for the device
-/// the FIB sends it out of.
+/// The forward entry of a flow we already translate, if its backend still serves; refreshes
+/// both entries. A backend that left makes the flow start over (a UDP client of a removed
+/// backend moves on instead of sending into the void).
 #[inline(always)]
-fn snat_address(ctx: &TcContext, f: &Flow, backend: u32) -> Option<u32> {
-    let (ret, p) = fib_lookup(ctx, f, 0, backend);
-    if ret != FIB_SUCCESS && ret != FIB_NO_NEIGH {
-        return None;
-    }
-    unsafe { DEVICE_ADDRS4.get(&p.ifindex) }.copied()
-}
-
-/// Rewrites a client packet as its forward entry says.
-#[inline(always)]
-fn apply_forward(ctx: &mut TcContext, f: &Flow, e: &Ct4Value) -> Result<Flow, ()> {
-    rewrite(ctx, f, false, e.addr, e.port)?;
-    let mut out = Flow { daddr: e.addr, dport: e.port, ..*f };
-    if e.snat_addr != 0 {
-        rewrite(ctx, &out, true, e.snat_addr, e.snat_port)?;
-        out.saddr = e.snat_addr;
-        out.sport = e.snat_port;
-    }
-    Ok(out)
-}
-
-/// A packet of a flow we already translate, if its backend still serves: refreshes both
-/// entries and translates. A backend that left makes the flow start over (a UDP client of
-/// a removed backend moves on instead of sending into the void).
-#[inline(always)]
-fn known_flow(ctx: &mut TcContext, f: &Flow, now: u64) -> Result<Option<(Flow, bool)>, ()> {
-    let Some(entry) = CT4.get_ptr_mut(&f.key(nat::dir::FORWARD)) else {
-        return Ok(None);
-    };
+fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
+    let entry = CT4.get_ptr_mut(&f.key(nat::dir::FORWARD))?;
     let e = unsafe { &mut *entry };
     if now.wrapping_sub(e.last_seen_ns) > f.timeout_ns() {
-        return Ok(None);
+        return None;
     }
     match unsafe { BACKENDS4.get(&e.backend_id) } {
         Some(b) if b.address == e.addr && b.port == e.port => {}
-        _ => return Ok(None),
+        _ => return None,
     }
     e.last_seen_ns = now;
+    let snat = e.snat_addr != 0;
     let reply_key = Ct4Key {
         saddr: e.addr,
-        daddr: if e.snat_addr != 0 { e.snat_addr } else { f.saddr },
+        daddr: if snat { e.snat_addr } else { f.saddr },
         sport: e.port,
-        dport: if e.snat_addr != 0 { e.snat_port } else { f.sport },
+        dport: if snat { e.snat_port } else { f.sport },
         proto: f.proto,
         dir: nat::dir::REPLY,
         _pad: [0; 2],
@@ -441,43 +411,56 @@ fn known_flow(ctx: &mut TcContext, f: &Flow, now: u64) -> Result<Option<(Flow, b
     if let Some(r) = CT4.get_ptr_mut(&reply_key) {
         unsafe { (*r).last_seen_ns = now };
     }
-    let value = *e;
     count(nat::stat::TRANSLATED);
-    Ok(Some((apply_forward(ctx, f, &value)?, value.snat_addr != 0)))
+    Some(*e)
 }
 
-pub fn try_nodeport_ingress(ctx: &mut TcContext) -> Result<i32, ()> {
-    let Some(f) = parse(ctx) else {
-        return Ok(TC_ACT_OK as i32);
-    };
-    if let Some((out, snat)) = translate_reply(ctx, &f)? {
-        // A reply to a SNATed flow now comes from a local address: out directly.
-        if snat {
-            return Ok(redirect(ctx, fib_lookup(ctx, &out, out.saddr, out.daddr)));
-        }
-        return Ok(TC_ACT_OK as i32);
-    }
-    let Some((fe_addr, master)) = frontend(&f) else {
-        return Ok(TC_ACT_OK as i32);
+/// Ingress on a node device (tc, or XDP ahead of it).
+#[inline(always)]
+pub fn ingress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
+    let Some(f) = parse(pkt) else {
+        return Ok(P::PASS);
     };
     let now = unsafe { bpf_ktime_get_ns() };
-    let (out, snat) = match known_flow(ctx, &f, now)? {
-        Some(t) => t,
-        None => match new_flow(ctx, &f, fe_addr, &master, now) {
-            Ok(t) => t,
+    if let Some((nat, snat)) = reply_nat(&f, now) {
+        count(nat::stat::TRANSLATED);
+        if snat {
+            return translate_and_redirect(pkt, &f, &nat);
+        }
+        apply(pkt, &f, &nat)?;
+        return Ok(P::PASS);
+    }
+    let Some((fe_addr, master)) = frontend(&f) else {
+        return Ok(P::PASS);
+    };
+    let e = match known_flow(&f, now) {
+        Some(e) => e,
+        None => match new_flow(pkt, &f, fe_addr, &master, now) {
+            Ok(e) => e,
             Err(verdict) => return Ok(verdict),
         },
     };
-    if snat {
-        return Ok(redirect(ctx, fib_lookup(ctx, &out, out.saddr, out.daddr)));
+    let nat = Nat {
+        dst: Some((e.addr, e.port)),
+        src: (e.snat_addr != 0).then_some((e.snat_addr, e.snat_port)),
+    };
+    if e.snat_addr != 0 {
+        return translate_and_redirect(pkt, &f, &nat);
     }
     // A local backend: the stack delivers it to the pod as it would any forwarded packet.
-    Ok(TC_ACT_OK as i32)
+    apply(pkt, &f, &nat)?;
+    Ok(P::PASS)
 }
 
-pub fn try_nodeport_egress(ctx: &mut TcContext) -> Result<i32, ()> {
-    if let Some(f) = parse(ctx) {
-        translate_reply(ctx, &f)?;
+/// tc egress on a node device: replies of local backends leaving for the client.
+#[inline(always)]
+pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
+    if let Some(f) = parse(pkt) {
+        let now = unsafe { bpf_ktime_get_ns() };
+        if let Some((nat, _)) = reply_nat(&f, now) {
+            count(nat::stat::TRANSLATED);
+            apply(pkt, &f, &nat)?;
+        }
     }
-    Ok(TC_ACT_OK as i32)
+    Ok(P::PASS)
 }

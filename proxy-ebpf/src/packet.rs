@@ -1,0 +1,217 @@
+//! What the packet-path logic needs from a hook, so [`crate::nodeport`] is written once for
+//! tc and XDP: reading and writing packet bytes, checksum fix-ups, the FIB, and sending a
+//! packet out of another device.
+
+use core::{ffi::c_void, mem};
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup as FibParams,
+        xdp_action,
+    },
+    helpers::{
+        bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_xdp_load_bytes, bpf_xdp_store_bytes,
+    },
+    programs::{TcContext, XdpContext},
+};
+
+pub const FIB_SUCCESS: i64 = 0;
+pub const FIB_NOT_FWDED: i64 = 4;
+pub const FIB_NO_NEIGH: i64 = 7;
+
+pub trait Packet {
+    /// Let the packet go on its way (to the stack, or on out of the device).
+    const PASS: i32;
+    const DROP: i32;
+
+    fn load<T: Copy>(&self, offset: usize) -> Option<T>;
+    fn store<T>(&mut self, offset: usize, value: &T) -> Result<(), ()>;
+    /// Fixes the IPv4 header checksum at `offset` for a 4-byte field changing `from` -> `to`.
+    fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()>;
+    /// Fixes the L4 checksum at `offset` for a `size`-byte field (2 or 4) changing; `pseudo`:
+    /// the field is part of the pseudo header; `udp`: a zero checksum means "none".
+    fn l4_csum_replace(
+        &mut self,
+        offset: usize,
+        from: u32,
+        to: u32,
+        size: u8,
+        pseudo: bool,
+        udp: bool,
+    ) -> Result<(), ()>;
+    fn ifindex(&self) -> u32;
+    fn as_ctx(&self) -> *mut c_void;
+    /// Whether a FIB answer lets this hook send the packet out itself.
+    fn can_redirect(fib_ret: i64) -> bool;
+    /// Sends the packet out of the FIB's device (MACs already set on success).
+    fn redirect(&mut self, fib_ret: i64, ifindex: u32) -> i32;
+
+    /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device.
+    #[inline(always)]
+    fn fib_lookup(&self, proto: u8, sport: u16, dport: u16, saddr: u32, daddr: u32, tot_len: u16) -> (i64, FibParams) {
+        let mut p: FibParams = unsafe { mem::zeroed() };
+        p.family = 2; // AF_INET
+        p.l4_protocol = proto;
+        p.sport = sport;
+        p.dport = dport;
+        p.__bindgen_anon_1.tot_len = tot_len;
+        p.ifindex = self.ifindex();
+        p.__bindgen_anon_3.ipv4_src = saddr;
+        p.__bindgen_anon_4.ipv4_dst = daddr;
+        let size = mem::size_of::<FibParams>() as i32;
+        let ret = unsafe { bpf_fib_lookup(self.as_ctx(), &mut p, size, 0) };
+        (ret, p)
+    }
+}
+
+impl Packet for TcContext {
+    const PASS: i32 = TC_ACT_OK as i32;
+    const DROP: i32 = TC_ACT_SHOT as i32;
+
+    #[inline(always)]
+    fn load<T: Copy>(&self, offset: usize) -> Option<T> {
+        TcContext::load(self, offset).ok()
+    }
+
+    #[inline(always)]
+    fn store<T>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
+        TcContext::store(self, offset, value, 0).map_err(drop)
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()> {
+        TcContext::l3_csum_replace(self, offset, u64::from(from), u64::from(to), 4).map_err(drop)
+    }
+
+    // The kernel helper also keeps CHECKSUM_PARTIAL packets (local senders over veth) right.
+    #[inline(always)]
+    fn l4_csum_replace(
+        &mut self,
+        offset: usize,
+        from: u32,
+        to: u32,
+        size: u8,
+        pseudo: bool,
+        udp: bool,
+    ) -> Result<(), ()> {
+        let mut flags = u64::from(size);
+        if pseudo {
+            flags |= u64::from(BPF_F_PSEUDO_HDR);
+        }
+        if udp {
+            flags |= u64::from(BPF_F_MARK_MANGLED_0);
+        }
+        TcContext::l4_csum_replace(self, offset, u64::from(from), u64::from(to), flags)
+            .map_err(drop)
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        unsafe { (*self.skb.skb).ifindex }
+    }
+
+    #[inline(always)]
+    fn as_ctx(&self) -> *mut c_void {
+        EbpfContext::as_ptr(self)
+    }
+
+    #[inline(always)]
+    fn can_redirect(fib_ret: i64) -> bool {
+        fib_ret == FIB_SUCCESS || fib_ret == FIB_NO_NEIGH
+    }
+
+    #[inline(always)]
+    fn redirect(&mut self, fib_ret: i64, ifindex: u32) -> i32 {
+        if fib_ret == FIB_NO_NEIGH {
+            // The next hop's MAC is not known yet: the kernel resolves it.
+            return unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 };
+        }
+        unsafe { bpf_redirect(ifindex, 0) as i32 }
+    }
+}
+
+impl Packet for XdpContext {
+    const PASS: i32 = xdp_action::XDP_PASS as i32;
+    const DROP: i32 = xdp_action::XDP_DROP as i32;
+
+    #[inline(always)]
+    fn load<T: Copy>(&self, offset: usize) -> Option<T> {
+        let mut v = mem::MaybeUninit::<T>::uninit();
+        let len = mem::size_of::<T>() as u32;
+        let ret = unsafe { bpf_xdp_load_bytes(self.ctx, offset as u32, v.as_mut_ptr() as *mut c_void, len) };
+        (ret == 0).then(|| unsafe { v.assume_init() })
+    }
+
+    #[inline(always)]
+    fn store<T>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
+        let len = mem::size_of::<T>() as u32;
+        let ptr = value as *const T as *mut c_void;
+        let ret = unsafe { bpf_xdp_store_bytes(self.ctx, offset as u32, ptr, len) };
+        if ret == 0 { Ok(()) } else { Err(()) }
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()> {
+        let csum: u16 = Packet::load(self, offset).ok_or(())?;
+        Packet::store(self, offset, &csum_update(csum, from, to, 4))
+    }
+
+    // XDP sees the checksum on the wire, which NICs deliver complete. (A veth peer that
+    // offloads checksums hands over partial ones: such senders need tx offload off.)
+    #[inline(always)]
+    fn l4_csum_replace(
+        &mut self,
+        offset: usize,
+        from: u32,
+        to: u32,
+        size: u8,
+        _pseudo: bool,
+        udp: bool,
+    ) -> Result<(), ()> {
+        let csum: u16 = Packet::load(self, offset).ok_or(())?;
+        if udp && csum == 0 {
+            return Ok(());
+        }
+        let mut new = csum_update(csum, from, to, size);
+        if udp && new == 0 {
+            new = 0xffff;
+        }
+        Packet::store(self, offset, &new)
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        unsafe { (*self.ctx).ingress_ifindex }
+    }
+
+    #[inline(always)]
+    fn as_ctx(&self) -> *mut c_void {
+        EbpfContext::as_ptr(self)
+    }
+
+    #[inline(always)]
+    fn can_redirect(fib_ret: i64) -> bool {
+        fib_ret == FIB_SUCCESS
+    }
+
+    #[inline(always)]
+    fn redirect(&mut self, _fib_ret: i64, ifindex: u32) -> i32 {
+        unsafe { bpf_redirect(ifindex, 0) as i32 }
+    }
+}
+
+/// RFC 1624 incremental update of a checksum (as stored, network order) for a field of
+/// `size` bytes (2 or 4) changing from `from` to `to` (both as stored in memory).
+#[inline(always)]
+fn csum_update(csum: u16, from: u32, to: u32, size: u8) -> u16 {
+    let (f, t) = (from.to_ne_bytes(), to.to_ne_bytes());
+    let mut sum = u32::from(!u16::from_be(csum));
+    sum += u32::from(!u16::from_be_bytes([f[0], f[1]])) + u32::from(u16::from_be_bytes([t[0], t[1]]));
+    if size == 4 {
+        sum += u32::from(!u16::from_be_bytes([f[2], f[3]])) + u32::from(u16::from_be_bytes([t[2], t[3]]));
+    }
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    (!(sum as u16)).to_be()
+}
