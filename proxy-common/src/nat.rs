@@ -95,5 +95,7 @@ pub mod stat {
     pub const DROP_SOURCE_RANGE: u32 = 3;
     /// Dropped: no free SNAT port, or no route to the backend.
     pub const DROP_NAT: u32 = 4;
-    pub const COUNT: u32 = 5;
+    /// Packets XDP translated itself (the rest of the ingress work was tc's).
+    pub const XDP: u32 = 5;
+    pub const COUNT: u32 = 6;
 }

@@ -153,6 +153,9 @@ fn rewrite<P: Packet>(pkt: &mut P, f: &Flow, source: bool, addr: u32, port: u16)
 
 #[inline(always)]
 fn apply<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<(), ()> {
+    if P::XDP {
+        count(nat::stat::XDP);
+    }
     let mut now = *f;
     if let Some((a, p)) = nat.dst {
         rewrite(pkt, &now, false, a, p)?;

@@ -21,6 +21,8 @@ pub const FIB_NOT_FWDED: i64 = 4;
 pub const FIB_NO_NEIGH: i64 = 7;
 
 pub trait Packet {
+    /// Whether this is the XDP hook (for the counters).
+    const XDP: bool;
     /// Let the packet go on its way (to the stack, or on out of the device).
     const PASS: i32;
     const DROP: i32;
@@ -66,6 +68,7 @@ pub trait Packet {
 }
 
 impl Packet for TcContext {
+    const XDP: bool = false;
     const PASS: i32 = TC_ACT_OK as i32;
     const DROP: i32 = TC_ACT_SHOT as i32;
 
@@ -132,6 +135,7 @@ impl Packet for TcContext {
 }
 
 impl Packet for XdpContext {
+    const XDP: bool = true;
     const PASS: i32 = xdp_action::XDP_PASS as i32;
     const DROP: i32 = xdp_action::XDP_DROP as i32;
 

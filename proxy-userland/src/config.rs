@@ -162,6 +162,12 @@ pub struct Args {
     )]
     pub nodeport_devices: Vec<String>,
 
+    /// eBPF: "native" runs the node-port ingress work in XDP ahead of tc on devices whose
+    /// driver supports native XDP (the others keep tc); "disabled" uses tc alone.
+    #[arg(long = "nodeport-acceleration", value_name = "MODE", default_value = "disabled",
+          value_parser = ["native", "disabled"])]
+    pub nodeport_acceleration: String,
+
     /// Apply the conntrack and OOM settings to the node (kube-proxy does so always; off by
     /// default here so that running on a workstation never changes its sysctls).
     #[arg(long, default_value_t = false)]

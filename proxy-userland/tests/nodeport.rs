@@ -28,10 +28,16 @@ const UDP_NODE_PORT: u16 = 30053;
 
 /// The eBPF dataplane with the node-port programs on `devices` of the bed's node namespace.
 fn attach(bed: &Testbed, devices: &[&str]) -> BpfDataplane {
+    attach_xdp(bed, devices, false)
+}
+
+/// As [`attach`], with native XDP ahead of tc where the device allows it.
+fn attach_xdp(bed: &Testbed, devices: &[&str], xdp: bool) -> BpfDataplane {
     let packet = PacketPathConfig {
         netns: Some(bed.node_netns().to_string()),
         devices: devices.iter().map(|d| d.to_string()).collect(),
         node_port_cidrs: vec![],
+        xdp,
     };
     let opts = AttachOptions { packet: Some(packet), ..Default::default() };
     BpfDataplane::attach_with(bed.cgroup_path(), &opts)
@@ -206,4 +212,28 @@ fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
     );
     let lost = attempts.iter().filter(|a| !a.is_ok()).count();
     assert!(lost <= 1, "at most the datagram in flight is lost: {attempts:?}");
+}
+
+#[test]
+fn native_xdp_serves_node_ports_on_veth_ahead_of_tc() {
+    let (mut bed, _pods) = bed_with_pods("npxdp", 2);
+    let ext = external_client(&mut bed);
+    let mut dp = attach_xdp(&bed, &[&ext.node_veth], true);
+    let devices = dp.node_devices().expect("packet path attached");
+    assert!(devices.devices.iter().all(|d| d.xdp), "veth runs native XDP: {devices:?}");
+    let svc = node_port_service("web", WEB_IP, NODE_PORT);
+    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
+    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+
+    let target = node_addr(&bed, NODE_PORT);
+    let attempts = tcp_from(&ext, &target, 30);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
+    assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+    let udp_target = node_addr(&bed, UDP_NODE_PORT);
+    let udp = probe_from(&ext.netns, &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000"]);
+    assert!(udp.iter().all(|a| from(a) == Some(udp_target.as_str())), "{udp:?}");
+    let stats = dp.programmer().maps().packet_stats();
+    // 30 TCP connections and one UDP socket.
+    assert!(stats.xdp >= stats.new_flows && stats.new_flows >= 31, "XDP did the work: {stats:?}");
 }

@@ -152,7 +152,8 @@ impl Metrics {
         registry.register(
             "fastpath_packets",
             "Packets from other hosts the eBPF packet path handled, by what became of them: \
-             new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat",
+             new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat; \
+             xdp counts those XDP translated itself",
             m.packets.clone(),
         );
         registry.register(
@@ -202,6 +203,7 @@ impl Metrics {
             ("dropped_no_backend", s.dropped_no_backend),
             ("dropped_source_range", s.dropped_source_range),
             ("dropped_nat", s.dropped_nat),
+            ("xdp", s.xdp),
         ];
         for (result, n) in all {
             Self::catch_up(&self.packets.get_or_create(&ResultLabel { result }), n);

@@ -158,6 +158,7 @@ impl StartOptions {
             netns: args.netns.clone(),
             devices: devices.iter().filter(|d| *d != "auto").cloned().collect(),
             node_port_cidrs,
+            xdp: args.nodeport_acceleration == "native",
         });
         Ok(StartOptions {
             cgroup: args.cgroup_path.clone(),

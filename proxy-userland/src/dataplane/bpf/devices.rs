@@ -21,6 +21,9 @@ pub struct PacketPathConfig {
     /// Node ports answer only on addresses in these ranges (kube-proxy's
     /// `--nodeport-addresses`); empty: on every address of the node.
     pub node_port_cidrs: Vec<(IpAddr, u8)>,
+    /// Run the ingress work in XDP, ahead of tc, on devices whose driver supports native
+    /// XDP; the others keep tc alone.
+    pub xdp: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +44,8 @@ pub struct Device {
     pub ifindex: u32,
     /// The address SNATed traffic leaves this device with: its first IPv4 address.
     pub ipv4: Option<Ipv4Addr>,
+    /// Native XDP runs ahead of tc on it (set once attached).
+    pub xdp: bool,
 }
 
 /// The devices to attach to and the addresses node ports answer on.
@@ -71,7 +76,7 @@ fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
     for name in names {
         let ifindex = if_index(&name).ok_or_else(|| DeviceError::Unknown(name.clone()))?;
         let ipv4 = addrs.iter().find(|(n, _)| *n == name).map(|(_, a)| *a);
-        devices.push(Device { name, ifindex, ipv4 });
+        devices.push(Device { name, ifindex, ipv4, xdp: false });
     }
     let mut node_port_addrs: Vec<Ipv4Addr> = addrs
         .iter()

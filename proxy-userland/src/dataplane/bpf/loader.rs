@@ -17,7 +17,8 @@ use std::{
 use aya::{
     Ebpf, EbpfError, EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType,
+        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp,
+        XdpMode,
         links::{FdLink, PinnedLink},
     },
 };
@@ -47,6 +48,7 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
 /// The packet programs (node ports, external and load-balancer IPs), by function name.
 pub const NODEPORT_INGRESS: &str = "fp_nodeport_in";
 pub const NODEPORT_EGRESS: &str = "fp_nodeport_out";
+pub const NODEPORT_XDP: &str = "fp_nodeport_xdp";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -198,7 +200,7 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
     }
     let mut node_devices = None;
     if let Some(cfg) = packet {
-        let devices = NodeDevices::read(cfg)?;
+        let mut devices = NodeDevices::read(cfg)?;
         for (name, attach_type) in
             [(NODEPORT_INGRESS, TcAttachType::Ingress), (NODEPORT_EGRESS, TcAttachType::Egress)]
         {
@@ -215,6 +217,37 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
                 })
                 .map_err(DeviceError::from)?
                 .map_err(|source| LoadError::Device { name, device: dev.name.clone(), source })?;
+                if layout.is_some() {
+                    let link = program
+                        .take_link(link_id)
+                        .map_err(|source| LoadError::Program { name, source })?;
+                    let tag = format!("{name}-{}", dev.ifindex);
+                    pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), &tag)?;
+                }
+            }
+        }
+        if cfg.xdp {
+            let name = NODEPORT_XDP;
+            let program: &mut Xdp = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::MissingProgram { name })?
+                .try_into()
+                .map_err(|_| LoadError::WrongType { name })?;
+            program.load().map_err(|source| LoadError::Program { name, source })?;
+            for dev in &mut devices.devices {
+                let attached = super::devices::in_netns(cfg.netns.as_deref(), || {
+                    program.attach(&dev.name, XdpMode::Driver)
+                })
+                .map_err(DeviceError::from)?;
+                // A driver without native XDP is no error: tc does the same work there.
+                let link_id = match attached {
+                    Ok(id) => id,
+                    Err(e) => {
+                        tracing::info!(device = %dev.name, "no native XDP, tc alone serves it: {e}");
+                        continue;
+                    }
+                };
+                dev.xdp = true;
                 if layout.is_some() {
                     let link = program
                         .take_link(link_id)

@@ -50,6 +50,8 @@ pub struct PacketStats {
     pub dropped_no_backend: u64,
     pub dropped_source_range: u64,
     pub dropped_nat: u64,
+    /// Packets XDP translated ahead of tc.
+    pub xdp: u64,
 }
 
 fn take<K: aya::Pod, V: aya::Pod>(
@@ -312,6 +314,7 @@ impl ServiceMaps {
             dropped_no_backend: get(nat::stat::DROP_NO_BACKEND),
             dropped_source_range: get(nat::stat::DROP_SOURCE_RANGE),
             dropped_nat: get(nat::stat::DROP_NAT),
+            xdp: get(nat::stat::XDP),
         }
     }
 

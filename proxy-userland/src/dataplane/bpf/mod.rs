@@ -71,6 +71,7 @@ impl BpfDataplane {
             programmer.enable_packet_path();
             tracing::info!(
                 devices = ?devices.devices.iter().map(|d| &d.name).collect::<Vec<_>>(),
+                xdp = ?devices.devices.iter().filter(|d| d.xdp).map(|d| &d.name).collect::<Vec<_>>(),
                 node_port_addresses = ?devices.node_port_addrs,
                 "node-port programs attached"
             );
