@@ -1,0 +1,62 @@
+//! Shared by the benches: percentiles, and the per-attempt times `fastpath-probe` prints.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+/// The `p` quantile (0.0-1.0) of sorted samples; zero for none.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// What one probe run measured: each successful attempt's own time (sorted), and how many
+/// attempts failed.
+pub struct Attempts {
+    pub latencies: Vec<Duration>,
+    pub failures: usize,
+}
+
+impl Attempts {
+    /// Parses the probe's lines (`ok ... us=N` or `err ...`).
+    pub fn parse(output: &str) -> Self {
+        let mut latencies = Vec::new();
+        let mut failures = 0;
+        for line in output.lines() {
+            if !line.starts_with("ok ") {
+                failures += usize::from(line.starts_with("err "));
+                continue;
+            }
+            if let Some(us) = line.split_whitespace().find_map(|w| w.strip_prefix("us=")) {
+                latencies.push(Duration::from_micros(us.parse().unwrap_or(0)));
+            }
+        }
+        latencies.sort();
+        Attempts { latencies, failures }
+    }
+
+    /// Attempts per second of the attempts' own time (the probe's start-up does not count).
+    pub fn rate(&self) -> f64 {
+        let busy: Duration = self.latencies.iter().sum();
+        if busy.is_zero() { 0.0 } else { self.latencies.len() as f64 / busy.as_secs_f64() }
+    }
+
+    pub fn p50(&self) -> Duration {
+        percentile(&self.latencies, 0.5)
+    }
+
+    pub fn p99(&self) -> Duration {
+        percentile(&self.latencies, 0.99)
+    }
+}
+
+/// The median of some numbers (sorted in place); zero for none.
+pub fn median(xs: &mut [f64]) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
