@@ -285,3 +285,23 @@ pub fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A private bpffs instance for one test: pins made there vanish with the unmount.
+pub struct Bpffs(pub PathBuf);
+
+impl Bpffs {
+    pub fn mount(under: &Path) -> Self {
+        let dir = under.join("bpffs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let ok = Command::new("mount").args(["-t", "bpf", "bpf"]).arg(&dir).status().unwrap();
+        assert!(ok.success(), "mounting a bpffs at {}", dir.display());
+        Bpffs(dir)
+    }
+}
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}

@@ -17,7 +17,7 @@ use nat_common::*;
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::{AttachOptions, BpfDataplane, PacketPathConfig},
+        bpf::{AttachOptions, BpfDataplane, PacketPathConfig, loader},
     },
     model::{Endpoint, Service},
 };
@@ -33,13 +33,17 @@ fn attach(bed: &Testbed, devices: &[&str]) -> BpfDataplane {
 
 /// As [`attach`], with native XDP ahead of tc where the device allows it.
 fn attach_xdp(bed: &Testbed, devices: &[&str], xdp: bool) -> BpfDataplane {
+    attach_opts(bed, devices, xdp, None)
+}
+
+fn attach_opts(bed: &Testbed, devices: &[&str], xdp: bool, pin_dir: Option<&std::path::Path>) -> BpfDataplane {
     let packet = PacketPathConfig {
         netns: Some(bed.node_netns().to_string()),
         devices: devices.iter().map(|d| d.to_string()).collect(),
         node_port_cidrs: vec![],
         xdp,
     };
-    let opts = AttachOptions { packet: Some(packet), ..Default::default() };
+    let opts = AttachOptions { packet: Some(packet), pin_dir: pin_dir.map(Into::into), ..Default::default() };
     BpfDataplane::attach_with(bed.cgroup_path(), &opts)
         .expect("programs load and attach")
 }
@@ -238,4 +242,47 @@ fn native_xdp_serves_node_ports_on_veth_ahead_of_tc() {
     let stats = dp.programmer().maps().packet_stats();
     // 30 TCP connections and one UDP socket.
     assert!(stats.xdp >= stats.new_flows && stats.new_flows >= 31, "XDP did the work: {stats:?}");
+}
+
+#[test]
+fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
+    let (mut bed, _pods) = bed_with_pods("nppin", 2);
+    let ext = external_client(&mut bed);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("fastpath");
+    let svc = node_port_service("web", WEB_IP, NODE_PORT);
+    let eps = || Some(web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]));
+    let mut first = attach_opts(&bed, &[&ext.node_veth], false, Some(&pin));
+    first.sync(&state_of(vec![(svc.clone(), eps())]), &node(), Scope::Full);
+
+    // Bounded loops across the restart: new TCP connections every 20 ms, and one UDP flow
+    // (one connected socket) every 50 ms.
+    let spawn = |args: Vec<String>| {
+        let netns = ext.netns.clone();
+        thread::spawn(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            probe_from(&netns, &args)
+        })
+    };
+    let to_strings = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let (tcp_target, udp_target) = (node_addr(&bed, NODE_PORT), node_addr(&bed, UDP_NODE_PORT));
+    let tcp = spawn(to_strings(&["tcp", &tcp_target, "--count", "100", "--interval-ms", "20", "--timeout-ms", "1000"]));
+    let udp = spawn(to_strings(&[
+        "udp", &udp_target, "--connected", "--count", "40", "--interval-ms", "50", "--timeout-ms", "1000",
+    ]));
+    thread::sleep(Duration::from_millis(400));
+    drop(first); // the daemon exits; its pinned links keep translating...
+    thread::sleep(Duration::from_millis(600));
+    let mut second = attach_opts(&bed, &[&ext.node_veth], false, Some(&pin)); // ...until the next one
+    let report = second.sync(&state_of(vec![(svc, eps())]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert_eq!(report.frontends_written, 0, "adopted as it was");
+
+    let tcp = tcp.join().expect("tcp client");
+    let failed: Vec<_> = tcp.iter().filter(|a| !a.is_ok()).collect();
+    assert!(failed.is_empty(), "{} of 100 connections failed: {failed:?}", failed.len());
+    let udp = udp.join().expect("udp client");
+    assert!(udp.iter().all(|a| a.is_ok()), "{udp:?}");
+    assert_eq!(names(&udp).len(), 1, "the pinned flow table kept the UDP flow on its backend: {udp:?}");
+    loader::remove_pinned(&pin).unwrap();
 }

@@ -19,26 +19,6 @@ use proxy_userland::{
     model::NodeInfo,
 };
 
-/// A private bpffs instance for one test: pins made there vanish with the unmount.
-struct Bpffs(PathBuf);
-
-impl Bpffs {
-    fn mount(under: &Path) -> Self {
-        let dir = under.join("bpffs");
-        std::fs::create_dir_all(&dir).unwrap();
-        let ok = Command::new("mount").args(["-t", "bpf", "bpf"]).arg(&dir).status().unwrap();
-        assert!(ok.success(), "mounting a bpffs at {}", dir.display());
-        Bpffs(dir)
-    }
-}
-
-impl Drop for Bpffs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
 fn links_pinned(pin: &Path) -> usize {
     std::fs::read_dir(loader::PinLayout::new(pin).links).map(|d| d.count()).unwrap_or(0)
 }
