@@ -20,6 +20,11 @@ use crate::{
 
 pub const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 pub const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 11);
+/// web's NodePort for http, and the address of the client on "another host".
+pub const WEB_NODE_PORT: u16 = 30080;
+pub const OUTSIDE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 2, 1);
+/// The node the demo's daemon runs as; the pods run on it.
+pub const NODE_NAME: &str = "demo-node";
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
 const UPDATE_TIMEOUT: Duration = Duration::from_secs(15);
 const DAEMON_GRACE: Duration = Duration::from_secs(5);
@@ -33,7 +38,7 @@ metadata:
   name: web
   namespace: demo
 spec:
-  type: ClusterIP
+  type: NodePort
   clusterIP: {WEB_IP}
   clusterIPs: [\"{WEB_IP}\"]
   ipFamilies: [IPv4]
@@ -45,6 +50,7 @@ spec:
       protocol: TCP
       port: 80
       targetPort: 8080
+      nodePort: {WEB_NODE_PORT}
     - name: dns
       protocol: UDP
       port: 53
@@ -86,6 +92,7 @@ pub fn web_slice_yaml(pods: &[&Pod]) -> String {
       ready: true
       serving: true
       terminating: false
+    nodeName: {NODE_NAME}
     targetRef:
       kind: Pod
       namespace: demo
@@ -177,6 +184,15 @@ pub fn demo(
         names.join(", ")
     );
 
+    // A client on "another host": its own namespace, reaching the node over a veth pair.
+    let outside = bed.add_pod("outside", OUTSIDE_IP, None)?;
+    println!(
+        "demo: made namespace {} ({OUTSIDE_IP}), a client on another host that reaches the node ({}) over {}",
+        outside.netns,
+        bed.node_ipv4(),
+        outside.node_veth
+    );
+
     let manifests = bed.dir().join("manifests");
     fs::create_dir_all(&manifests)?;
     fs::write(manifests.join("web-service.yaml"), web_service_yaml())?;
@@ -186,7 +202,7 @@ pub fn demo(
     )?;
     fs::write(manifests.join("empty-service.yaml"), empty_service_yaml())?;
     println!(
-        "demo: wrote Services demo/web ({WEB_IP}: http 80->8080/TCP, dns 53->5353/UDP) and demo/empty ({EMPTY_IP}, no endpoints) to {}",
+        "demo: wrote Services demo/web ({WEB_IP}: http 80->8080/TCP with NodePort {WEB_NODE_PORT}, dns 53->5353/UDP) and demo/empty ({EMPTY_IP}, no endpoints) to {}",
         manifests.display()
     );
 
@@ -197,9 +213,10 @@ pub fn demo(
         .arg(&manifests)
         .arg("--cgroup-path")
         .arg(bed.cgroup_path())
-        // The daemon runs in this machine's own namespace: its packet programs stay off
-        // the machine's devices.
-        .args(["--nodeport-devices", "none"]);
+        // Node ports on the node namespace's device towards "another host" only: never on
+        // this machine's own devices.
+        .args(["--netns", bed.node_netns(), "--nodeport-devices", &outside.node_veth])
+        .args(["--hostname-override", NODE_NAME]);
     if let Some(level) = log_level {
         cmd.args(["--log-level", level]);
     }
@@ -226,6 +243,7 @@ pub fn demo(
     demo.show_tcp_spread(&pods)?;
     demo.show_udp(&pods)?;
     demo.show_empty()?;
+    demo.show_node_port(&outside)?;
     demo.show_removal(&pods)?;
 
     println!();
@@ -394,6 +412,25 @@ impl Demo<'_> {
         Ok(())
     }
 
+    fn show_node_port(&mut self, outside: &Pod) -> Result<()> {
+        let target = format!("{}:{WEB_NODE_PORT}", self.bed.node_ipv4());
+        let mut cmd = Command::new(self.probe);
+        cmd.arg("--netns").arg(&outside.netns).args(["tcp", &target, "--count", "6", "--timeout-ms", "2000"]);
+        let got = probe::parse(&crate::cmd::output(&mut cmd)?);
+        let answered: Vec<&str> = got.iter().filter_map(Outcome::reply).collect();
+        println!(
+            "4. From another host ({OUTSIDE_IP}), 6 connections to the node's NodePort {target} were answered by {}.",
+            if answered.is_empty() { "nobody".to_string() } else { answered.join(", ") }
+        );
+        let peers_ok = got.iter().all(|o| matches!(o, Outcome::Ok { peer: Some(p), .. } if *p == target));
+        if answered.len() == got.len() && !got.is_empty() && peers_ok {
+            println!("   tc programs on {} translated each packet; the client only saw {target}.", outside.node_veth);
+        } else {
+            self.surprise(format!("expected every connection to reach a pod through {target}: {got:?}"));
+        }
+        Ok(())
+    }
+
     fn show_removal(&mut self, pods: &[Pod]) -> Result<()> {
         let (gone, kept) = pods.split_last().expect("the demo has pods");
         // Write next to the folder, then rename into it: the daemon never sees half a file.
@@ -417,7 +454,7 @@ impl Demo<'_> {
             }
             if started.elapsed() >= UPDATE_TIMEOUT {
                 println!(
-                    "4. Removed {} from web's EndpointSlice, but after {}s connections still reach it:",
+                    "5. Removed {} from web's EndpointSlice, but after {}s connections still reach it:",
                     gone.name,
                     UPDATE_TIMEOUT.as_secs()
                 );
@@ -430,7 +467,7 @@ impl Demo<'_> {
         let took = started.elapsed().as_secs_f64();
         let got = self.probe(&args)?;
         println!(
-            "4. Removed {} from web's EndpointSlice (fastpath applied it within {took:.1}s). 12 new connections reached:",
+            "5. Removed {} from web's EndpointSlice (fastpath applied it within {took:.1}s). 12 new connections reached:",
             gone.name
         );
         print_spread(pods, &got);
