@@ -9,12 +9,15 @@ mod nat_common;
 use common::*;
 use nat_common::*;
 
-fn start(bed: &xtask::testbed::Testbed, mode: &str, extra: &[&str]) -> Daemon {
+/// The daemon for the bed's node namespace, in `mode` (None: the mode it chooses).
+fn start(bed: &xtask::testbed::Testbed, mode: Option<&str>, extra: &[&str]) -> Daemon {
     let manifests = bed.dir().join("manifests.yaml");
     let manifests = manifests.to_str().unwrap();
-    let mut args = vec![
-        "--proxy-mode",
-        mode,
+    let mut args = match mode {
+        Some(mode) => vec!["--proxy-mode", mode],
+        None => vec![],
+    };
+    args.extend([
         "--netns",
         bed.node_netns(),
         "--manifests",
@@ -24,7 +27,7 @@ fn start(bed: &xtask::testbed::Testbed, mode: &str, extra: &[&str]) -> Daemon {
         "",
         "--metrics-bind-address",
         "",
-    ];
+    ]);
     args.extend_from_slice(extra);
     Daemon::start(bed.cgroup_path(), &args)
 }
@@ -40,7 +43,7 @@ fn daemon_runs_iptables_then_userspace_for_a_namespace() {
     route_services(&bed);
     std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
 
-    let mut ipt = start(&bed, "iptables", &[]);
+    let mut ipt = start(&bed, Some("iptables"), &[]);
     assert!(
         eventually(20, || all_ok(&bed)),
         "ClusterIP through the iptables mode:\n{}",
@@ -56,7 +59,7 @@ fn daemon_runs_iptables_then_userspace_for_a_namespace() {
     assert!(!chains_with(&saved(bed.node_netns(), "iptables-save"), "KUBE-SVC-").is_empty());
     assert!(all_ok(&bed), "traffic still flows after the proxy stopped");
 
-    let mut us = start(&bed, "userspace", &["--cleanup-on-exit"]);
+    let mut us = start(&bed, Some("userspace"), &["--cleanup-on-exit"]);
     assert!(
         eventually(20, || {
             let nat = saved(bed.node_netns(), "iptables-save");
@@ -117,23 +120,8 @@ fn when_the_ebpf_load_fails_the_daemon_falls_back_and_says_why() {
     // The probes pass, but the maps cannot be pinned in a folder that is not on bpffs, so
     // loading fails as a verifier rejection would: after the probes, at load time.
     let not_bpffs = bed.dir().join("not-bpffs");
-    let manifests = bed.dir().join("manifests.yaml");
-    let mut d = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--netns",
-            bed.node_netns(),
-            "--bpf-pin-dir",
-            not_bpffs.to_str().unwrap(),
-            "--manifests",
-            manifests.to_str().unwrap(),
-            "--healthz-bind-address",
-            "",
-            "--metrics-bind-address",
-            "",
-            "--cleanup-on-exit",
-        ],
-    );
+    let pin = ["--bpf-pin-dir", not_bpffs.to_str().unwrap(), "--cleanup-on-exit"];
+    let mut d = start(&bed, None, &pin);
     assert!(
         eventually(20, || all_ok(&bed)),
         "Services work through the fallback:\n{}",

@@ -3,12 +3,7 @@
 
 mod common;
 
-use std::{
-    net::Ipv4Addr,
-    path::{Path, PathBuf},
-    process::Command,
-    time::Duration,
-};
+use std::{net::Ipv4Addr, path::Path, time::Duration};
 
 use common::*;
 use proxy_userland::{

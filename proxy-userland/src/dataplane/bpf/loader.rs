@@ -26,7 +26,7 @@ use proxy_common::maps as map_names;
 
 use super::{
     AttachOptions,
-    devices::{DeviceError, NodeDevices},
+    devices::{DeviceError, NodeDevices, in_netns},
 };
 
 /// Maps of this layout live in `<pin dir>/maps-v<N>`: a daemon with another layout never
@@ -181,65 +181,60 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         pinned_now.push(path);
         Ok::<(), LoadError>(())
     };
+    // Program types share no loading trait in aya: these two spell the common steps once.
+    macro_rules! loaded {
+        ($name:expr, $ty:ty) => {{
+            let name = $name;
+            let program: &mut $ty = ebpf
+                .program_mut(name)
+                .ok_or(LoadError::MissingProgram { name })?
+                .try_into()
+                .map_err(|_| LoadError::WrongType { name })?;
+            program.load().map_err(|source| LoadError::Program { name, source })?;
+            program
+        }};
+    }
+    macro_rules! keep {
+        ($program:expr, $name:expr, $link_id:expr, $tag:expr) => {
+            if layout.is_some() {
+                let name = $name;
+                let link = $program.take_link($link_id).map_err(|source| LoadError::Program { name, source })?;
+                pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), $tag)?;
+            }
+        };
+    }
     for name in SOCK_PROGRAMS {
-        let program: &mut CgroupSockAddr = ebpf
-            .program_mut(name)
-            .ok_or(LoadError::MissingProgram { name })?
-            .try_into()
-            .map_err(|_| LoadError::WrongType { name })?;
-        program.load().map_err(|source| LoadError::Program { name, source })?;
+        let program = loaded!(name, CgroupSockAddr);
         // Through a BPF link (kernel >= 5.7) the kernel wants flags 0 and always allows other
         // programs beside ours; `Single` is what passes 0.
         let link_id = program
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(|source| LoadError::Program { name, source })?;
-        if layout.is_some() {
-            let link = program.take_link(link_id).map_err(|source| LoadError::Program { name, source })?;
-            pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), name)?;
-        }
+        keep!(program, name, link_id, name);
     }
     let mut node_devices = None;
     if let Some(cfg) = packet {
         let mut devices = NodeDevices::read(cfg)?;
+        // Interface names resolve in the devices' namespace.
+        let netns = cfg.netns.as_deref();
         for (name, attach_type) in
             [(NODEPORT_INGRESS, TcAttachType::Ingress), (NODEPORT_EGRESS, TcAttachType::Egress)]
         {
-            let program: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or(LoadError::MissingProgram { name })?
-                .try_into()
-                .map_err(|_| LoadError::WrongType { name })?;
-            program.load().map_err(|source| LoadError::Program { name, source })?;
+            let program = loaded!(name, SchedClassifier);
             for dev in &devices.devices {
-                // Interface names resolve in the devices' namespace.
-                let link_id = super::devices::in_netns(cfg.netns.as_deref(), || {
-                    program.attach(&dev.name, attach_type)
-                })
-                .map_err(DeviceError::from)?
-                .map_err(|source| LoadError::Device { name, device: dev.name.clone(), source })?;
-                if layout.is_some() {
-                    let link = program
-                        .take_link(link_id)
-                        .map_err(|source| LoadError::Program { name, source })?;
-                    let tag = format!("{name}-{}", dev.ifindex);
-                    pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), &tag)?;
-                }
+                let link_id = in_netns(netns, || program.attach(&dev.name, attach_type))
+                    .map_err(DeviceError::from)?
+                    .map_err(|source| LoadError::Device { name, device: dev.name.clone(), source })?;
+                keep!(program, name, link_id, &format!("{name}-{}", dev.ifindex));
             }
         }
         if cfg.xdp {
             let name = NODEPORT_XDP;
-            let program: &mut Xdp = ebpf
-                .program_mut(name)
-                .ok_or(LoadError::MissingProgram { name })?
-                .try_into()
-                .map_err(|_| LoadError::WrongType { name })?;
-            program.load().map_err(|source| LoadError::Program { name, source })?;
+            let program = loaded!(name, Xdp);
             for dev in &mut devices.devices {
-                let attached = super::devices::in_netns(cfg.netns.as_deref(), || {
-                    program.attach(&dev.name, XdpMode::Driver)
-                })
-                .map_err(DeviceError::from)?;
                 // A driver without native XDP is no error: tc does the same work there.
+                let attached = in_netns(netns, || program.attach(&dev.name, XdpMode::Driver))
+                    .map_err(DeviceError::from)?;
                 let link_id = match attached {
                     Ok(id) => id,
                     Err(e) => {
@@ -248,13 +243,7 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
                     }
                 };
                 dev.xdp = true;
-                if layout.is_some() {
-                    let link = program
-                        .take_link(link_id)
-                        .map_err(|source| LoadError::Program { name, source })?;
-                    let tag = format!("{name}-{}", dev.ifindex);
-                    pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), &tag)?;
-                }
+                keep!(program, name, link_id, &format!("{name}-{}", dev.ifindex));
             }
         }
         node_devices = Some(devices);
