@@ -200,7 +200,7 @@ fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
     thread::sleep(Duration::from_millis(800));
     // Remove whichever pod the flow went to: the flow table says.
     let first = dp.programmer().maps().packet_flows().into_iter().next().expect("a flow");
-    let gone = if first == IpAddr::V4(pod_ip(1)) { 1 } else { 2 };
+    let gone = if first.backend.ip() == IpAddr::V4(pod_ip(1)) { 1 } else { 2 };
     let stay = 3 - gone;
     let changed = BTreeSet::from([svc.key.clone()]);
     let one = web_endpoints(vec![on("node-a", ready(pod_ip(stay)))]);
@@ -285,4 +285,109 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
     assert!(udp.iter().all(|a| a.is_ok()), "{udp:?}");
     assert_eq!(names(&udp).len(), 1, "the pinned flow table kept the UDP flow on its backend: {udp:?}");
     loader::remove_pinned(&pin).unwrap();
+}
+
+/// A second node ("node B", 198.18.0.2) joined to the bed's node (A) by a veth pair, with
+/// one pod (198.18.3.1) behind it, as two hosts on one network. The namespaces carry the
+/// bed's id, so a crashed test's leftovers are reaped with the bed's.
+struct NodeB {
+    namespaces: Vec<String>,
+    pod: Pod,
+    /// A's end of the link to B.
+    link: String,
+}
+
+const NODE_B: &str = "198.18.0.2";
+const POD_B: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 1);
+
+impl NodeB {
+    fn add(bed: &mut Testbed) -> Self {
+        let (a, b, p) = (
+            bed.node_netns().to_string(),
+            format!("{}-nodeb", bed.id()),
+            format!("{}-p-podb", bed.id()),
+        );
+        let mut me = NodeB {
+            namespaces: vec![],
+            pod: Pod {
+                name: "pod-b".into(),
+                netns: p.clone(),
+                ipv4: POD_B,
+                ipv6: None,
+                node_veth: "fpv0".into(),
+            },
+            link: "fpab0".into(),
+        };
+        for ns in [&b, &p] {
+            me.namespaces.push(ns.clone());
+            xtask::netns::add(ns).expect("namespace");
+        }
+        xtask::netns::sysctl(&b, "net/ipv4/ip_forward", "1").expect("forwarding on B");
+        let node_a = bed.node_ipv4().to_string();
+        let pod_b = POD_B.to_string();
+        let ip = |args: &[&str]| {
+            xtask::cmd::ip(args).unwrap_or_else(|e| panic!("ip {args:?}: {e:#}"));
+        };
+        // A <-> B
+        ip(&["-n", &a, "link", "add", "fpab0", "type", "veth", "peer", "name", "eth0", "netns", &b]);
+        ip(&["-n", &a, "addr", "add", &format!("{node_a}/32"), "dev", "fpab0"]);
+        ip(&["-n", &b, "addr", "add", &format!("{NODE_B}/32"), "dev", "eth0"]);
+        ip(&["-n", &a, "link", "set", "fpab0", "up"]);
+        ip(&["-n", &b, "link", "set", "eth0", "up"]);
+        ip(&["-n", &a, "route", "add", &format!("{NODE_B}/32"), "dev", "fpab0", "src", &node_a]);
+        ip(&["-n", &a, "route", "add", "198.18.3.0/24", "via", NODE_B, "dev", "fpab0"]);
+        ip(&["-n", &b, "route", "add", &format!("{node_a}/32"), "dev", "eth0", "src", NODE_B]);
+        ip(&["-n", &b, "route", "add", "198.18.0.0/15", "via", &node_a, "dev", "eth0", "src", NODE_B]);
+        // B <-> its pod
+        ip(&["-n", &b, "link", "add", "fpv0", "type", "veth", "peer", "name", "eth0", "netns", &p]);
+        ip(&["-n", &b, "addr", "add", &format!("{NODE_B}/32"), "dev", "fpv0"]);
+        ip(&["-n", &p, "addr", "add", &format!("{pod_b}/32"), "dev", "eth0"]);
+        ip(&["-n", &b, "link", "set", "fpv0", "up"]);
+        ip(&["-n", &p, "link", "set", "eth0", "up"]);
+        ip(&["-n", &b, "route", "add", &format!("{pod_b}/32"), "dev", "fpv0", "src", NODE_B]);
+        ip(&["-n", &p, "route", "add", &format!("{NODE_B}/32"), "dev", "eth0", "src", &pod_b]);
+        ip(&["-n", &p, "route", "add", "198.18.0.0/15", "via", NODE_B, "dev", "eth0", "src", &pod_b]);
+        bed.serve(probe(), &me.pod, &["--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"]).expect("pod-b serves");
+        me
+    }
+}
+
+impl Drop for NodeB {
+    fn drop(&mut self) {
+        for ns in self.namespaces.iter().rev() {
+            let _ = xtask::netns::delete(ns);
+        }
+    }
+}
+
+#[test]
+fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
+    let (mut bed, _pods) = bed_with_pods("nptwo", 1);
+    let ext = external_client(&mut bed);
+    let node_b = NodeB::add(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth, &node_b.link]);
+    // Cluster policy, and the only endpoint is on node B.
+    let svc = node_port_service("web", WEB_IP, NODE_PORT);
+    let eps = web_endpoints(vec![on("node-b", ready(POD_B))]);
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let target = node_addr(&bed, NODE_PORT);
+    let attempts = tcp_from(&ext, &target, 20);
+    assert!(attempts.iter().all(|a| a.reply() == Some("pod-b")), "{attempts:?}");
+    assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+    let udp_target = node_addr(&bed, UDP_NODE_PORT);
+    let udp = probe_from(&ext.netns, &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000", "--fresh-socket"]);
+    for a in &udp {
+        assert_eq!((a.reply(), from(a)), (Some("pod-b"), Some(udp_target.as_str())), "{a:?}");
+    }
+    // Every flow went to pod-b with this node's address as its source, so the replies came
+    // back here to be translated.
+    let flows = dp.programmer().maps().packet_flows();
+    assert!(flows.len() >= 25, "{flows:?}");
+    assert!(
+        flows.iter().all(|f| f.backend.ip() == IpAddr::V4(POD_B) && f.snat.map(|s| s.ip()) == Some(bed.node_ipv4().into())),
+        "{flows:?}"
+    );
+    drop(node_b);
 }

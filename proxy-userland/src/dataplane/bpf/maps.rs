@@ -42,6 +42,16 @@ pub struct ServiceMaps {
     stats: PerCpuArray<MapData, u64>,
 }
 
+/// One flow of the packet path, as its forward entry records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PacketFlow {
+    pub client: SocketAddr,
+    pub frontend: SocketAddr,
+    pub backend: SocketAddr,
+    /// The source the backend sees, when it is not the client's.
+    pub snat: Option<SocketAddr>,
+}
+
 /// What the packet programs counted, summed over CPUs (see `proxy_common::nat::stat`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PacketStats {
@@ -293,13 +303,19 @@ impl ServiceMaps {
         Ok(())
     }
 
-    /// The backend of every flow the packet programs track, for diagnostics and tests.
-    pub fn packet_flows(&self) -> Vec<IpAddr> {
+    /// Every flow the packet programs track: where it goes and the source it was given.
+    pub fn packet_flows(&self) -> Vec<PacketFlow> {
+        let addr = |a: u32, p: u16| SocketAddr::new(std::net::Ipv4Addr::from(a.to_ne_bytes()).into(), u16::from_be(p));
         self.ct4
             .iter()
             .filter_map(Result::ok)
             .filter(|(k, _)| k.dir == nat::dir::FORWARD)
-            .map(|(_, v)| IpAddr::V4(std::net::Ipv4Addr::from(v.addr.to_ne_bytes())))
+            .map(|(k, v)| PacketFlow {
+                client: addr(k.saddr, k.sport),
+                frontend: addr(k.daddr, k.dport),
+                backend: addr(v.addr, v.port),
+                snat: (v.snat_addr != 0).then(|| addr(v.snat_addr, v.snat_port)),
+            })
             .collect()
     }
 
