@@ -168,8 +168,8 @@ fn apply<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<(), ()> {
 }
 
 /// Translates the packet and sends it out of the device the FIB names for its new
-/// destination; if this hook cannot (XDP without a known neighbour), passes it untouched
-/// for tc to do the same with the flow entries already in place.
+/// destination; if this hook cannot (XDP), passes it untouched for tc to do the same with
+/// the flow entries already in place.
 #[inline(always)]
 fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<i32, ()> {
     let out = nat.applied_to(f);
@@ -179,10 +179,10 @@ fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result
         apply(pkt, f, nat)?;
         return Ok(P::PASS);
     }
+    if P::XDP {
+        return Ok(P::PASS);
+    }
     if !P::can_redirect(ret) {
-        if ret == crate::packet::FIB_NO_NEIGH {
-            return Ok(P::PASS);
-        }
         count(nat::stat::DROP_NAT);
         return Ok(P::DROP);
     }

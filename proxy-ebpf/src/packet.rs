@@ -199,14 +199,17 @@ impl Packet for XdpContext {
         EbpfContext::as_ptr(self)
     }
 
+    // An XDP redirect into a veth (or a driver without ndo_xdp_xmit) is dropped unless the
+    // receiving side runs XDP too, which another node's device need not: flows that must
+    // leave the node again are tc's, which redirects socket buffers anywhere.
     #[inline(always)]
-    fn can_redirect(fib_ret: i64) -> bool {
-        fib_ret == FIB_SUCCESS
+    fn can_redirect(_fib_ret: i64) -> bool {
+        false
     }
 
     #[inline(always)]
-    fn redirect(&mut self, _fib_ret: i64, ifindex: u32) -> i32 {
-        unsafe { bpf_redirect(ifindex, 0) as i32 }
+    fn redirect(&mut self, _fib_ret: i64, _ifindex: u32) -> i32 {
+        Self::PASS
     }
 }
 

@@ -391,3 +391,22 @@ fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
     );
     drop(node_b);
 }
+
+/// XDP cannot hand a packet to another node's veth (the receiving side would need XDP too),
+/// so flows that leave the node again are left to tc, and still work.
+#[test]
+fn with_xdp_a_pod_on_another_node_is_still_reached_through_tc() {
+    let (mut bed, _pods) = bed_with_pods("npxdptwo", 1);
+    let ext = external_client(&mut bed);
+    let node_b = NodeB::add(&mut bed);
+    let mut dp = attach_xdp(&bed, &[&ext.node_veth, &node_b.link], true);
+    let svc = node_port_service("web", WEB_IP, NODE_PORT);
+    let eps = web_endpoints(vec![on("node-b", ready(POD_B))]);
+    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    let target = node_addr(&bed, NODE_PORT);
+    let attempts = tcp_from(&ext, &target, 20);
+    assert!(attempts.iter().all(|a| a.reply() == Some("pod-b")), "{attempts:?}");
+    let stats = dp.programmer().maps().packet_stats();
+    assert_eq!(stats.xdp, 0, "XDP left these flows to tc: {stats:?}");
+    drop(node_b);
+}
