@@ -53,7 +53,14 @@ struct Flow {
     proto: u8,
     /// Offset of the L4 header.
     l4: usize,
+    /// TCP flags (0 for UDP).
+    tcp_flags: u8,
 }
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
 
 impl Flow {
     fn key(&self, dir: u8) -> Ct4Key {
@@ -68,8 +75,24 @@ impl Flow {
         }
     }
 
-    fn timeout_ns(&self) -> u64 {
-        if self.proto == proto::TCP { nat::CT_TCP_TIMEOUT_NS } else { nat::CT_UDP_TIMEOUT_NS }
+    /// Whether an entry last seen at `last_seen` with `flags` is past its time.
+    fn expired(&self, last_seen: u64, flags: u16, now: u64) -> bool {
+        now.wrapping_sub(last_seen) > nat::ct_timeout_ns(self.proto, flags)
+    }
+
+    /// A FIN or RST: the connection is ending.
+    fn ending(&self) -> bool {
+        self.tcp_flags & (TCP_FIN | TCP_RST) != 0
+    }
+
+    /// A SYN without ACK: a client opening a connection (maybe reusing a port).
+    fn opening(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
+    /// The flags an entry of this flow carries after this packet.
+    fn mark(&self, flags: u16) -> u16 {
+        if self.ending() { flags | nat::ct_flags::CLOSING } else { flags }
     }
 }
 
@@ -125,6 +148,7 @@ fn parse<P: Packet>(pkt: &P) -> Option<Flow> {
         dport: pkt.load(l4 + 2)?,
         proto,
         l4,
+        tcp_flags: if proto == proto::TCP { pkt.load(l4 + 13)? } else { 0 },
     })
 }
 
@@ -200,10 +224,11 @@ fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result
 fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
     let entry = CT4.get_ptr_mut(&f.key(nat::dir::REPLY))?;
     let e = unsafe { &mut *entry };
-    if now.wrapping_sub(e.last_seen_ns) > f.timeout_ns() {
+    if f.expired(e.last_seen_ns, e.flags, now) {
         return None;
     }
     e.last_seen_ns = now;
+    e.flags = f.mark(e.flags | nat::ct_flags::SEEN_REPLY);
     let snat = e.snat_addr != 0;
     let nat = Nat {
         src: Some((e.addr, e.port)),
@@ -283,7 +308,7 @@ fn claim_snat_port(f: &Flow, b: &Backend4, snat_addr: u32, reply: &Ct4Value, now
         }
         // Taken: by a live flow, or by one idle past its timeout that we may reuse.
         if let Some(old) = unsafe { CT4.get(&key) }
-            && now.wrapping_sub(old.last_seen_ns) > f.timeout_ns()
+            && f.expired(old.last_seen_ns, old.flags, now)
             && CT4.insert(&key, reply, 0).is_ok()
         {
             return Some(port);
@@ -386,21 +411,19 @@ fn new_flow<P: Packet>(pkt: &P, f: &Flow, fe_addr: u32, master: &ServiceValue, n
     Ok(forward)
 }
 
-/// The forward entry of a flow we already translate, if its backend still serves; refreshes
-/// both entries. A backend that left makes the flow start over (a UDP client of a removed
-/// backend moves on instead of sending into the void).
+/// The forward entry of a flow we already translate, if it still holds; refreshes both
+/// entries. The flow starts over when its backend left the service (a UDP client of a
+/// removed backend moves on instead of sending into the void), when its reply entry
+/// expired or went to another flow (its SNAT port was reused), or when a closing TCP flow's
+/// client port opens a new connection.
 #[inline(always)]
 fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
     let entry = CT4.get_ptr_mut(&f.key(nat::dir::FORWARD))?;
     let e = unsafe { &mut *entry };
-    if now.wrapping_sub(e.last_seen_ns) > f.timeout_ns() {
-        return None;
-    }
     match unsafe { BACKENDS4.get(&e.backend_id) } {
         Some(b) if b.address == e.addr && b.port == e.port => {}
         _ => return None,
     }
-    e.last_seen_ns = now;
     let snat = e.snat_addr != 0;
     let reply_key = Ct4Key {
         saddr: e.addr,
@@ -411,9 +434,19 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
         dir: nat::dir::REPLY,
         _pad: [0; 2],
     };
-    if let Some(r) = CT4.get_ptr_mut(&reply_key) {
-        unsafe { (*r).last_seen_ns = now };
+    let r = unsafe { &mut *CT4.get_ptr_mut(&reply_key)? };
+    let ours = !snat || (r.snat_addr == f.saddr && r.snat_port == f.sport);
+    let last_seen = if e.last_seen_ns > r.last_seen_ns { e.last_seen_ns } else { r.last_seen_ns };
+    if !ours
+        || f.expired(last_seen, r.flags, now)
+        || (f.opening() && r.flags & nat::ct_flags::CLOSING != 0)
+    {
+        return None;
     }
+    e.last_seen_ns = now;
+    r.last_seen_ns = now;
+    e.flags = f.mark(e.flags);
+    r.flags = f.mark(r.flags);
     count(nat::stat::TRANSLATED);
     Some(*e)
 }

@@ -50,6 +50,8 @@ pub struct PacketFlow {
     pub backend: SocketAddr,
     /// The source the backend sees, when it is not the client's.
     pub snat: Option<SocketAddr>,
+    /// The client sent FIN or RST: the flow's entries (and SNAT port) go soon.
+    pub closing: bool,
 }
 
 /// What the packet programs counted, summed over CPUs (see `proxy_common::nat::stat`).
@@ -315,6 +317,7 @@ impl ServiceMaps {
                 frontend: addr(k.daddr, k.dport),
                 backend: addr(v.addr, v.port),
                 snat: (v.snat_addr != 0).then(|| addr(v.snat_addr, v.snat_port)),
+                closing: v.flags & nat::ct_flags::CLOSING != 0,
             })
             .collect()
     }
