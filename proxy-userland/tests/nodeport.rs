@@ -79,7 +79,7 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
     let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
-    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    let report = dp.sync(&state_of(vec![(svc.clone(), Some(eps.clone()))]), &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
 
     let target = node_addr(&bed, NODE_PORT);
@@ -106,6 +106,13 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     // A port nobody serves is left to the node's stack, which refuses it.
     let other = tcp_from(&ext, &node_addr(&bed, 30999), 1);
     assert_eq!(other[0].errno(), Some("ECONNREFUSED"), "{other:?}");
+
+    // The node gets another address: from the next full sync on, node ports answer there.
+    xtask::cmd::ip(["-n", bed.node_netns(), "addr", "add", "198.18.0.5/32", "dev", &ext.node_veth])
+        .expect("second address");
+    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    let attempts = tcp_from(&ext, &format!("198.18.0.5:{NODE_PORT}"), 5);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
 }
 
 #[test]

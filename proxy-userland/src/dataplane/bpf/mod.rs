@@ -38,6 +38,8 @@ pub struct AttachOptions {
 
 pub struct BpfDataplane {
     programmer: Programmer,
+    /// What the packet path was asked to cover, to re-read the node's addresses.
+    packet: Option<PacketPathConfig>,
     // Held for its links: dropping it detaches the programs and frees the maps.
     _attached: Attached,
 }
@@ -82,11 +84,41 @@ impl BpfDataplane {
                 tracing::info!(frontends = adopted, "adopted frontends a previous daemon programmed");
             }
         }
-        Ok(Self { programmer, _attached: attached })
+        Ok(Self { programmer, packet: opts.packet.clone(), _attached: attached })
     }
 
     pub fn programmer(&self) -> &Programmer {
         &self.programmer
+    }
+
+    /// Node addresses come and go (DHCP, a second address): every full sync re-reads them,
+    /// so node ports answer on the addresses the node has now.
+    fn refresh_addresses(&mut self) {
+        let (Some(cfg), Some(current)) = (&self.packet, self._attached.node_devices.as_mut()) else {
+            return;
+        };
+        let fresh = match devices::NodeDevices::read(cfg) {
+            Ok(fresh) => fresh,
+            Err(e) => return tracing::warn!("cannot re-read the node's addresses: {e}"),
+        };
+        let snat: Vec<_> = current
+            .devices
+            .iter()
+            .map(|d| fresh.devices.iter().find(|f| f.name == d.name).and_then(|f| f.ipv4))
+            .collect();
+        let unchanged = fresh.node_port_addrs == current.node_port_addrs
+            && current.devices.iter().zip(&snat).all(|(d, a)| d.ipv4 == *a);
+        if unchanged {
+            return;
+        }
+        for (d, a) in current.devices.iter_mut().zip(snat) {
+            d.ipv4 = a;
+        }
+        current.node_port_addrs = fresh.node_port_addrs;
+        match self.programmer.maps_mut().set_node_addresses(&current.node_port_addrs, &current.snat_addresses()) {
+            Ok(()) => tracing::info!(node_port_addresses = ?current.node_port_addrs, "the node's addresses changed"),
+            Err(e) => tracing::warn!("cannot update the node's addresses: {e}"),
+        }
     }
 
     /// The devices the node-port programs are attached to, if they are.
@@ -101,6 +133,9 @@ impl Dataplane for BpfDataplane {
     }
 
     fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        if matches!(scope, Scope::Full) {
+            self.refresh_addresses();
+        }
         self.programmer.sync(state, node, scope)
     }
 }
