@@ -354,3 +354,24 @@ fn topology_hints_keep_traffic_in_this_nodes_zone() {
         "zone-a's endpoints only"
     );
 }
+
+#[test]
+fn pods_reach_external_and_load_balancer_ips_without_leaving_the_node() {
+    let (bed, _pods) = bed_with_pods("extsock", 2);
+    let mut dp = attach(&bed);
+    let mut svc = web_service("web", WEB_IP);
+    svc.external_ips = vec![Ipv4Addr::new(198, 19, 2, 1).into()];
+    svc.load_balancer_ips = vec![Ipv4Addr::new(198, 19, 2, 2).into()];
+    // Even under externalTrafficPolicy Local, a pod's connection uses every endpoint, as
+    // kube-proxy short-circuits it; pod-2 runs elsewhere.
+    svc.external_policy_local = true;
+    let eps = web_endpoints(vec![on_node(ready(pod_ip(1)), "node-a", ""), on_node(ready(pod_ip(2)), "node-b", "")]);
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+    for target in ["198.19.2.1:80", "198.19.2.2:80"] {
+        let attempts = tcp(&bed, target, 30);
+        assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+        assert_eq!(reached(&attempts).len(), 2, "{attempts:?}");
+        assert!(attempts.iter().all(|a| peer(a) == Some(target)), "{attempts:?}");
+    }
+}

@@ -172,6 +172,32 @@ fn backend_addrs(
     backends
 }
 
+/// Socket-scope frontends for the service's external and load-balancer IPs: connections
+/// from this node's pods to them go straight to the Cluster endpoints, as kube-proxy
+/// short-circuits them (whatever externalTrafficPolicy says), instead of leaving the node
+/// for a load balancer that sends them back.
+pub fn desired_external_socket_frontends(
+    svc: &Service,
+    endpoints: Option<&EndpointSet>,
+    node: &NodeInfo,
+) -> BTreeMap<Frontend, DesiredFrontend> {
+    let mut out = BTreeMap::new();
+    if svc.external_ips.is_empty() && svc.load_balancer_ips.is_empty() {
+        return out;
+    }
+    for pe in port_endpoints(svc, endpoints, node, None) {
+        for &ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
+            let want = DesiredFrontend {
+                backends: backend_addrs(&pe.categorized.cluster, ip.is_ipv4(), pe.port, node),
+                affinity_timeout: svc.affinity_timeout,
+                ..Default::default()
+            };
+            out.insert(Frontend::socket(ip, pe.port.port, pe.port.protocol), want);
+        }
+    }
+    out
+}
+
 /// The frontends the packet path (tc programs on the node's devices) needs for traffic from
 /// other hosts: per port, the node port on every node address, and the port on each
 /// external IP and load-balancer IP, with the endpoints `externalTrafficPolicy` allows

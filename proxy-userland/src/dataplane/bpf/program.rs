@@ -23,8 +23,8 @@ use super::{
 // The frontend types and their derivation from the model are shared with the other
 // dataplanes (see `dataplane::frontends`); re-exported where the eBPF code finds them.
 pub use crate::dataplane::frontends::{
-    BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_frontends,
-    desired_packet_frontends,
+    BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_external_socket_frontends,
+    desired_frontends, desired_packet_frontends,
 };
 use crate::{
     dataplane::{Scope, SyncReport, frontends::frontend_name},
@@ -197,6 +197,7 @@ impl Programmer {
                 .map(|svc| {
                     let eps = state.endpoints.get(&key).map(|e| &**e);
                     let mut all = desired_frontends(svc, eps, node);
+                    all.extend(desired_external_socket_frontends(svc, eps, node));
                     if self.packet_path {
                         all.extend(desired_packet_frontends(svc, eps, node));
                     }
