@@ -158,7 +158,9 @@ pub struct Args {
         long = "nodeport-devices",
         value_name = "DEV",
         value_delimiter = ',',
-        default_value = "auto"
+        default_value = "auto",
+        // A later occurrence replaces the list, as for every other flag.
+        action = clap::ArgAction::Set
     )]
     pub nodeport_devices: Vec<String>,
 

@@ -159,13 +159,14 @@ fn health_metrics_and_health_check_node_ports_over_http() {
         sample(&text, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap_or(0.0) >= 2.0,
         "{text}"
     );
-    // ClusterIP frontends, each a master entry plus one slot per backend: web's two ports
-    // with two pods each (2 x 3) and lb's one port with both pods (internal traffic policy
-    // is Cluster): 9. Backends are shared by address: pod-1 and pod-2 on 8080/TCP and
+    // Socket frontends, each a master entry plus one slot per backend: web's two ports
+    // with two pods each (2 x 3), lb's one port with both pods (internal traffic policy
+    // is Cluster), on its ClusterIP and on its load-balancer IP, which pods reach
+    // directly: 12. Backends are shared by address: pod-1 and pod-2 on 8080/TCP and
     // 5353/UDP: 4. Nothing connected yet: no reverse-NAT entry.
     assert_eq!(
         sample(&text, "fastpath_bpf_map_entries{map=\"services\"}"),
-        Some(9.0),
+        Some(12.0),
         "{text}"
     );
     assert_eq!(
@@ -252,4 +253,77 @@ fn a_bad_config_file_stops_the_daemon_with_the_field_named() {
         err.contains("conntrack.maxPerCore") && err.contains("negative"),
         "{err}"
     );
+}
+
+const NODE_PORT_WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  type: NodePort
+  clusterIP: 198.19.0.10
+  ports:
+  - {name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: node-a}
+- {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-a}
+"#;
+
+/// The daemon's flags put its node-port programs on a device of the bed's node namespace;
+/// a client on "another host" reaches the NodePort, and /metrics says where packets went.
+#[test]
+fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
+    let (mut bed, _pods) = bed_with_pods("adminnp", 2);
+    let ext = bed.add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None).expect("client");
+    let dir = bed.dir().join("manifests");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("web.yaml"), NODE_PORT_WEB).unwrap();
+    let metrics = free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            dir.to_str().unwrap(),
+            "--netns",
+            bed.node_netns(),
+            "--nodeport-devices",
+            &ext.node_veth,
+            "--sync-period",
+            "1s",
+            "--metrics-bind-address",
+            &metrics_addr,
+        ],
+    );
+    let target = format!("{}:30080", bed.node_ipv4());
+    let client = |count: &str| {
+        let mut cmd = std::process::Command::new(PROBE);
+        cmd.args(["--netns", &ext.netns, "tcp", &target, "--count", count, "--timeout-ms", "1000"]);
+        xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
+    };
+    assert!(
+        eventually(20, || client("1")[0].is_ok()),
+        "the NodePort never answered; log:\n{}",
+        daemon.log()
+    );
+    let attempts = client("10");
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    assert_eq!(reached(&attempts).len(), 2, "{attempts:?}");
+    assert!(
+        eventually(10, || {
+            let text = get(metrics, "/metrics").map(|r| r.1).unwrap_or_default();
+            sample(&text, "fastpath_packets_total{result=\"new_flow\"}").is_some_and(|n| n >= 11.0)
+                && sample(&text, "fastpath_bpf_map_entries{map=\"conntrack\"}").is_some_and(|n| n >= 22.0)
+        }),
+        "the packet counters reach /metrics; log:\n{}",
+        daemon.log()
+    );
+    assert!(daemon.stop().success(), "{}", daemon.log());
 }

@@ -202,7 +202,9 @@ mod tests {
         assert_eq!(packet.devices, ["eth1", "eth2"]);
         assert_eq!(packet.node_port_cidrs, [("198.18.0.0".parse().unwrap(), 15)]);
 
-        // The last occurrence wins, so a wrapper can turn it off.
+        // The last occurrence wins, so a wrapper can turn it off, or on again.
         assert!(opts(&["--nodeport-devices", "eth1", "--nodeport-devices", "none"]).packet.is_none());
+        let again = opts(&["--nodeport-devices", "none", "--nodeport-devices", "eth3"]);
+        assert_eq!(again.packet.map(|p| p.devices), Some(vec!["eth3".to_string()]));
     }
 }
