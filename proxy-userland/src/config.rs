@@ -127,7 +127,7 @@ pub struct Args {
     pub bind_address: Option<IpAddr>,
 
     /// The pods' CIDRs, comma-separated (for dataplanes that tell local traffic apart).
-    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',')]
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', action = clap::ArgAction::Set)]
     pub cluster_cidr: Vec<String>,
 
     /// How local traffic is told apart: ClusterCIDR, NodeCIDR, BridgeInterface or
@@ -147,7 +147,8 @@ pub struct Args {
     #[arg(
         long = "nodeport-addresses",
         value_name = "CIDR",
-        value_delimiter = ','
+        value_delimiter = ',',
+        action = clap::ArgAction::Set
     )]
     pub node_port_addresses: Vec<String>,
 
