@@ -67,6 +67,9 @@ pub trait Family {
     fn remember(cookie: u64, backend: (Self::Addr, u16), frontend: (Self::Addr, u16), rev: u16);
     /// The frontend this socket meant when it talks to `backend`, if it was translated.
     fn recall(cookie: u64, backend: (Self::Addr, u16)) -> Option<(Self::Addr, u16)>;
+    /// For an address of this node: the address node ports are stored under, so the node's
+    /// own connections to `<node address>:<node port>` work as kube-proxy's do.
+    fn node_port_address(addr: Self::Addr) -> Option<Self::Addr>;
 }
 
 /// connect and sendmsg: turn a service frontend into one of its backends.
@@ -76,9 +79,19 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     let Some(proto) = socket_proto(unsafe { &*sa }) else {
         return Ok(PROCEED);
     };
-    let (addr, port) = F::read_user(sa);
-    let Some(master) = F::service(addr, port, proto, 0) else {
-        return Ok(PROCEED);
+    let (user_addr, port) = F::read_user(sa);
+    // `addr` is where the frontend is stored; the application keeps seeing `user_addr`.
+    let (addr, master) = match F::service(user_addr, port, proto, 0) {
+        Some(m) => (user_addr, m),
+        None => {
+            let Some(np) = F::node_port_address(user_addr) else {
+                return Ok(PROCEED);
+            };
+            let Some(m) = F::service(np, port, proto, 0) else {
+                return Ok(PROCEED);
+            };
+            (np, m)
+        }
     };
     if master.count == 0 {
         return Ok(refuse());
@@ -90,7 +103,7 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
         F::backend(slot.backend_id).ok_or(())?
     };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    F::remember(cookie, backend, (addr, port), master.rev_nat_index);
+    F::remember(cookie, backend, (user_addr, port), master.rev_nat_index);
     F::write_user(sa, backend.0, backend.1);
     Ok(PROCEED)
 }

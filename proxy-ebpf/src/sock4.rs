@@ -7,7 +7,7 @@ use proxy_common::{Service4Key, ServiceValue, SockRevNat4Key, SockRevNat4Value};
 
 use crate::{
     lb::{self, Family},
-    maps::{BACKENDS4, SERVICES4, SOCK_REVNAT4},
+    maps::{BACKENDS4, NODE_ADDRS4, SERVICES4, SOCK_REVNAT4},
 };
 
 pub struct V4;
@@ -51,6 +51,11 @@ impl Family for V4 {
         // The map is an LRU: a failed insert only loses the reverse view, never the
         // connection itself.
         let _ = SOCK_REVNAT4.insert(&key, &value, 0);
+    }
+
+    #[inline(always)]
+    fn node_port_address(addr: u32) -> Option<u32> {
+        unsafe { NODE_ADDRS4.get(&addr) }.map(|_| 0)
     }
 
     #[inline(always)]

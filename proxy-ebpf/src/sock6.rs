@@ -72,6 +72,12 @@ impl Family for V6 {
         let _ = SOCK_REVNAT6.insert(&key, &value, 0);
     }
 
+    // Node ports from the node itself: IPv4 only, like the packet path.
+    #[inline(always)]
+    fn node_port_address(_addr: [u8; 16]) -> Option<[u8; 16]> {
+        None
+    }
+
     #[inline(always)]
     fn recall(cookie: u64, backend: ([u8; 16], u16)) -> Option<([u8; 16], u16)> {
         let key = SockRevNat6Key { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };

@@ -161,12 +161,12 @@ fn health_metrics_and_health_check_node_ports_over_http() {
     );
     // Socket frontends, each a master entry plus one slot per backend: web's two ports
     // with two pods each (2 x 3), lb's one port with both pods (internal traffic policy
-    // is Cluster), on its ClusterIP and on its load-balancer IP, which pods reach
-    // directly: 12. Backends are shared by address: pod-1 and pod-2 on 8080/TCP and
-    // 5353/UDP: 4. Nothing connected yet: no reverse-NAT entry.
+    // is Cluster), on its ClusterIP, on its load-balancer IP and on its node port, which
+    // the node reaches directly: 15. Backends are shared by address: pod-1 and pod-2 on
+    // 8080/TCP and 5353/UDP: 4. Nothing connected yet: no reverse-NAT entry.
     assert_eq!(
         sample(&text, "fastpath_bpf_map_entries{map=\"services\"}"),
-        Some(12.0),
+        Some(15.0),
         "{text}"
     );
     assert_eq!(

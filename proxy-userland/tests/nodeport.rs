@@ -421,3 +421,22 @@ fn with_xdp_a_pod_on_another_node_is_still_reached_through_tc() {
     assert_eq!(stats.xdp, 0, "XDP left these flows to tc: {stats:?}");
     drop(node_b);
 }
+
+#[test]
+fn the_node_itself_reaches_its_node_ports_on_cluster_endpoints() {
+    let (mut bed, _pods) = bed_with_pods("npself", 2);
+    let ext = external_client(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth]);
+    // Local policy, and pod-2 runs elsewhere: from the node itself every endpoint serves, as
+    // with kube-proxy.
+    let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.external_policy_local = true;
+    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-b", ready(pod_ip(2)))]);
+    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+
+    let target = node_addr(&bed, NODE_PORT);
+    let attempts = tcp(&bed, &target, 30);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
+    assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+}

@@ -72,9 +72,7 @@ pub struct DesiredFrontend {
 
 pub(crate) fn frontend_name(fe: &Frontend) -> String {
     let ip = match fe.ip {
-        IpAddr::V4(ip) if ip.is_unspecified() && fe.scope == FrontendScope::Packet => {
-            "<node>".to_string()
-        }
+        IpAddr::V4(ip) if ip.is_unspecified() => "<node>".to_string(),
         IpAddr::V4(ip) => ip.to_string(),
         IpAddr::V6(ip) => format!("[{ip}]"),
     };
@@ -172,20 +170,31 @@ fn backend_addrs(
     backends
 }
 
-/// Socket-scope frontends for the service's external and load-balancer IPs: connections
-/// from this node's pods to them go straight to the Cluster endpoints, as kube-proxy
-/// short-circuits them (whatever externalTrafficPolicy says), instead of leaving the node
-/// for a load balancer that sends them back.
+/// Socket-scope frontends for the service's external and load-balancer IPs, and for its
+/// node ports on this node's addresses (stored under address 0; IPv4): connections from this
+/// node to them go straight to the Cluster endpoints, as kube-proxy short-circuits them
+/// (whatever externalTrafficPolicy says), instead of leaving the node for a load balancer
+/// that sends them back.
 pub fn desired_external_socket_frontends(
     svc: &Service,
     endpoints: Option<&EndpointSet>,
     node: &NodeInfo,
 ) -> BTreeMap<Frontend, DesiredFrontend> {
     let mut out = BTreeMap::new();
-    if svc.external_ips.is_empty() && svc.load_balancer_ips.is_empty() {
+    let node_ports = svc.ports.iter().any(|p| p.node_port.is_some());
+    if svc.external_ips.is_empty() && svc.load_balancer_ips.is_empty() && !node_ports {
         return out;
     }
     for pe in port_endpoints(svc, endpoints, node, None) {
+        if let Some(np) = pe.port.node_port {
+            let any = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+            let want = DesiredFrontend {
+                backends: backend_addrs(&pe.categorized.cluster, true, pe.port, node),
+                affinity_timeout: svc.affinity_timeout,
+                ..Default::default()
+            };
+            out.insert(Frontend::socket(any, np, pe.port.protocol), want);
+        }
         for &ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
             let want = DesiredFrontend {
                 backends: backend_addrs(&pe.categorized.cluster, ip.is_ipv4(), pe.port, node),
