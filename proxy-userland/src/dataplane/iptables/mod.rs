@@ -6,11 +6,11 @@
 //! - [`apply`]: running the tools (optionally in another network namespace), the jump
 //!   rules, and removing our chains.
 //!
-//! Every sync renders the whole ruleset of each family and restores it only when the text
-//! differs from what was last written, so a sync that changes nothing runs no restore, and
-//! a change to one service rewrites our chains in one atomic `iptables-restore --noflush`.
-//! kube-proxy's partial restores (only the chains of changed services) would make large
-//! clusters cheaper; that is left for later, as rendering is cheap next to the restore.
+//! Every sync renders the whole ruleset of each family (cheap) and restores only the chains
+//! whose rules differ from what was last written, as kube-proxy's partial syncs do: a sync
+//! that changes nothing runs no restore, and one endpoint change rewrites that service's
+//! chains in one atomic `iptables-restore --noflush`, whatever the number of services. The
+//! first sync, and any sync that finds our chains tampered with, restores everything.
 //!
 //! Full syncs also read the tables back: if someone flushed them or deleted a jump, the
 //! ruleset is rewritten and the jumps put back. Rules are kept when the proxy stops (as
@@ -149,8 +149,8 @@ pub struct IptablesConfig {
 
 struct FamilyState {
     runner: Runner,
-    /// The text of the last successful restore.
-    last_text: Option<String>,
+    /// What the last successful restore left in the tables.
+    last: Option<Ruleset>,
     /// Our chains in the tables as we last left them (or found them at start).
     chains: BTreeSet<(Table, String)>,
     frontends: BTreeMap<Frontend, DesiredFrontend>,
@@ -202,7 +202,7 @@ impl IptablesDataplane {
                 Ok(saved) => families.push(FamilyState {
                     chains: our_chains_in(&saved),
                     runner,
-                    last_text: None,
+                    last: None,
                     frontends: BTreeMap::new(),
                 }),
                 Err(e) if cfg.families.is_empty() => {
@@ -261,12 +261,12 @@ impl IptablesDataplane {
         let family = f.runner.family;
         let rendered = render::render(state, node, family, &cfg.render);
         let wanted = chain_set(&rendered);
-        let mut force = f.last_text.is_none();
+        let mut force = f.last.is_none();
         let mut saved = None;
         if full {
             let s = f.runner.save()?;
             let present = our_chains_in(&s);
-            if f.last_text.is_some() && present != f.chains {
+            if f.last.is_some() && present != f.chains {
                 warn!(
                     ?family,
                     "our iptables chains were changed by someone else; rewriting them"
@@ -281,7 +281,10 @@ impl IptablesDataplane {
             saved = Some(s);
         }
         let stale: BTreeSet<(Table, String)> = f.chains.difference(&wanted).cloned().collect();
-        let text = rendered.restore_text(&stale);
+        let text = match (&f.last, force) {
+            (Some(last), false) => rendered.partial_restore_text(last, &stale),
+            _ => Some(rendered.restore_text(&stale)),
+        };
 
         let mut frontends = BTreeMap::new();
         for (key, svc) in &state.services {
@@ -302,11 +305,11 @@ impl IptablesDataplane {
             .filter(|fe| !frontends.contains_key(fe))
             .count();
 
-        if force || f.last_text.as_deref() != Some(text.as_str()) {
+        if let Some(text) = text {
             debug!(?family, bytes = text.len(), "iptables-restore");
             f.runner.restore(&text)?;
             *restores += 1;
-            f.last_text = Some(text);
+            f.last = Some(rendered);
             f.chains = wanted;
         }
         f.frontends = frontends;

@@ -24,7 +24,7 @@
 //! kube-proxy's per-family proxiers do.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     net::{IpAddr, SocketAddr},
 };
@@ -151,6 +151,43 @@ impl Ruleset {
     /// `stale` chains (ours, no longer wanted) are flushed and deleted. Nothing else in the
     /// tables is touched.
     pub fn restore_text(&self, stale: &BTreeSet<(Table, String)>) -> String {
+        self.text(stale, |_, _| true)
+    }
+
+    /// As [`restore_text`](Self::restore_text), but only for the chains whose rules differ
+    /// from `previous` (what the tables hold now): kube-proxy's partial sync. One endpoint
+    /// change then rewrites a couple of chains instead of every service's, which keeps
+    /// iptables-nft's cost per change small at any cluster size. None when nothing differs.
+    pub fn partial_restore_text(&self, previous: &Ruleset, stale: &BTreeSet<(Table, String)>) -> Option<String> {
+        let (now, before) = (self.by_chain(), previous.by_chain());
+        let changed = |t: Table, c: &str| {
+            let key = (t, c.to_string());
+            before.get(&key) != now.get(&key)
+        };
+        let any = stale.iter().next().is_some() || now.keys().any(|(t, c)| changed(*t, c));
+        any.then(|| self.text(stale, changed))
+    }
+
+    /// Each chain's rules, keyed by (table, chain); chains without rules included.
+    fn by_chain(&self) -> BTreeMap<(Table, String), Vec<&str>> {
+        let mut out = BTreeMap::new();
+        for (table, chains, rules) in [
+            (Table::Filter, &self.filter_chains, &self.filter_rules),
+            (Table::Nat, &self.nat_chains, &self.nat_rules),
+        ] {
+            for c in chains {
+                out.insert((table, c.clone()), Vec::new());
+            }
+            for r in rules {
+                if let Some(chain) = rule_chain(r) {
+                    out.entry((table, chain.to_string())).or_insert_with(Vec::new).push(r.as_str());
+                }
+            }
+        }
+        out
+    }
+
+    fn text(&self, stale: &BTreeSet<(Table, String)>, include: impl Fn(Table, &str) -> bool) -> String {
         let mut out = String::new();
         for (table, chains, rules) in [
             (Table::Filter, &self.filter_chains, &self.filter_rules),
@@ -162,10 +199,10 @@ impl Ruleset {
                 .map(|(_, c)| c)
                 .collect();
             let _ = writeln!(out, "*{}", table.name());
-            for c in chains.iter().chain(gone.iter().copied()) {
+            for c in chains.iter().filter(|c| include(table, c)).chain(gone.iter().copied()) {
                 let _ = writeln!(out, ":{c} - [0:0]");
             }
-            for r in rules {
+            for r in rules.iter().filter(|r| rule_chain(r).is_some_and(|c| include(table, c))) {
                 out.push_str(r);
                 out.push('\n');
             }
@@ -176,6 +213,11 @@ impl Ruleset {
         }
         out
     }
+}
+
+/// The chain a rendered rule (`-A CHAIN ...`) appends to.
+fn rule_chain(rule: &str) -> Option<&str> {
+    rule.strip_prefix("-A ")?.split(' ').next()
 }
 
 /// kube-proxy's probability for rule `i` of `n` (`1/(n-i)`), with its ten decimals.
@@ -1106,6 +1148,34 @@ mod tests {
         let text = v4(&st).restore_text(&BTreeSet::new());
         assert!(text.starts_with("*filter\n:KUBE-SERVICES - [0:0]\n"));
         assert_eq!(text.matches("COMMIT\n").count(), 2);
+    }
+
+    #[test]
+    fn a_partial_restore_rewrites_only_the_chains_that_changed() {
+        let two = |second: &str| {
+            state(vec![
+                (svc("a", "198.19.0.1"), Some(eps(vec![ep("198.18.1.1", "node-a")]))),
+                (svc("b", "198.19.0.2"), Some(eps(vec![ep("198.18.1.1", "node-a"), ep(second, "node-a")]))),
+            ])
+        };
+        let before = v4(&two("198.18.1.2"));
+        assert_eq!(before.partial_restore_text(&before, &BTreeSet::new()), None, "nothing differs");
+
+        // b's second endpoint moves: b's service chain and the two endpoint chains change.
+        let after = v4(&two("198.18.1.3"));
+        let text = after.partial_restore_text(&before, &BTreeSet::new()).expect("b changed");
+        let declared: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix(':')).collect();
+        let rules_of = |c: &str| text.lines().filter(|l| l.starts_with(&format!("-A {c} "))).count();
+        let b_svc = after.nat_chains.iter().find(|c| {
+            c.starts_with("KUBE-SVC-") && after.nat_rules.iter().any(|r| r.starts_with(&format!("-A {c} ")) && r.contains("198.18.1.3"))
+        });
+        let b_svc = b_svc.expect("b's service chain");
+        assert!(declared.iter().any(|d| d.starts_with(b_svc.as_str())), "{text}");
+        assert_eq!(rules_of(b_svc), 2, "{text}");
+        assert!(!declared.iter().any(|d| d.starts_with("KUBE-SERVICES")), "the service jumps did not change: {text}");
+        // One SVC chain and one new SEP chain; the old SEP chain is for the caller's `stale`.
+        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SVC-")).count(), 1, "{text}");
+        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SEP-")).count(), 1, "{text}");
     }
 
     #[test]
