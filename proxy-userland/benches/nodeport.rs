@@ -24,6 +24,7 @@ mod common;
 #[path = "../tests/nat_common.rs"]
 #[allow(dead_code, unused_imports)]
 mod nat_common;
+#[path = "support/timing.rs"]
 mod timing;
 
 use timing::{Attempts, median};

@@ -139,6 +139,12 @@ pub struct Args {
     #[arg(long, default_value_t = false)]
     pub masquerade_all: bool,
 
+    /// iptables mode: the tools to run, "system" (whatever `iptables` is), "legacy" or
+    /// "nft". At tens of thousands of service chains iptables-nft-restore is slow; legacy
+    /// restores them in seconds (see the README's benchmarks).
+    #[arg(long, value_name = "BACKEND", default_value = "system", value_parser = ["system", "legacy", "nft"])]
+    pub iptables_backend: String,
+
     /// The fwmark bit (0-31) that marks packets to masquerade (NAT dataplanes only).
     #[arg(long = "iptables-masquerade-bit", default_value_t = 14)]
     pub masquerade_bit: u8,

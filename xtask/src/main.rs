@@ -27,15 +27,19 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Set up, then run the side-by-side benchmark (eBPF against iptables, control plane and
-    /// data path) and write its table to target/bench/results.md.
+    /// Set up, then run the side-by-side benchmarks (eBPF against iptables, control plane and
+    /// data path; node ports through tc against XDP) and write their tables to
+    /// target/bench/results.md and target/bench/nodeport.md.
     Bench {
         /// Service counts for the control-plane rows (the data path uses 1 and the largest).
         #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
         sizes: Vec<u32>,
-        /// New connections per data-path row.
+        /// New connections (and UDP requests) per data-path run.
         #[arg(long, default_value_t = 2000)]
         connections: u32,
+        /// Interleaved rounds per data-path comparison.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
     },
     /// Set up, build (release), and run the demo; with --manifests or --kubeconfig, run the
     /// daemon instead.
@@ -67,7 +71,7 @@ fn main() -> ExitCode {
         match Cli::parse().command {
             Cmd::Setup => xtask::setup::setup(),
             Cmd::Test { args } => xtask::run::test(&args),
-            Cmd::Bench { sizes, connections } => xtask::run::bench(&sizes, connections),
+            Cmd::Bench { sizes, connections, rounds } => xtask::run::bench(&sizes, connections, rounds),
             Cmd::Run {
                 manifests,
                 kubeconfig,

@@ -31,18 +31,22 @@ pub fn test(args: &[String]) -> Result<()> {
     cmd::run(&mut test)
 }
 
-/// `cargo xtask bench`: set-up, then the `dataplane` bench of proxy-userland (a plain
-/// program printing a table; see proxy-userland/benches/dataplane.rs).
-pub fn bench(sizes: &[u32], connections: u32) -> Result<()> {
+/// `cargo xtask bench`: set-up, then the `dataplane` and `nodeport` benches of
+/// proxy-userland (plain programs printing tables; see proxy-userland/benches/).
+pub fn bench(sizes: &[u32], connections: u32, rounds: u32) -> Result<()> {
     setup::setup()?;
     let sizes: Vec<String> = sizes.iter().map(u32::to_string).collect();
-    let mut bench = crate::cargo();
-    bench
-        .args(["bench", "-p", "proxy-userland", "--bench", "dataplane"])
-        .env("FASTPATH_BENCH_SIZES", sizes.join(","))
-        .env("FASTPATH_BENCH_CONNS", connections.to_string());
-    println!("bench: running `{}`", cmd::describe(&bench));
-    cmd::run(&mut bench)
+    for name in ["dataplane", "nodeport"] {
+        let mut bench = crate::cargo();
+        bench
+            .args(["bench", "-p", "proxy-userland", "--bench", name])
+            .env("FASTPATH_BENCH_SIZES", sizes.join(","))
+            .env("FASTPATH_BENCH_CONNS", connections.to_string())
+            .env("FASTPATH_BENCH_ROUNDS", rounds.to_string());
+        println!("bench: running `{}`", cmd::describe(&bench));
+        cmd::run(&mut bench)?;
+    }
+    Ok(())
 }
 
 /// Builds the daemon and the probe (release).

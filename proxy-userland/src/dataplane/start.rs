@@ -8,7 +8,7 @@ use tracing::info;
 use super::{
     Proxier,
     bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig},
-    iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig},
+    iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig, apply::Backend},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
 use crate::mode::{self, Mode, ModeDecision, ModeError, Probes};
@@ -27,6 +27,8 @@ pub struct StartOptions {
     pub packet_auto: bool,
     /// eBPF: entries of the service and backend maps; None: built-in sizes.
     pub bpf_lb_map_max: Option<u32>,
+    /// iptables: which tools (the system's, legacy or nft).
+    pub iptables_backend: Backend,
     /// iptables and userspace: run in this network namespace instead of our own.
     pub netns: Option<String>,
     /// iptables and userspace: remove our rules when stopping (default: keep them).
@@ -91,6 +93,7 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 render: opts.render.clone(),
                 families: Vec::new(),
                 cleanup_on_exit: opts.cleanup_on_exit,
+                backend: opts.iptables_backend,
             })?;
             info!(families = ?dp.families(), netns = ?opts.netns, "iptables proxier ready");
             Ok(Proxier::Iptables(dp))
@@ -166,6 +169,11 @@ impl StartOptions {
             packet,
             packet_auto,
             bpf_lb_map_max: args.bpf_lb_map_max,
+            iptables_backend: match args.iptables_backend.as_str() {
+                "legacy" => Backend::Legacy,
+                "nft" => Backend::Nft,
+                _ => Backend::System,
+            },
             netns: args.netns.clone(),
             cleanup_on_exit: args.cleanup_on_exit,
             render: RenderConfig {

@@ -37,11 +37,24 @@ pub enum ApplyError {
     Timeout { command: String },
 }
 
+/// Which implementation of the iptables tools to run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// `iptables`, whichever the system's alternatives point at.
+    #[default]
+    System,
+    /// `iptables-legacy`: the x_tables kernel interface.
+    Legacy,
+    /// `iptables-nft`: nf_tables underneath.
+    Nft,
+}
+
 /// The iptables tools of one family, optionally in a network namespace.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Runner {
     pub family: Family,
     pub netns: Option<String>,
+    pub backend: Backend,
 }
 
 fn describe(cmd: &Command) -> String {
@@ -55,7 +68,11 @@ fn describe(cmd: &Command) -> String {
 
 impl Runner {
     pub fn new(family: Family, netns: Option<String>) -> Self {
-        Runner { family, netns }
+        Runner { family, netns, backend: Backend::System }
+    }
+
+    pub fn with_backend(self, backend: Backend) -> Self {
+        Runner { backend, ..self }
     }
 
     fn tool(&self, suffix: &str) -> Command {
@@ -63,7 +80,12 @@ impl Runner {
             Family::V4 => "iptables",
             Family::V6 => "ip6tables",
         };
-        netns::command(self.netns.as_deref(), format!("{base}{suffix}"))
+        let backend = match self.backend {
+            Backend::System => "",
+            Backend::Legacy => "-legacy",
+            Backend::Nft => "-nft",
+        };
+        netns::command(self.netns.as_deref(), format!("{base}{backend}{suffix}"))
     }
 
     /// Runs `cmd` with `input` on stdin, bounded by [`COMMAND_TIMEOUT`]; stdout on success.
@@ -82,10 +104,16 @@ impl Runner {
                 command: command.clone(),
                 source,
             })?;
-        if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
-            // A write error shows up as the command's failure below.
-            let _ = stdin.write_all(text.as_bytes());
-        }
+        // Written from a thread: iptables-restore consumes its input as it applies it, so a
+        // slow restore would block a plain write, and the time limit below with it.
+        let writer = match (input, child.stdin.take()) {
+            (Some(text), Some(mut stdin)) => {
+                let text = text.to_string();
+                // A write error shows up as the command's failure below.
+                Some(std::thread::spawn(move || drop(stdin.write_all(text.as_bytes()))))
+            }
+            _ => None,
+        };
         // Read the pipes on threads so a large iptables-save cannot fill them and stall.
         let mut out_pipe = child.stdout.take();
         let mut err_pipe = child.stderr.take();
@@ -113,11 +141,18 @@ impl Runner {
                 Ok(None) => {
                     let _ = child.kill();
                     let _ = child.wait();
+                    // The killed child closed its end: the writer fails and ends.
+                    if let Some(w) = writer {
+                        let _ = w.join();
+                    }
                     return Err(ApplyError::Timeout { command });
                 }
                 Err(source) => return Err(ApplyError::Spawn { command, source }),
             }
         };
+        if let Some(w) = writer {
+            let _ = w.join();
+        }
         let stdout = out_reader.join().unwrap_or_default();
         let stderr = err_reader.join().unwrap_or_default();
         if status.success() {

@@ -145,6 +145,8 @@ pub struct IptablesConfig {
     pub families: Vec<Family>,
     /// Remove our chains when the proxier shuts down (default: keep them, like kube-proxy).
     pub cleanup_on_exit: bool,
+    /// Which iptables tools to run (default: the system's `iptables`).
+    pub backend: apply::Backend,
 }
 
 struct FamilyState {
@@ -197,7 +199,7 @@ impl IptablesDataplane {
         let mut families = Vec::new();
         let mut errors = Vec::new();
         for family in wanted {
-            let runner = Runner::new(family, cfg.netns.clone());
+            let runner = Runner::new(family, cfg.netns.clone()).with_backend(cfg.backend);
             match runner.save() {
                 Ok(saved) => families.push(FamilyState {
                     chains: our_chains_in(&saved),
