@@ -2,14 +2,16 @@
 //!
 //! One line per attempt:
 //! `ok <reply> peer=<addr>` (tcp), `ok <reply> from=<addr> peer=<addr or ->` (udp),
-//! or `err <ERRNO_NAME> <message>`.
+//! or `err <ERRNO_NAME> <message>`. The reply is the server's name, or with `serve
+//! --echo-peer` `NAME@ADDR:PORT`, the client's address as the server saw it
+//! ([`Outcome::name`], [`Outcome::seen_from`]).
 
 use std::collections::BTreeMap;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Ok {
-        /// What the server answered (its name).
+        /// What the server answered: its name, or `NAME@ADDR:PORT` with `--echo-peer`.
         reply: String,
         /// getpeername() on the client socket, if known.
         peer: Option<String>,
@@ -28,12 +30,24 @@ impl Outcome {
         matches!(self, Outcome::Ok { .. })
     }
 
-    /// The server's reply, for successes.
+    /// The server's whole reply, for successes.
     pub fn reply(&self) -> Option<&str> {
         match self {
             Outcome::Ok { reply, .. } => Some(reply),
             Outcome::Err { .. } => None,
         }
+    }
+
+    /// The server's name, for successes: the reply up to an `@`, or all of it.
+    pub fn name(&self) -> Option<&str> {
+        let reply = self.reply()?;
+        Some(reply.split_once('@').map_or(reply, |(name, _)| name))
+    }
+
+    /// The client address the server saw (`ADDR:PORT`, IPv6 as `[ADDR]:PORT`), for successes
+    /// from a server run with `--echo-peer`: the reply after its `@`.
+    pub fn seen_from(&self) -> Option<&str> {
+        Some(self.reply()?.split_once('@')?.1)
     }
 
     /// The errno name, for failures.
@@ -81,10 +95,10 @@ pub fn parse(stdout: &str) -> Vec<Outcome> {
     stdout.lines().filter_map(parse_line).collect()
 }
 
-/// How many successes each reply (server name) got.
+/// How many successes each server name got (see [`Outcome::name`]).
 pub fn count_replies(outcomes: &[Outcome]) -> BTreeMap<String, usize> {
     let mut counts = BTreeMap::new();
-    for reply in outcomes.iter().filter_map(Outcome::reply) {
+    for reply in outcomes.iter().filter_map(Outcome::name) {
         *counts.entry(reply.to_string()).or_insert(0) += 1;
     }
     counts
@@ -126,6 +140,32 @@ mod tests {
         assert_eq!(
             count_replies(&all),
             BTreeMap::from([("a".into(), 2), ("b".into(), 1)])
+        );
+    }
+
+    #[test]
+    fn splits_echo_peer_replies() {
+        let v4 = parse_line("ok pod-1@198.18.2.1:40312 peer=198.18.1.11:8080 us=120").unwrap();
+        assert_eq!(v4.reply(), Some("pod-1@198.18.2.1:40312"));
+        assert_eq!(v4.name(), Some("pod-1"));
+        assert_eq!(v4.seen_from(), Some("198.18.2.1:40312"));
+
+        let v6 = parse_line("ok pod-2@[2001:db8:2::1]:5353 from=[2001:db8::5]:53 peer=-").unwrap();
+        assert_eq!(v6.name(), Some("pod-2"));
+        assert_eq!(v6.seen_from(), Some("[2001:db8:2::1]:5353"));
+
+        let plain = parse_line("ok pod-3 peer=198.18.1.13:8080").unwrap();
+        assert_eq!(plain.reply(), Some("pod-3"));
+        assert_eq!(plain.name(), Some("pod-3"));
+        assert_eq!(plain.seen_from(), None);
+
+        let failed = parse_line("err ETIMEDOUT connect: no answer within 5 ms").unwrap();
+        assert_eq!((failed.name(), failed.seen_from()), (None, None));
+
+        // Counted by name: every connection comes from another port.
+        assert_eq!(
+            count_replies(&[v4, plain, parse_line("ok pod-1@198.18.2.1:40313").unwrap()]),
+            BTreeMap::from([("pod-1".into(), 2), ("pod-3".into(), 1)])
         );
     }
 }

@@ -10,13 +10,25 @@
 //!   └──────────────────────────────┘               └──────────────────────────────┘
 //! ```
 //!
+//! A second node ([`Testbed::add_peer_node`]) is a namespace `<id>-n-NAME` joined to the node
+//! namespace by a veth pair (`fpnK` there, `eth0` in it) with its own address; pods on it
+//! ([`Testbed::add_pod_on`]) hang off it as pods hang off the node, and the node namespace
+//! routes their addresses via it. It routes the test range back through the node namespace:
+//!
+//! ```text
+//!   ext pod ── fpv0 [node ns, 198.18.0.1] fpn0 ── eth0 [peer "b", PEER] fpv0 ── eth0 [pod]
+//!              route POD/32 via PEER dev fpn0      route POD/32 dev fpv0
+//!                                                  route 198.18.0.0/15 via 198.18.0.1
+//! ```
+//!
 //! Addresses are checked to lie in 198.18.0.0/15 and 2001:db8::/32, and no namespace has a
 //! route anywhere else, so test traffic cannot leave the bed.
 //!
 //! Names: every object carries the test bed's id `fp-<tag>-<pid>-<n>`, so [`reap_stale`] can
-//! remove what a dead process left behind: netns `<id>-node` and `<id>-p-<pod>`, cgroup
-//! `<cgroup2>/<id>/{client,helpers}`, scratch folder `/run/fastpath/testbeds/<id>` (which also
-//! records the owner's pid and start time, against pid reuse).
+//! remove what a dead process left behind: netns `<id>-node`, `<id>-p-<pod>` and
+//! `<id>-n-<peer node>`, cgroup `<cgroup2>/<id>/{client,helpers}`, scratch folder
+//! `/run/fastpath/testbeds/<id>` (which also records the owner's pid and start time, against
+//! pid reuse).
 //!
 //! Processes the bed starts (probe servers, a daemon) live in the `helpers` cgroup, a
 //! sibling of `client`, so they are outside the proxy's reach and can all be killed at once.
@@ -67,6 +79,25 @@ pub struct Pod {
     pub node_veth: String,
 }
 
+/// A second node: its own network namespace (forwarding), joined to the bed's node namespace
+/// by a veth pair; pods on it ([`Testbed::add_pod_on`]) are reached through it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerNode {
+    pub name: String,
+    /// Its network namespace (a name under /run/netns).
+    pub netns: String,
+    /// Its address on its `eth0`; pods on it route the test ranges to it.
+    pub ipv4: Ipv4Addr,
+    /// The veth end in the bed's node namespace (`fpnK`; the peer's end is `eth0`).
+    pub bed_veth: String,
+}
+
+/// A peer node and how many pod veths it has (they are numbered within its namespace).
+struct Peer {
+    node: PeerNode,
+    veths: usize,
+}
+
 struct Managed {
     child: Child,
     /// Time between SIGTERM and SIGKILL on teardown; zero: SIGKILL at once.
@@ -84,6 +115,7 @@ pub struct Testbed {
     /// Namespaces we (tried to) create, node first.
     namespaces: Vec<String>,
     pods: Vec<Pod>,
+    peers: Vec<Peer>,
     children: Vec<Managed>,
     closed: bool,
 }
@@ -117,6 +149,7 @@ impl Testbed {
             id,
             namespaces: Vec::new(),
             pods: Vec::new(),
+            peers: Vec::new(),
             children: Vec::new(),
             closed: false,
         };
@@ -178,13 +211,119 @@ impl Testbed {
     /// Adds a pod namespace with `ipv4` (in 198.18.0.0/15) and optionally `ipv6` (in
     /// 2001:db8::/32), a veth pair to the node namespace, and routes both ways.
     pub fn add_pod(&mut self, name: &str, ipv4: Ipv4Addr, ipv6: Option<Ipv6Addr>) -> Result<Pod> {
-        check_pod_name(name)?;
+        self.check_new_pod(name, ipv4, ipv6)?;
+        let pod = Pod {
+            name: name.to_string(),
+            netns: format!("{}-p-{name}", self.id),
+            ipv4,
+            ipv6,
+            node_veth: format!("fpv{}", self.pods.len()),
+        };
+        self.add_netns(&pod.netns)?;
+        let mut pairs = vec![(IpAddr::V4(NODE_IPV4), IpAddr::V4(ipv4))];
+        pairs.extend(ipv6.map(|v6| (IpAddr::V6(NODE_IPV6), IpAddr::V6(v6))));
+        wire_veth(&self.node_netns, &pod.node_veth, &pod.netns, &pairs)
+            .with_context(|| format!("wiring pod {name}"))?;
+        self.pods.push(pod.clone());
+        Ok(pod)
+    }
+
+    /// Adds a second node: namespace `<id>-n-<name>` (forwarding on) at `ipv4` (in
+    /// 198.18.0.0/15), joined to the bed's node namespace by a veth pair (`fpnK` there,
+    /// `eth0` in the peer). The peer routes the whole test range back through the bed's node,
+    /// so replies to anything in the bed return the way they came. Pods go on it with
+    /// [`Testbed::add_pod_on`].
+    pub fn add_peer_node(&mut self, name: &str, ipv4: Ipv4Addr) -> Result<PeerNode> {
+        check_name("peer node", name)?;
+        check_test_ipv4(ipv4)?;
+        if ipv4 == NODE_IPV4 {
+            bail!("peer node {name}: {NODE_IPV4} belongs to the bed's node namespace");
+        }
+        if let Some(other) = self
+            .peers
+            .iter()
+            .find(|p| p.node.name == name || p.node.ipv4 == ipv4)
+        {
+            bail!(
+                "peer node {name} clashes with peer node {} (same name or address)",
+                other.node.name
+            );
+        }
+        if let Some(pod) = self.pods.iter().find(|p| p.ipv4 == ipv4) {
+            bail!("peer node {name}: {ipv4} belongs to pod {}", pod.name);
+        }
+        let node = PeerNode {
+            name: name.to_string(),
+            netns: format!("{}-n-{name}", self.id),
+            ipv4,
+            bed_veth: format!("fpn{}", self.peers.len()),
+        };
+        self.add_netns(&node.netns)?;
+        netns::sysctl(&node.netns, "net/ipv4/ip_forward", "1")?;
+        wire_veth(
+            &self.node_netns,
+            &node.bed_veth,
+            &node.netns,
+            &[(IpAddr::V4(NODE_IPV4), IpAddr::V4(ipv4))],
+        )
+        .with_context(|| format!("wiring peer node {name}"))?;
+        self.peers.push(Peer {
+            node: node.clone(),
+            veths: 0,
+        });
+        Ok(node)
+    }
+
+    /// Adds a pod (IPv4 only) on peer node `node`: like [`Testbed::add_pod`], but its veth
+    /// pair joins it to the peer's namespace (the returned pod's `node_veth` names the end
+    /// there), and the bed's node namespace routes `ipv4` via the peer. Pod names and
+    /// addresses are unique across all nodes; [`Testbed::serve`] works on it as on any pod.
+    pub fn add_pod_on(&mut self, node: &PeerNode, name: &str, ipv4: Ipv4Addr) -> Result<Pod> {
+        let index = self
+            .peers
+            .iter()
+            .position(|p| p.node.netns == node.netns)
+            .ok_or_else(|| anyhow!("{} is not a peer node of this test bed", node.name))?;
+        self.check_new_pod(name, ipv4, None)?;
+        let pod = Pod {
+            name: name.to_string(),
+            netns: format!("{}-p-{name}", self.id),
+            ipv4,
+            ipv6: None,
+            node_veth: format!("fpv{}", self.peers[index].veths),
+        };
+        self.peers[index].veths += 1;
+        let node = self.peers[index].node.clone();
+        self.add_netns(&pod.netns)?;
+        let route = format!(
+            "-n {} route add {ipv4}/32 via {} dev {}",
+            self.node_netns, node.ipv4, node.bed_veth
+        );
+        wire_veth(
+            &node.netns,
+            &pod.node_veth,
+            &pod.netns,
+            &[(IpAddr::V4(node.ipv4), IpAddr::V4(ipv4))],
+        )
+        .and_then(|()| ip(route.split_whitespace()).map(drop))
+        .with_context(|| format!("wiring pod {name} on peer node {}", node.name))?;
+        self.pods.push(pod.clone());
+        Ok(pod)
+    }
+
+    /// A pod's name and addresses must be valid, in the test ranges, and not yet taken by
+    /// the node, a peer node or another pod.
+    fn check_new_pod(&self, name: &str, ipv4: Ipv4Addr, ipv6: Option<Ipv6Addr>) -> Result<()> {
+        check_name("pod", name)?;
         check_test_ipv4(ipv4)?;
         if let Some(v6) = ipv6 {
             check_test_ipv6(v6)?;
         }
         if ipv4 == NODE_IPV4 || ipv6 == Some(NODE_IPV6) {
             bail!("pod {name}: {NODE_IPV4} and {NODE_IPV6} belong to the node namespace");
+        }
+        if let Some(peer) = self.peers.iter().find(|p| p.node.ipv4 == ipv4) {
+            bail!("pod {name}: {ipv4} belongs to peer node {}", peer.node.name);
         }
         if let Some(other) = self
             .pods
@@ -196,154 +335,14 @@ impl Testbed {
                 other.name
             );
         }
-        let pod = Pod {
-            name: name.to_string(),
-            netns: format!("{}-p-{name}", self.id),
-            ipv4,
-            ipv6,
-            node_veth: format!("fpv{}", self.pods.len()),
-        };
-        self.namespaces.push(pod.netns.clone());
-        netns::add(&pod.netns)?;
-        let (node, podns, veth) = (
-            self.node_netns.as_str(),
-            pod.netns.as_str(),
-            pod.node_veth.as_str(),
-        );
-        let (node4, pod4) = (NODE_IPV4.to_string(), ipv4.to_string());
-        let setup = || -> Result<()> {
-            ip([
-                "-n", node, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
-                podns,
-            ])?;
-            ip([
-                "-n",
-                node,
-                "addr",
-                "add",
-                &format!("{node4}/32"),
-                "dev",
-                veth,
-            ])?;
-            ip([
-                "-n",
-                podns,
-                "addr",
-                "add",
-                &format!("{pod4}/32"),
-                "dev",
-                "eth0",
-            ])?;
-            if let Some(v6) = ipv6 {
-                let (node6, pod6) = (NODE_IPV6.to_string(), v6.to_string());
-                ip([
-                    "-n",
-                    node,
-                    "-6",
-                    "addr",
-                    "add",
-                    &format!("{node6}/128"),
-                    "dev",
-                    veth,
-                    "nodad",
-                ])?;
-                ip([
-                    "-n",
-                    podns,
-                    "-6",
-                    "addr",
-                    "add",
-                    &format!("{pod6}/128"),
-                    "dev",
-                    "eth0",
-                    "nodad",
-                ])?;
-            }
-            ip(["-n", node, "link", "set", veth, "up"])?;
-            ip(["-n", podns, "link", "set", "eth0", "up"])?;
-            ip([
-                "-n",
-                node,
-                "route",
-                "add",
-                &format!("{pod4}/32"),
-                "dev",
-                veth,
-                "src",
-                &node4,
-            ])?;
-            ip([
-                "-n",
-                podns,
-                "route",
-                "add",
-                &format!("{node4}/32"),
-                "dev",
-                "eth0",
-                "scope",
-                "link",
-                "src",
-                &pod4,
-            ])?;
-            ip([
-                "-n",
-                podns,
-                "route",
-                "add",
-                "198.18.0.0/15",
-                "via",
-                &node4,
-                "dev",
-                "eth0",
-                "src",
-                &pod4,
-            ])?;
-            if let Some(v6) = ipv6 {
-                let (node6, pod6) = (NODE_IPV6.to_string(), v6.to_string());
-                ip([
-                    "-n",
-                    node,
-                    "-6",
-                    "route",
-                    "add",
-                    &format!("{pod6}/128"),
-                    "dev",
-                    veth,
-                    "src",
-                    &node6,
-                ])?;
-                ip([
-                    "-n",
-                    podns,
-                    "-6",
-                    "route",
-                    "add",
-                    &format!("{node6}/128"),
-                    "dev",
-                    "eth0",
-                    "src",
-                    &pod6,
-                ])?;
-                ip([
-                    "-n",
-                    podns,
-                    "-6",
-                    "route",
-                    "add",
-                    "2001:db8::/32",
-                    "via",
-                    &node6,
-                    "dev",
-                    "eth0",
-                    "src",
-                    &pod6,
-                ])?;
-            }
-            Ok(())
-        };
-        setup().with_context(|| format!("wiring pod {name}"))?;
-        self.pods.push(pod.clone());
-        Ok(pod)
+        Ok(())
+    }
+
+    /// Creates network namespace `name`, registered first so teardown removes it even if
+    /// creating it half-fails.
+    fn add_netns(&mut self, name: &str) -> Result<()> {
+        self.namespaces.push(name.to_string());
+        netns::add(name)
     }
 
     /// Starts `probe_bin --netns <pod> serve [--name <pod>] ARGS...` (in the helpers cgroup) and
@@ -602,6 +601,47 @@ fn describe_status(status: Option<ExitStatus>) -> String {
     status.map_or_else(|| "status unknown".to_string(), |s| s.to_string())
 }
 
+/// Joins namespace `inner_ns` to `outer_ns` by a veth pair (`outer_dev` in `outer_ns`, `eth0`
+/// in `inner_ns`). For each (outer, inner) address pair (both IPv4 or both IPv6): a /32
+/// (/128) address on each end, in `outer_ns` a route to the inner address over `outer_dev`,
+/// in `inner_ns` the outer address on-link and the family's whole test range via it.
+fn wire_veth(
+    outer_ns: &str,
+    outer_dev: &str,
+    inner_ns: &str,
+    pairs: &[(IpAddr, IpAddr)],
+) -> Result<()> {
+    ip([
+        "-n", outer_ns, "link", "add", outer_dev, "type", "veth", "peer", "name", "eth0", "netns",
+        inner_ns,
+    ])?;
+    ip(["-n", outer_ns, "link", "set", outer_dev, "up"])?;
+    ip(["-n", inner_ns, "link", "set", "eth0", "up"])?;
+    for &(outer, inner) in pairs {
+        // IPv6 addresses skip duplicate address detection, so they are usable at once.
+        let (family, len, range, addr_opts, on_link) = match (outer, inner) {
+            (IpAddr::V4(_), IpAddr::V4(_)) => ("-4", 32, "198.18.0.0/15", "", "scope link"),
+            (IpAddr::V6(_), IpAddr::V6(_)) => ("-6", 128, "2001:db8::/32", "nodad", ""),
+            _ => bail!("{outer} and {inner} are of different address families"),
+        };
+        // Every word is free of whitespace (names are checked), so a line splits into args.
+        let (in_outer, in_inner) = (
+            format!("-n {outer_ns} {family}"),
+            format!("-n {inner_ns} {family}"),
+        );
+        for args in [
+            format!("{in_outer} addr add {outer}/{len} dev {outer_dev} {addr_opts}"),
+            format!("{in_inner} addr add {inner}/{len} dev eth0 {addr_opts}"),
+            format!("{in_outer} route add {inner}/{len} dev {outer_dev} src {outer}"),
+            format!("{in_inner} route add {outer}/{len} dev eth0 {on_link} src {inner}"),
+            format!("{in_inner} route add {range} via {outer} dev eth0 src {inner}"),
+        ] {
+            ip(args.split_whitespace())?;
+        }
+    }
+    Ok(())
+}
+
 /// Removes `fp-*` network namespaces, cgroups and scratch folders whose creating process is
 /// dead (or whose pid now belongs to another process). Returns what it removed.
 pub fn reap_stale() -> Result<Vec<String>> {
@@ -712,7 +752,7 @@ fn sanitize_tag(tag: &str) -> String {
     }
 }
 
-fn check_pod_name(name: &str) -> Result<()> {
+fn check_name(what: &str, name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 32
         && name
@@ -720,7 +760,7 @@ fn check_pod_name(name: &str) -> Result<()> {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
         && !name.starts_with('.');
     if !ok {
-        bail!("bad pod name {name:?}: use 1-32 letters, digits, '-', '_' or '.'");
+        bail!("bad {what} name {name:?}: use 1-32 letters, digits, '-', '_' or '.'");
     }
     Ok(())
 }

@@ -4,13 +4,13 @@ use std::{
     fs,
     io::{Read as _, Write as _},
     net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
-    path::Path,
+    path::{Path, PathBuf},
     process::Command,
     time::Duration,
 };
 
 use xtask::{
-    Testbed, cgroup, netns, reap_stale,
+    Testbed, cgroup, netns, probe, reap_stale,
     testbed::{NODE_IPV4, NODE_IPV6, RUN_DIR},
 };
 
@@ -293,4 +293,199 @@ fn serve_waits_for_ready() {
     let helpers = bed.helper_cgroup().to_path_buf();
     drop(bed);
     assert!(!helpers.exists());
+}
+
+/// `fastpath-probe` of this build: next to the folder holding this test's executable
+/// (`<target>/<profile>/deps/`). xtask cannot depend on proxy-userland, so if it is not
+/// built yet we build it there.
+fn probe_binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
+    let probe = profile_dir.join("fastpath-probe");
+    if !probe.is_file() {
+        let mut build = xtask::cargo();
+        build.args(["build", "-p", "proxy-userland", "--bin", "fastpath-probe"]);
+        build.arg("--target-dir").arg(profile_dir.parent().unwrap());
+        if profile_dir.ends_with("release") {
+            build.arg("--release");
+        }
+        eprintln!("building `{}`", xtask::cmd::describe(&build));
+        xtask::cmd::run(&mut build).unwrap();
+    }
+    assert!(probe.is_file(), "no {}", probe.display());
+    probe
+}
+
+/// Runs the probe client in `netns` (no cgroup) and parses its lines.
+fn probe_from(probe_bin: &Path, netns: &str, args: &[&str]) -> Vec<probe::Outcome> {
+    let mut cmd = Command::new(probe_bin);
+    cmd.arg("--netns").arg(netns).args(args);
+    let outcomes = probe::parse(&xtask::cmd::output(&mut cmd).unwrap());
+    assert!(!outcomes.is_empty(), "probe printed no result for {args:?}");
+    outcomes
+}
+
+/// Packets (received, sent) by interface `dev` of namespace `netns`.
+fn packets(netns: &str, dev: &str) -> (u64, u64) {
+    let table = netns::in_netns(netns, || {
+        fs::read_to_string("/proc/thread-self/net/dev").unwrap()
+    })
+    .unwrap();
+    let line = table
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix(&format!("{dev}:"))
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| panic!("no {dev} in netns {netns}: {table}"));
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .map(|f| f.parse().unwrap())
+        .collect();
+    (fields[1], fields[9])
+}
+
+/// A pod on a second node is reached from a client of the bed through node A (the bed's node
+/// namespace) and node B, keeps the client's address, and goes with the bed.
+#[test]
+fn pods_on_a_peer_node_are_reached_through_both_nodes() {
+    let probe_bin = probe_binary();
+    let mut bed = Testbed::new("peer").unwrap();
+    let id = bed.id().to_string();
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
+        .unwrap();
+    let b = bed
+        .add_peer_node("b", Ipv4Addr::new(198, 18, 13, 1))
+        .unwrap();
+    assert_eq!(
+        (b.netns.clone(), b.bed_veth.as_str()),
+        (format!("{id}-n-b"), "fpn0")
+    );
+    let web = bed
+        .add_pod_on(&b, "web", Ipv4Addr::new(198, 18, 13, 10))
+        .unwrap();
+    let db = bed
+        .add_pod_on(&b, "db", Ipv4Addr::new(198, 18, 13, 11))
+        .unwrap();
+    assert_eq!(
+        (web.node_veth.as_str(), db.node_veth.as_str()),
+        ("fpv0", "fpv1")
+    );
+    assert_eq!(bed.pods().len(), 3);
+    let forwarding = netns::in_netns(&b.netns, || {
+        fs::read_to_string("/proc/sys/net/ipv4/ip_forward").unwrap()
+    })
+    .unwrap();
+    assert_eq!(forwarding.trim(), "1");
+
+    // Clashes with the peer node's or the pods' names and addresses, and foreign ranges.
+    for (what, result) in [
+        (
+            "peer at a pod's address",
+            bed.add_peer_node("c", ext.ipv4).err(),
+        ),
+        (
+            "peer at the node's address",
+            bed.add_peer_node("c", NODE_IPV4).err(),
+        ),
+        (
+            "peer outside the range",
+            bed.add_peer_node("c", Ipv4Addr::new(10, 0, 0, 1)).err(),
+        ),
+        (
+            "second peer b",
+            bed.add_peer_node("b", Ipv4Addr::new(198, 18, 14, 1)).err(),
+        ),
+        (
+            "pod at the peer's address",
+            bed.add_pod("x", b.ipv4, None).err(),
+        ),
+        (
+            "pod on b named ext",
+            bed.add_pod_on(&b, "ext", Ipv4Addr::new(198, 18, 13, 12))
+                .err(),
+        ),
+        (
+            "pod on b at db's address",
+            bed.add_pod_on(&b, "x", db.ipv4).err(),
+        ),
+    ] {
+        assert!(result.is_some(), "{what} was accepted");
+    }
+    let mut stranger = b.clone();
+    stranger.netns = format!("{id}-n-nowhere");
+    assert!(
+        bed.add_pod_on(&stranger, "x", Ipv4Addr::new(198, 18, 13, 12))
+            .is_err()
+    );
+
+    bed.serve(
+        &probe_bin,
+        &web,
+        &[
+            "--tcp",
+            "198.18.13.10:8080",
+            "--udp",
+            "198.18.13.10:5353",
+            "--echo-peer",
+        ],
+    )
+    .unwrap();
+    let before = [packets(bed.node_netns(), "fpn0"), packets(&b.netns, "fpv0")];
+    let got = probe_from(
+        &probe_bin,
+        &ext.netns,
+        &[
+            "tcp",
+            "198.18.13.10:8080",
+            "--count",
+            "3",
+            "--timeout-ms",
+            "2000",
+        ],
+    );
+    let udp = probe_from(
+        &probe_bin,
+        &ext.netns,
+        &["udp", "198.18.13.10:5353", "--timeout-ms", "2000"],
+    );
+    for outcome in got.iter().chain(&udp) {
+        assert_eq!(outcome.name(), Some("web"), "{outcome:?}");
+        let seen: SocketAddr = outcome.seen_from().unwrap().parse().unwrap();
+        assert_eq!(seen.ip(), std::net::IpAddr::from(ext.ipv4), "{outcome:?}");
+    }
+    // Both ways through node A's link to B and B's link to the pod.
+    let after = [packets(bed.node_netns(), "fpn0"), packets(&b.netns, "fpv0")];
+    for (before, after) in before.iter().zip(&after) {
+        assert!(
+            after.0 >= before.0 + 4 && after.1 >= before.1 + 4,
+            "{before:?} -> {after:?}"
+        );
+    }
+
+    // Node A reaches the other pod directly, from its own address; plain sockets.
+    let addr = SocketAddr::from((db.ipv4, 7000));
+    let listener = netns::in_netns(&db.netns, || TcpListener::bind(addr))
+        .unwrap()
+        .unwrap();
+    let client = netns::in_netns(bed.node_netns(), || {
+        TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+    })
+    .unwrap()
+    .unwrap();
+    let (_conn, from) = listener.accept().unwrap();
+    assert_eq!(from.ip(), std::net::IpAddr::from(NODE_IPV4));
+    drop((client, listener));
+
+    // Nothing routes outside the test ranges in the peer node or its pods.
+    for ns in [&b.netns, &web.netns] {
+        let out = xtask::cmd::ip(["-n", ns, "route", "get", "192.0.2.1"]);
+        assert!(out.is_err(), "{ns} has a route to 192.0.2.1: {out:?}");
+    }
+
+    assert!(traces(&id).iter().any(|t| t.ends_with("-n-b")));
+    bed.close().unwrap();
+    assert_eq!(traces(&id), Vec::<String>::new());
 }

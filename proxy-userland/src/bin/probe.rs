@@ -1,7 +1,10 @@
 //! `fastpath-probe`: a tiny client and server for seeing where a service address leads.
 //!
 //! `serve` answers every TCP connection with its name and a newline, and every UDP datagram
-//! with its name. `tcp` and `udp` send requests and print one line per attempt:
+//! with its name; with `--echo-peer` the name is followed by `@` and the client's address as
+//! the server saw it (`NAME@198.18.2.1:40000`, `NAME@[2001:db8::1]:40000`), so a test can
+//! tell whether the client's source address was kept or rewritten. `tcp` and `udp` send
+//! requests and print one line per attempt:
 //!
 //! ```text
 //! ok <reply> peer=<getpeername>                     (tcp)
@@ -29,9 +32,11 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
-/// Longest reply we read, and longest we print.
+/// Longest reply we read, and longest we print (a name and an `@[IPv6%scope]:port`).
 const MAX_REPLY: usize = 256;
-const MAX_PRINTED: usize = 64;
+const MAX_PRINTED: usize = 160;
+/// Longest `--name`.
+const MAX_NAME: usize = 64;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -56,9 +61,13 @@ struct Cli {
 enum Command {
     /// Answer TCP connections with "NAME\n" and UDP datagrams with "NAME", until killed.
     Serve {
-        /// The name to reply with (no spaces).
+        /// The name to reply with (no spaces, no '@').
         #[arg(long)]
         name: String,
+        /// Reply "NAME@ADDR:PORT" instead: the client's address as accept()/recvfrom() saw
+        /// it (IPv6 as [ADDR]:PORT).
+        #[arg(long)]
+        echo_peer: bool,
         /// Listen for TCP here (e.g. 0.0.0.0:8080 or [::]:8080); repeatable.
         #[arg(long, value_name = "ADDR:PORT")]
         tcp: Vec<SocketAddr>,
@@ -105,7 +114,7 @@ struct Attempts {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Serve { name, tcp, udp } = &cli.command {
+    if let Command::Serve { name, tcp, udp, .. } = &cli.command {
         if let Err(e) = check_name(name) {
             eprintln!("fastpath-probe: {e}");
             return ExitCode::from(2);
@@ -120,7 +129,12 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     match cli.command {
-        Command::Serve { name, tcp, udp } => match serve(&name, &tcp, &udp) {
+        Command::Serve {
+            name,
+            echo_peer,
+            tcp,
+            udp,
+        } => match serve(&name, echo_peer, &tcp, &udp) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("fastpath-probe: {e:#}");
@@ -153,11 +167,14 @@ fn main() -> ExitCode {
 }
 
 fn check_name(name: &str) -> Result<()> {
-    if name.is_empty() || name.len() > MAX_PRINTED {
-        bail!("--name must have 1 to {MAX_PRINTED} characters");
+    if name.is_empty() || name.len() > MAX_NAME {
+        bail!("--name must have 1 to {MAX_NAME} characters");
     }
-    if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        bail!("--name must not contain spaces or control characters");
+    if name
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || c == '@')
+    {
+        bail!("--name must not contain spaces, control characters or '@'");
     }
     Ok(())
 }
@@ -388,7 +405,7 @@ fn errno_name(code: i32) -> String {
 
 // ---- server -------------------------------------------------------------------------------
 
-fn serve(name: &str, tcp: &[SocketAddr], udp: &[SocketAddr]) -> Result<()> {
+fn serve(name: &str, echo_peer: bool, tcp: &[SocketAddr], udp: &[SocketAddr]) -> Result<()> {
     let mut listeners = Vec::new();
     for &addr in tcp {
         let fd = bound_socket(addr, libc::SOCK_STREAM).with_context(|| format!("TCP {addr}"))?;
@@ -405,16 +422,18 @@ fn serve(name: &str, tcp: &[SocketAddr], udp: &[SocketAddr]) -> Result<()> {
         sockets.push(UdpSocket::from(fd));
     }
 
+    let replier = Replier {
+        name: name.to_string(),
+        echo_peer,
+    };
     let mut threads = Vec::new();
     for listener in listeners {
-        let reply = format!("{name}\n");
-        threads.push(thread::spawn(move || {
-            tcp_server(&listener, reply.as_bytes())
-        }));
+        let replier = replier.clone();
+        threads.push(thread::spawn(move || tcp_server(&listener, &replier)));
     }
     for socket in sockets {
-        let reply = name.to_string();
-        threads.push(thread::spawn(move || udp_server(&socket, reply.as_bytes())));
+        let replier = replier.clone();
+        threads.push(thread::spawn(move || udp_server(&socket, &replier)));
     }
     let mut stdout = io::stdout().lock();
     writeln!(stdout, "ready")
@@ -427,12 +446,30 @@ fn serve(name: &str, tcp: &[SocketAddr], udp: &[SocketAddr]) -> Result<()> {
     bail!("all servers stopped")
 }
 
-fn tcp_server(listener: &TcpListener, reply: &[u8]) {
+/// What the server answers: its name, and with `--echo-peer` `@` and the client's address.
+#[derive(Clone)]
+struct Replier {
+    name: String,
+    echo_peer: bool,
+}
+
+impl Replier {
+    fn reply(&self, from: SocketAddr) -> String {
+        if self.echo_peer {
+            // SocketAddr's Display writes IPv6 as [ip]:port.
+            format!("{}@{from}", self.name)
+        } else {
+            self.name.clone()
+        }
+    }
+}
+
+fn tcp_server(listener: &TcpListener, replier: &Replier) {
     loop {
         match listener.accept() {
-            Ok((mut conn, _)) => {
+            Ok((mut conn, from)) => {
                 let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
-                let _ = conn.write_all(reply);
+                let _ = conn.write_all(format!("{}\n", replier.reply(from)).as_bytes());
                 let _ = conn.shutdown(std::net::Shutdown::Write);
             }
             Err(e) => {
@@ -443,12 +480,12 @@ fn tcp_server(listener: &TcpListener, reply: &[u8]) {
     }
 }
 
-fn udp_server(socket: &UdpSocket, reply: &[u8]) {
+fn udp_server(socket: &UdpSocket, replier: &Replier) {
     let mut buf = [0u8; 2048];
     loop {
         match socket.recv_from(&mut buf) {
             Ok((_, from)) => {
-                if let Err(e) = socket.send_to(reply, from) {
+                if let Err(e) = socket.send_to(replier.reply(from).as_bytes(), from) {
                     eprintln!("fastpath-probe: reply to {from}: {e}");
                 }
             }
