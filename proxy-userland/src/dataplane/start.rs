@@ -73,7 +73,9 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 lb_map_max: opts.bpf_lb_map_max,
             };
             let attached = match BpfDataplane::attach_with(&cgroup, &attach) {
-                Err(e @ (LoadError::Devices(_) | LoadError::Device { .. })) if opts.packet_auto => {
+                // Devices nobody named, or a kernel that refuses the packet programs: keep
+                // socket load-balancing rather than leave eBPF mode for it.
+                Err(e) if opts.packet_auto && e.is_packet_path() => {
                     tracing::warn!("node ports from other hosts are off: {e}");
                     attach.packet = None;
                     BpfDataplane::attach_with(&cgroup, &attach)

@@ -74,6 +74,19 @@ pub enum LoadError {
     Devices(#[from] DeviceError),
 }
 
+impl LoadError {
+    /// Whether the error concerns only the node-port programs or their devices.
+    pub fn is_packet_path(&self) -> bool {
+        match self {
+            LoadError::Devices(_) | LoadError::Device { .. } => true,
+            LoadError::Program { name, .. } | LoadError::MissingProgram { name } | LoadError::WrongType { name } => {
+                [NODEPORT_INGRESS, NODEPORT_EGRESS, NODEPORT_XDP].contains(name)
+            }
+            _ => false,
+        }
+    }
+}
+
 /// The loaded object with its programs attached. Dropping it detaches them (aya attaches
 /// through BPF links, which go when their fd closes) and frees the maps.
 pub struct Attached {
@@ -217,12 +230,21 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         let mut devices = NodeDevices::read(cfg)?;
         // Interface names resolve in the devices' namespace.
         let netns = cfg.netns.as_deref();
+        // Before TCX (6.6) aya attaches tc programs to the clsact qdisc, which must exist.
+        let needs_clsact = aya::util::KernelVersion::current()
+            .map_or(true, |v| v < aya::util::KernelVersion::new(6, 6, 0));
         for (name, attach_type) in
             [(NODEPORT_INGRESS, TcAttachType::Ingress), (NODEPORT_EGRESS, TcAttachType::Egress)]
         {
             let program = loaded!(name, SchedClassifier);
             for dev in &devices.devices {
-                let link_id = in_netns(netns, || program.attach(&dev.name, attach_type))
+                let link_id = in_netns(netns, || {
+                    if needs_clsact {
+                        // It may be there already: the attach below says if it is not.
+                        let _ = aya::programs::tc::qdisc_add_clsact(&dev.name);
+                    }
+                    program.attach(&dev.name, attach_type)
+                })
                     .map_err(DeviceError::from)?
                     .map_err(|source| LoadError::Device { name, device: dev.name.clone(), source })?;
                 keep!(program, name, link_id, &format!("{name}-{}", dev.ifindex));
@@ -263,4 +285,18 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         }
     }
     Ok(Attached { ebpf, node_devices })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_node_port_failures_count_as_packet_path_failures() {
+        assert!(LoadError::MissingProgram { name: NODEPORT_XDP }.is_packet_path());
+        assert!(LoadError::WrongType { name: NODEPORT_INGRESS }.is_packet_path());
+        assert!(LoadError::Devices(DeviceError::NoDevices).is_packet_path());
+        assert!(!LoadError::MissingProgram { name: SOCK_PROGRAMS[0] }.is_packet_path());
+        assert!(!LoadError::MissingMap { name: "FP_CT4" }.is_packet_path());
+    }
 }
