@@ -68,25 +68,26 @@ pub fn pod_ip(i: u8) -> Ipv4Addr {
 /// A test bed with `n` pods, each answering with its name ("pod-1", ...) on TCP 8080 and
 /// UDP 5353.
 pub fn bed_with_pods(tag: &str, n: u8) -> (Testbed, Vec<Pod>) {
+    bed_with_pods_serving(tag, n, &[])
+}
+
+/// As [`bed_with_pods`], the pods answering `NAME@<address they saw>` (see
+/// `Outcome::name` and `Outcome::seen_from`).
+pub fn bed_with_echoing_pods(tag: &str, n: u8) -> (Testbed, Vec<Pod>) {
+    bed_with_pods_serving(tag, n, &["--echo-peer"])
+}
+
+fn bed_with_pods_serving(tag: &str, n: u8, extra: &[&str]) -> (Testbed, Vec<Pod>) {
     let mut bed = Testbed::new(tag).expect("test bed");
     let mut pods = Vec::new();
     for i in 1..=n {
         let pod = bed
             .add_pod(&format!("pod-{i}"), pod_ip(i), None)
             .expect("pod");
-        bed.serve(
-            probe(),
-            &pod,
-            &[
-                "--name",
-                &format!("pod-{i}"),
-                "--tcp",
-                "0.0.0.0:8080",
-                "--udp",
-                "0.0.0.0:5353",
-            ],
-        )
-        .expect("pod server");
+        let name = format!("pod-{i}");
+        let mut args = vec!["--name", &name, "--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"];
+        args.extend_from_slice(extra);
+        bed.serve(probe(), &pod, &args).expect("pod server");
         pods.push(pod);
     }
     (bed, pods)

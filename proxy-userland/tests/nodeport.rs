@@ -68,13 +68,14 @@ fn tcp_from(client: &Pod, target: &str, count: usize) -> Vec<xtask::probe::Outco
     probe_from(&client.netns, &["tcp", target, "--count", &count.to_string(), "--timeout-ms", "1000"])
 }
 
+/// The pods that answered (by name, also from servers that echo the peer).
 fn names(outcomes: &[xtask::probe::Outcome]) -> BTreeSet<String> {
-    outcomes.iter().filter_map(|o| o.reply().map(str::to_string)).collect()
+    outcomes.iter().filter_map(|o| o.name().map(str::to_string)).collect()
 }
 
 #[test]
 fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node() {
-    let (mut bed, _pods) = bed_with_pods("npbasic", 2);
+    let (mut bed, _pods) = bed_with_echoing_pods("npbasic", 2);
     let ext = external_client(&mut bed);
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
@@ -90,6 +91,9 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
         attempts.iter().all(|a| peer(a) == Some(target.as_str())),
         "the client talks to the node port, never to a pod: {attempts:?}"
     );
+    // The backends are on this node: no SNAT, the pods see the client itself.
+    let client = format!("{}:", ext.ipv4);
+    assert!(attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))), "{attempts:?}");
 
     let udp_target = node_addr(&bed, UDP_NODE_PORT);
     let udp = probe_from(
@@ -117,7 +121,7 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
 
 #[test]
 fn local_policy_uses_only_this_nodes_endpoints_and_drops_without_one() {
-    let (mut bed, _pods) = bed_with_pods("nplocal", 2);
+    let (mut bed, _pods) = bed_with_echoing_pods("nplocal", 2);
     let ext = external_client(&mut bed);
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let mut local = node_port_service("local", WEB_IP, NODE_PORT);
@@ -132,7 +136,10 @@ fn local_policy_uses_only_this_nodes_endpoints_and_drops_without_one() {
     assert!(report.failed.is_empty(), "{report:?}");
 
     let attempts = tcp_from(&ext, &node_addr(&bed, NODE_PORT), 20);
-    assert!(attempts.iter().all(|a| a.reply() == Some("pod-1")), "{attempts:?}");
+    assert!(attempts.iter().all(|a| a.name() == Some("pod-1")), "{attempts:?}");
+    // The pod sees the client's own address: no SNAT under the Local policy.
+    let client = format!("{}:", ext.ipv4);
+    assert!(attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))), "{attempts:?}");
 
     // No endpoint here: dropped (kube-proxy drops too, so a load balancer's health check
     // steers clients to nodes that have one), and counted.
@@ -294,85 +301,26 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
     loader::remove_pinned(&pin).unwrap();
 }
 
-/// A second node ("node B", 198.18.0.2) joined to the bed's node (A) by a veth pair, with
-/// one pod (198.18.3.1) behind it, as two hosts on one network. The namespaces carry the
-/// bed's id, so a crashed test's leftovers are reaped with the bed's.
-struct NodeB {
-    namespaces: Vec<String>,
-    pod: Pod,
-    /// A's end of the link to B.
-    link: String,
+/// A second node ("node B", 198.18.0.2) joined to the bed's node (A), with one pod
+/// (198.18.3.1) behind it that answers with the address it saw; A's end of the link is the
+/// returned device name.
+fn add_node_b(bed: &mut Testbed) -> String {
+    let b = bed.add_peer_node("b", NODE_B).expect("node B");
+    let pod = bed.add_pod_on(&b, "pod-b", POD_B).expect("pod on node B");
+    bed.serve(probe(), &pod, &["--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353", "--echo-peer"])
+        .expect("pod-b serves");
+    b.bed_veth
 }
 
-const NODE_B: &str = "198.18.0.2";
+const NODE_B: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
 const POD_B: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 1);
-
-impl NodeB {
-    fn add(bed: &mut Testbed) -> Self {
-        let (a, b, p) = (
-            bed.node_netns().to_string(),
-            format!("{}-nodeb", bed.id()),
-            format!("{}-p-podb", bed.id()),
-        );
-        let mut me = NodeB {
-            namespaces: vec![],
-            pod: Pod {
-                name: "pod-b".into(),
-                netns: p.clone(),
-                ipv4: POD_B,
-                ipv6: None,
-                node_veth: "fpv0".into(),
-            },
-            link: "fpab0".into(),
-        };
-        for ns in [&b, &p] {
-            me.namespaces.push(ns.clone());
-            xtask::netns::add(ns).expect("namespace");
-        }
-        xtask::netns::sysctl(&b, "net/ipv4/ip_forward", "1").expect("forwarding on B");
-        let node_a = bed.node_ipv4().to_string();
-        let pod_b = POD_B.to_string();
-        let ip = |args: &[&str]| {
-            xtask::cmd::ip(args).unwrap_or_else(|e| panic!("ip {args:?}: {e:#}"));
-        };
-        // A <-> B
-        ip(&["-n", &a, "link", "add", "fpab0", "type", "veth", "peer", "name", "eth0", "netns", &b]);
-        ip(&["-n", &a, "addr", "add", &format!("{node_a}/32"), "dev", "fpab0"]);
-        ip(&["-n", &b, "addr", "add", &format!("{NODE_B}/32"), "dev", "eth0"]);
-        ip(&["-n", &a, "link", "set", "fpab0", "up"]);
-        ip(&["-n", &b, "link", "set", "eth0", "up"]);
-        ip(&["-n", &a, "route", "add", &format!("{NODE_B}/32"), "dev", "fpab0", "src", &node_a]);
-        ip(&["-n", &a, "route", "add", "198.18.3.0/24", "via", NODE_B, "dev", "fpab0"]);
-        ip(&["-n", &b, "route", "add", &format!("{node_a}/32"), "dev", "eth0", "src", NODE_B]);
-        ip(&["-n", &b, "route", "add", "198.18.0.0/15", "via", &node_a, "dev", "eth0", "src", NODE_B]);
-        // B <-> its pod
-        ip(&["-n", &b, "link", "add", "fpv0", "type", "veth", "peer", "name", "eth0", "netns", &p]);
-        ip(&["-n", &b, "addr", "add", &format!("{NODE_B}/32"), "dev", "fpv0"]);
-        ip(&["-n", &p, "addr", "add", &format!("{pod_b}/32"), "dev", "eth0"]);
-        ip(&["-n", &b, "link", "set", "fpv0", "up"]);
-        ip(&["-n", &p, "link", "set", "eth0", "up"]);
-        ip(&["-n", &b, "route", "add", &format!("{pod_b}/32"), "dev", "fpv0", "src", NODE_B]);
-        ip(&["-n", &p, "route", "add", &format!("{NODE_B}/32"), "dev", "eth0", "src", &pod_b]);
-        ip(&["-n", &p, "route", "add", "198.18.0.0/15", "via", NODE_B, "dev", "eth0", "src", &pod_b]);
-        bed.serve(probe(), &me.pod, &["--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"]).expect("pod-b serves");
-        me
-    }
-}
-
-impl Drop for NodeB {
-    fn drop(&mut self) {
-        for ns in self.namespaces.iter().rev() {
-            let _ = xtask::netns::delete(ns);
-        }
-    }
-}
 
 #[test]
 fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
     let (mut bed, _pods) = bed_with_pods("nptwo", 1);
     let ext = external_client(&mut bed);
-    let node_b = NodeB::add(&mut bed);
-    let mut dp = attach(&bed, &[&ext.node_veth, &node_b.link]);
+    let link = add_node_b(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth, &link]);
     // Cluster policy, and the only endpoint is on node B.
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
     let eps = web_endpoints(vec![on("node-b", ready(POD_B))]);
@@ -381,12 +329,18 @@ fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
 
     let target = node_addr(&bed, NODE_PORT);
     let attempts = tcp_from(&ext, &target, 20);
-    assert!(attempts.iter().all(|a| a.reply() == Some("pod-b")), "{attempts:?}");
+    assert!(attempts.iter().all(|a| a.name() == Some("pod-b")), "{attempts:?}");
     assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+    // pod-b saw node A's address (SNAT), so its replies came back through A.
+    let node_a = bed.node_ipv4().to_string();
+    assert!(
+        attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&format!("{node_a}:")))),
+        "{attempts:?}"
+    );
     let udp_target = node_addr(&bed, UDP_NODE_PORT);
     let udp = probe_from(&ext.netns, &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000", "--fresh-socket"]);
     for a in &udp {
-        assert_eq!((a.reply(), from(a)), (Some("pod-b"), Some(udp_target.as_str())), "{a:?}");
+        assert_eq!((a.name(), from(a)), (Some("pod-b"), Some(udp_target.as_str())), "{a:?}");
     }
     // Every flow went to pod-b with this node's address as its source, so the replies came
     // back here to be translated.
@@ -400,7 +354,6 @@ fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
         flows.iter().all(|f| f.backend.ip() == IpAddr::V4(POD_B) && f.snat.map(|s| s.ip()) == Some(bed.node_ipv4().into())),
         "{flows:?}"
     );
-    drop(node_b);
 }
 
 /// XDP cannot hand a packet to another node's veth (the receiving side would need XDP too),
@@ -409,17 +362,16 @@ fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
 fn with_xdp_a_pod_on_another_node_is_still_reached_through_tc() {
     let (mut bed, _pods) = bed_with_pods("npxdptwo", 1);
     let ext = external_client(&mut bed);
-    let node_b = NodeB::add(&mut bed);
-    let mut dp = attach_xdp(&bed, &[&ext.node_veth, &node_b.link], true);
+    let link = add_node_b(&mut bed);
+    let mut dp = attach_xdp(&bed, &[&ext.node_veth, &link], true);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
     let eps = web_endpoints(vec![on("node-b", ready(POD_B))]);
     dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
     let target = node_addr(&bed, NODE_PORT);
     let attempts = tcp_from(&ext, &target, 20);
-    assert!(attempts.iter().all(|a| a.reply() == Some("pod-b")), "{attempts:?}");
+    assert!(attempts.iter().all(|a| a.name() == Some("pod-b")), "{attempts:?}");
     let stats = dp.programmer().maps().packet_stats();
     assert_eq!(stats.xdp, 0, "XDP left these flows to tc: {stats:?}");
-    drop(node_b);
 }
 
 #[test]
