@@ -68,6 +68,18 @@ fn tcp_from(client: &Pod, target: &str, count: usize) -> Vec<xtask::probe::Outco
     probe_from(&client.netns, &["tcp", target, "--count", &count.to_string(), "--timeout-ms", "1000"])
 }
 
+/// Both of the bed's pods, on this node.
+fn local_pods() -> proxy_userland::model::EndpointSet {
+    web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))])
+}
+
+/// Every attempt succeeded, `pods` pods answered, and the client only ever saw `target`.
+fn assert_served(attempts: &[xtask::probe::Outcome], target: &str, pods: usize) {
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+    assert_eq!(names(attempts).len(), pods, "{attempts:?}");
+    assert!(attempts.iter().all(|a| peer(a) == Some(target)), "the client only sees {target}: {attempts:?}");
+}
+
 /// The pods that answered (by name, also from servers that echo the peer).
 fn names(outcomes: &[xtask::probe::Outcome]) -> BTreeSet<String> {
     outcomes.iter().filter_map(|o| o.name().map(str::to_string)).collect()
@@ -79,18 +91,12 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     let ext = external_client(&mut bed);
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
-    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
-    let report = dp.sync(&state_of(vec![(svc.clone(), Some(eps.clone()))]), &node(), Scope::Full);
+    let report = dp.sync(&state_of(vec![(svc.clone(), Some(local_pods()))]), &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
 
     let target = node_addr(&bed, NODE_PORT);
     let attempts = tcp_from(&ext, &target, 30);
-    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
-    assert_eq!(names(&attempts).len(), 2, "both pods serve the node port: {attempts:?}");
-    assert!(
-        attempts.iter().all(|a| peer(a) == Some(target.as_str())),
-        "the client talks to the node port, never to a pod: {attempts:?}"
-    );
+    assert_served(&attempts, &target, 2);
     // The backends are on this node: no SNAT, the pods see the client itself.
     let client = format!("{}:", ext.ipv4);
     assert!(attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))), "{attempts:?}");
@@ -114,7 +120,7 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     // The node gets another address: from the next full sync on, node ports answer there.
     xtask::cmd::ip(["-n", bed.node_netns(), "addr", "add", "198.18.0.5/32", "dev", &ext.node_veth])
         .expect("second address");
-    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    dp.sync(&state_of(vec![(svc, Some(local_pods()))]), &node(), Scope::Full);
     let attempts = tcp_from(&ext, &format!("198.18.0.5:{NODE_PORT}"), 5);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
 }
@@ -160,8 +166,7 @@ fn external_and_load_balancer_ips_serve_and_source_ranges_keep_others_out() {
     svc.external_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 1))];
     svc.load_balancer_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 2))];
     svc.load_balancer_source_ranges = vec![(IpAddr::V4(Ipv4Addr::new(198, 18, 2, 0)), 24)];
-    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
-    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    let report = dp.sync(&state_of(vec![(svc, Some(local_pods()))]), &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
 
     for client in [&ext, &stranger] {
@@ -199,7 +204,7 @@ fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
     let ext = external_client(&mut bed);
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
-    let both = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
+    let both = local_pods();
     dp.sync(&state_of(vec![(svc.clone(), Some(both))]), &node(), Scope::Full);
 
     // One socket, one flow, a datagram every 100 ms for 3 s, like a statsd client.
@@ -242,14 +247,10 @@ fn native_xdp_serves_node_ports_on_veth_ahead_of_tc() {
     let xdp: Vec<(&str, bool)> = devices.iter().map(|d| (d.name.as_str(), d.xdp)).collect();
     assert_eq!(xdp, [(ext.node_veth.as_str(), true), ("lo", false)], "veth runs native XDP, lo does not");
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
-    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]);
-    dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    dp.sync(&state_of(vec![(svc, Some(local_pods()))]), &node(), Scope::Full);
 
     let target = node_addr(&bed, NODE_PORT);
-    let attempts = tcp_from(&ext, &target, 30);
-    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
-    assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
-    assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+    assert_served(&tcp_from(&ext, &target, 30), &target, 2);
     let udp_target = node_addr(&bed, UDP_NODE_PORT);
     let udp = probe_from(&ext.netns, &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000"]);
     assert!(udp.iter().all(|a| from(a) == Some(udp_target.as_str())), "{udp:?}");
@@ -265,7 +266,7 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
     let fs = Bpffs::mount(bed.dir());
     let pin = fs.0.join("fastpath");
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
-    let eps = || Some(web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))]));
+    let eps = || Some(local_pods());
     let mut first = attach_opts(&bed, &[&ext.node_veth], false, Some(&pin));
     first.sync(&state_of(vec![(svc.clone(), eps())]), &node(), Scope::Full);
 
@@ -387,8 +388,5 @@ fn the_node_itself_reaches_its_node_ports_on_cluster_endpoints() {
     dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
 
     let target = node_addr(&bed, NODE_PORT);
-    let attempts = tcp(&bed, &target, 30);
-    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
-    assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
-    assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+    assert_served(&tcp(&bed, &target, 30), &target, 2);
 }
