@@ -48,30 +48,9 @@ pub enum ProgramError {
 struct FrontendState {
     owner: ServiceKey,
     rev_nat_index: u16,
-    backends: Vec<BackendAddr>,
+    /// What it is programmed as; `ids[i]` is the backend id of `programmed.backends[i]`.
+    programmed: DesiredFrontend,
     ids: Vec<BackendId>,
-    affinity_timeout: Option<u32>,
-    snat: bool,
-    source_ranges: Vec<(std::net::IpAddr, u8)>,
-}
-
-impl FrontendState {
-    /// What it was programmed from.
-    fn desired(&self) -> DesiredFrontend {
-        DesiredFrontend {
-            backends: self.backends.clone(),
-            affinity_timeout: self.affinity_timeout,
-            snat: self.snat,
-            source_ranges: self.source_ranges.clone(),
-        }
-    }
-
-    fn is(&self, want: &DesiredFrontend) -> bool {
-        self.backends == want.backends
-            && self.affinity_timeout == want.affinity_timeout
-            && self.snat == want.snat
-            && self.source_ranges == want.source_ranges
-    }
 }
 
 struct BackendRef {
@@ -172,7 +151,7 @@ impl Programmer {
 
     /// The backends a frontend is programmed with, for tests and diagnostics.
     pub fn programmed(&self, fe: &Frontend) -> Option<&[BackendAddr]> {
-        self.frontends.get(fe).map(|s| s.backends.as_slice())
+        self.frontends.get(fe).map(|s| s.programmed.backends.as_slice())
     }
 
     pub fn frontend_count(&self) -> usize {
@@ -244,25 +223,25 @@ impl Programmer {
             }
         }
         for (fe, master) in &masters {
+            let mut source_ranges = ranges.remove(&master.rev_nat_index).unwrap_or_default();
+            source_ranges.sort();
             let mut st = FrontendState {
                 owner: adopted(),
                 rev_nat_index: master.rev_nat_index,
-                backends: Vec::new(),
-                ids: Vec::new(),
-                affinity_timeout: (master.flags & flags::AFFINITY != 0).then_some(master.affinity_timeout),
-                snat: master.flags & flags::SNAT != 0,
-                source_ranges: {
-                    let mut r = ranges.remove(&master.rev_nat_index).unwrap_or_default();
-                    r.sort();
-                    r
+                programmed: DesiredFrontend {
+                    backends: Vec::new(),
+                    affinity_timeout: (master.flags & flags::AFFINITY != 0).then_some(master.affinity_timeout),
+                    snat: master.flags & flags::SNAT != 0,
+                    source_ranges,
                 },
+                ids: Vec::new(),
             };
             for slot in 1..=master.count {
                 // A gap means a half-written frontend; keep the prefix, the sync rewrites it.
                 let Some(id) = slots.remove(&(*fe, slot)) else { break };
                 let Some(b) = backends.get(&id) else { break };
                 st.ids.push(id);
-                st.backends.push(*b);
+                st.programmed.backends.push(*b);
                 self.backends.entry(*b).or_insert(BackendRef { id, refs: 0 }).refs += 1;
                 self.backend_ids.reserve(id);
             }
@@ -342,7 +321,7 @@ impl Programmer {
         }
         let mut written: Vec<(Frontend, Option<(ServiceKey, DesiredFrontend)>)> = Vec::new();
         for (fe, want) in desired {
-            let before = self.frontends.get(fe).map(|st| (st.owner.clone(), st.desired()));
+            let before = self.frontends.get(fe).map(|st| (st.owner.clone(), st.programmed.clone()));
             match self.write_frontend(key, fe, want) {
                 Ok(true) => {
                     report.frontends_written += 1;
@@ -386,7 +365,7 @@ impl Programmer {
         want: &DesiredFrontend,
     ) -> Result<bool, ProgramError> {
         if let Some(old) = self.frontends.get_mut(fe)
-            && old.is(want)
+            && old.programmed == *want
         {
             if old.owner != *key {
                 // Adopted from pinned maps exactly as wanted: claim it, write nothing.
@@ -406,7 +385,7 @@ impl Programmer {
             });
         }
         let (old_ids, old_backends, old_ranges) = old
-            .map(|o| (o.ids.clone(), o.backends.clone(), o.source_ranges.clone()))
+            .map(|o| (o.ids.clone(), o.programmed.backends.clone(), o.programmed.source_ranges.clone()))
             .unwrap_or_default();
         let old_owner = old.map(|o| o.owner.clone());
         let (rev_nat_index, new_rev) = match old {
@@ -450,15 +429,7 @@ impl Programmer {
         }
         self.frontends.insert(
             *fe,
-            FrontendState {
-                owner: key.clone(),
-                rev_nat_index,
-                backends: want.backends.clone(),
-                ids,
-                affinity_timeout: want.affinity_timeout,
-                snat: want.snat,
-                source_ranges: want.source_ranges.clone(),
-            },
+            FrontendState { owner: key.clone(), rev_nat_index, programmed: want.clone(), ids },
         );
         self.owners.entry(key.clone()).or_default().insert(*fe);
         Ok(true)
@@ -567,11 +538,11 @@ impl Programmer {
         for slot in 1..=st.ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
         }
-        for b in &st.backends {
+        for b in &st.programmed.backends {
             self.release_backend(b);
         }
-        self.maps.del_source_ranges(st.rev_nat_index, &st.source_ranges);
-        self.note_departed(fe, st.backends.iter().copied());
+        self.maps.del_source_ranges(st.rev_nat_index, &st.programmed.source_ranges);
+        self.note_departed(fe, st.programmed.backends.iter().copied());
         self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         self.disown(&st.owner, fe);
