@@ -24,12 +24,12 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tracing::{debug, info, warn};
 
-pub use self::render::{Family, RenderConfig, Table};
+pub use self::render::{Family, RenderConfig, Rendered, Table};
 use self::{
     apply::{ApplyError, Jump, Runner},
     render::{
         KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_POSTROUTING,
-        KUBE_PROXY_FIREWALL, KUBE_SERVICES, Ruleset,
+        KUBE_PROXY_FIREWALL, KUBE_SERVICES,
     },
 };
 use super::{
@@ -151,11 +151,14 @@ pub struct IptablesConfig {
 
 struct FamilyState {
     runner: Runner,
-    /// What the last successful restore left in the tables.
-    last: Option<Ruleset>,
+    /// The tools are iptables-nft (big restores start with [`render::LIST_FIRST`]).
+    nft: bool,
+    /// What the last successful restore left in the tables, per service.
+    last: Option<Rendered>,
     /// Our chains in the tables as we last left them (or found them at start).
     chains: BTreeSet<(Table, String)>,
-    frontends: BTreeMap<Frontend, DesiredFrontend>,
+    /// Each service's frontends as last programmed.
+    frontends: BTreeMap<ServiceKey, BTreeMap<Frontend, DesiredFrontend>>,
 }
 
 pub struct IptablesDataplane {
@@ -166,13 +169,6 @@ pub struct IptablesDataplane {
 
 fn is_ours(t: Table, c: &str) -> bool {
     render::is_our_chain(t, c)
-}
-
-fn chain_set(rs: &Ruleset) -> BTreeSet<(Table, String)> {
-    [Table::Filter, Table::Nat]
-        .into_iter()
-        .flat_map(|t| rs.chains(t).iter().map(move |c| (t, c.clone())))
-        .collect()
 }
 
 fn our_chains_in(saved: &apply::Saved) -> BTreeSet<(Table, String)> {
@@ -203,6 +199,11 @@ impl IptablesDataplane {
             match runner.save() {
                 Ok(saved) => families.push(FamilyState {
                     chains: our_chains_in(&saved),
+                    nft: match cfg.backend {
+                        apply::Backend::Nft => true,
+                        apply::Backend::Legacy => false,
+                        apply::Backend::System => runner.version().is_ok_and(|v| v.contains("nf_tables")),
+                    },
                     runner,
                     last: None,
                     frontends: BTreeMap::new(),
@@ -252,20 +253,22 @@ impl IptablesDataplane {
         }
     }
 
+    /// One family's sync. A full sync (`changed` None) renders every service and reads the
+    /// tables back; otherwise only the `changed` services are rendered again. Either way
+    /// only the chains whose rules differ are restored, except on the first sync and after
+    /// tampering, which restore everything.
     fn sync_family(
         f: &mut FamilyState,
         cfg: &IptablesConfig,
         state: &ProxyState,
         node: &NodeInfo,
-        full: bool,
+        changed: Option<&BTreeSet<ServiceKey>>,
         restores: &mut u64,
     ) -> Result<(usize, usize), ApplyError> {
         let family = f.runner.family;
-        let rendered = render::render(state, node, family, &cfg.render);
-        let wanted = chain_set(&rendered);
         let mut force = f.last.is_none();
         let mut saved = None;
-        if full {
+        if changed.is_none() {
             let s = f.runner.save()?;
             let present = our_chains_in(&s);
             if f.last.is_some() && present != f.chains {
@@ -282,39 +285,100 @@ impl IptablesDataplane {
             }
             saved = Some(s);
         }
-        let stale: BTreeSet<(Table, String)> = f.chains.difference(&wanted).cloned().collect();
-        let text = match (&f.last, force) {
-            (Some(last), false) => rendered.partial_restore_text(last, &stale),
-            _ => Some(rendered.restore_text(&stale)),
+        // The services to look at: the changed ones, or on a full sync every one we
+        // know of, now or from before.
+        let keys: BTreeSet<ServiceKey> = match changed {
+            Some(set) => set.clone(),
+            None => {
+                let known = f.last.iter().flat_map(Rendered::keys);
+                state.services.keys().chain(f.frontends.keys()).chain(known).cloned().collect()
+            }
         };
 
         let mut frontends = BTreeMap::new();
-        for (key, svc) in &state.services {
-            let eps = state.endpoints.get(key).map(|e| &**e);
-            frontends.extend(
-                desired_frontends(svc, eps, node)
-                    .into_iter()
-                    .filter(|(fe, _)| render::Family::of(&fe.ip) == family),
-            );
+        let (mut written, mut removed) = (0, 0);
+        for key in &keys {
+            let mut now = BTreeMap::new();
+            if let Some(svc) = state.services.get(key) {
+                let eps = state.endpoints.get(key).map(|e| &**e);
+                now.extend(
+                    desired_frontends(svc, eps, node)
+                        .into_iter()
+                        .filter(|(fe, _)| render::Family::of(&fe.ip) == family),
+                );
+            }
+            let before = f.frontends.get(key);
+            written += now.iter().filter(|(fe, d)| before.and_then(|b| b.get(fe)) != Some(d)).count();
+            removed += before.map_or(0, |b| b.keys().filter(|fe| !now.contains_key(fe)).count());
+            frontends.insert(key.clone(), now);
         }
-        let written = frontends
-            .iter()
-            .filter(|(fe, d)| f.frontends.get(fe) != Some(d))
-            .count();
-        let removed = f
-            .frontends
-            .keys()
-            .filter(|fe| !frontends.contains_key(fe))
-            .count();
 
-        if let Some(text) = text {
-            debug!(?family, bytes = text.len(), "iptables-restore");
-            f.runner.restore(&text)?;
-            *restores += 1;
-            f.last = Some(rendered);
-            f.chains = wanted;
+        match f.last.as_mut() {
+            Some(last) if !force => {
+                let replaced = last.rerender(state, &keys, node, family, &cfg.render);
+                // Stale: on a full sync every chain of ours not wanted, else the chains the
+                // changed services no longer have.
+                let (stale, added) = match changed {
+                    None => {
+                        let wanted = last.chains();
+                        (f.chains.difference(&wanted).cloned().collect(), Some(wanted))
+                    }
+                    Some(_) => {
+                        let mut stale = BTreeSet::new();
+                        for (key, old) in &replaced {
+                            let now: BTreeSet<&str> = last.own_chains(key).collect();
+                            for c in old.iter().flat_map(|o| &o.rules.nat_chains) {
+                                if !now.contains(c.as_str()) {
+                                    stale.insert((Table::Nat, c.clone()));
+                                }
+                            }
+                        }
+                        (stale, None)
+                    }
+                };
+                let declared: usize = replaced.iter().map(|(k, _)| last.own_chains(k).count()).sum();
+                let listing = render::list_first(f.nft, declared + stale.len(), last.nat_rule_count());
+                if let Some(text) = last.partial_restore_text(&replaced, &stale, listing) {
+                    debug!(?family, bytes = text.len(), "iptables-restore (partial)");
+                    if let Err(e) = f.runner.restore(&text) {
+                        last.undo(replaced);
+                        return Err(e);
+                    }
+                    *restores += 1;
+                }
+                match added {
+                    Some(wanted) => f.chains = wanted,
+                    None => {
+                        for c in &stale {
+                            f.chains.remove(c);
+                        }
+                        for (key, _) in &replaced {
+                            f.chains.extend(last.own_chains(key).map(|c| (Table::Nat, c.to_string())));
+                        }
+                    }
+                }
+            }
+            _ => {
+                let rendered = Rendered::new(state, node, family, &cfg.render);
+                let ruleset = rendered.ruleset();
+                let wanted = rendered.chains();
+                let stale: BTreeSet<(Table, String)> = f.chains.difference(&wanted).cloned().collect();
+                // What the nat table holds now, for the choice of listing it first.
+                let present = saved
+                    .as_ref()
+                    .and_then(|s| s.table(Table::Nat))
+                    .map_or(0, |t| t.rules.len());
+                let listing = render::list_first(f.nft, wanted.len() + stale.len(), present);
+                let text = ruleset.restore_text_listing(&stale, listing);
+                debug!(?family, bytes = text.len(), "iptables-restore (full)");
+                f.runner.restore(&text)?;
+                *restores += 1;
+                f.last = Some(rendered);
+                f.chains = wanted;
+            }
         }
-        f.frontends = frontends;
+        f.frontends.extend(frontends);
+        f.frontends.retain(|_, fes| !fes.is_empty());
         // After the restore, so the chains the jumps point at exist.
         if let Some(saved) = saved {
             let n = apply::ensure_jumps(&f.runner, JUMPS, &saved)?;
@@ -342,9 +406,12 @@ impl Dataplane for IptablesDataplane {
             Scope::Changed(set) => set.iter().cloned().collect(),
         };
         report.services_synced = keys.len();
-        let full = matches!(scope, Scope::Full);
+        let changed = match scope {
+            Scope::Full => None,
+            Scope::Changed(set) => Some(set),
+        };
         for f in &mut self.families {
-            match Self::sync_family(f, &self.cfg, state, node, full, &mut self.restores) {
+            match Self::sync_family(f, &self.cfg, state, node, changed, &mut self.restores) {
                 Ok((w, r)) => {
                     report.frontends_written += w;
                     report.frontends_removed += r;

@@ -27,12 +27,13 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt::Write as _,
     net::{IpAddr, SocketAddr},
+    sync::Arc,
 };
 
 use super::names::{self, PortChains};
 use crate::{
     dataplane::frontends::{PortEndpoints, port_endpoints},
-    model::{NodeInfo, ProxyState, Service, endpoint::PortEndpoint},
+    model::{EndpointSet, NodeInfo, ProxyState, Service, ServiceKey, endpoint::PortEndpoint},
 };
 
 pub const KUBE_SERVICES: &str = "KUBE-SERVICES";
@@ -151,21 +152,25 @@ impl Ruleset {
     /// `stale` chains (ours, no longer wanted) are flushed and deleted. Nothing else in the
     /// tables is touched.
     pub fn restore_text(&self, stale: &BTreeSet<(Table, String)>) -> String {
-        self.text(stale, |_, _| true)
+        self.text(stale, |_, _| true, false)
+    }
+
+    /// As [`restore_text`](Self::restore_text); with `list_first`, the nat table's input
+    /// starts with [`LIST_FIRST`] (iptables-nft and many chains).
+    pub fn restore_text_listing(&self, stale: &BTreeSet<(Table, String)>, list_first: bool) -> String {
+        self.text(stale, |_, _| true, list_first)
     }
 
     /// As [`restore_text`](Self::restore_text), but only for the chains whose rules differ
     /// from `previous` (what the tables hold now): kube-proxy's partial sync. One endpoint
     /// change then rewrites a couple of chains instead of every service's, which keeps
     /// iptables-nft's cost per change small at any cluster size. None when nothing differs.
+    /// (The proxier itself keeps a [`Rendered`], which re-renders only changed services.)
     pub fn partial_restore_text(&self, previous: &Ruleset, stale: &BTreeSet<(Table, String)>) -> Option<String> {
         let (now, before) = (self.by_chain(), previous.by_chain());
-        let changed = |t: Table, c: &str| {
-            let key = (t, c.to_string());
-            before.get(&key) != now.get(&key)
-        };
-        let any = stale.iter().next().is_some() || now.keys().any(|(t, c)| changed(*t, c));
-        any.then(|| self.text(stale, changed))
+        let changed: BTreeSet<&(Table, String)> = now.iter().filter(|(k, rules)| before.get(*k) != Some(*rules)).map(|(k, _)| k).collect();
+        let any = !stale.is_empty() || !changed.is_empty();
+        any.then(|| self.text(stale, |t, c| changed.contains(&(t, c.to_string())), false))
     }
 
     /// Each chain's rules, keyed by (table, chain); chains without rules included.
@@ -187,7 +192,7 @@ impl Ruleset {
         out
     }
 
-    fn text(&self, stale: &BTreeSet<(Table, String)>, include: impl Fn(Table, &str) -> bool) -> String {
+    fn text(&self, stale: &BTreeSet<(Table, String)>, include: impl Fn(Table, &str) -> bool, list_first: bool) -> String {
         let mut out = String::new();
         for (table, chains, rules) in [
             (Table::Filter, &self.filter_chains, &self.filter_rules),
@@ -199,6 +204,9 @@ impl Ruleset {
                 .map(|(_, c)| c)
                 .collect();
             let _ = writeln!(out, "*{}", table.name());
+            if list_first && table == Table::Nat {
+                out.push_str(LIST_FIRST);
+            }
             for c in chains.iter().filter(|c| include(table, c)).chain(gone.iter().copied()) {
                 let _ = writeln!(out, ":{c} - [0:0]");
             }
@@ -262,21 +270,20 @@ impl Rule {
 /// Renders `state` for one family. Deterministic: the same state always gives the same
 /// text, so a sync can compare it with the last one and skip an unchanged restore.
 pub fn render(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderConfig) -> Ruleset {
+    Rendered::new(state, node, family, cfg).ruleset()
+}
+
+/// The fixed chains and the fixed rules, as kube-proxy writes them.
+fn head(cfg: &RenderConfig) -> Ruleset {
     let mut rs = Ruleset::default();
     let mark = 1u32 << cfg.masquerade_bit.min(31);
     let mark_match = format!("-m mark --mark {mark:#x}/{mark:#x}");
-    let local_cidr = cfg
-        .cluster_cidrs
-        .iter()
-        .find(|(ip, _)| Family::of(ip) == family)
-        .copied();
 
     rs.filter_chains
         .extend(FILTER_CHAINS.iter().map(|c| c.to_string()));
     rs.nat_chains
         .extend(NAT_CHAINS.iter().map(|c| c.to_string()));
 
-    // The fixed rules, as kube-proxy writes them.
     rs.filter_rules.push(
         Rule::new(KUBE_FORWARD)
             .arg("-m conntrack --ctstate INVALID")
@@ -316,38 +323,315 @@ pub fn render(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderC
             .arg(format!("-j MARK --or-mark {mark:#x}"))
             .0,
     );
+    rs
+}
 
-    let mut nodeport_rules = Vec::new();
-    for (key, svc) in &state.services {
-        let Some(&cluster_ip) = svc.cluster_ips.iter().find(|ip| Family::of(ip) == family) else {
-            continue;
-        };
-        let eps = state.endpoints.get(key).map(|e| &**e);
-        for pe in port_endpoints(svc, eps, node, Some(family.is_v4())) {
-            let target = Target {
-                cluster_ip,
-                family,
-                local_cidr,
-                masquerade_all: cfg.masquerade_all,
-            };
-            render_port(&mut rs, &mut nodeport_rules, svc, &pe, &target);
-        }
-    }
-    rs.nat_rules.extend(nodeport_rules);
-    // Must stay the last rule of KUBE-SERVICES: node ports match any local address, so
-    // every more specific service address must have been tried first.
+/// The last rule of nat KUBE-SERVICES. It must stay last: node ports match any local
+/// address, so every more specific service address must have been tried first.
+fn tail(family: Family) -> String {
     let local_dst = match family {
         Family::V4 => "-m addrtype --dst-type LOCAL",
         // No route_localnet for IPv6: DNAT from ::1 cannot leave the node.
         Family::V6 => "-m addrtype --dst-type LOCAL ! -d ::1/128",
     };
-    rs.nat_rules.push(
-        Rule::new(KUBE_SERVICES)
-            .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
-            .arg(local_dst)
-            .jump(KUBE_NODEPORTS),
-    );
-    rs
+    Rule::new(KUBE_SERVICES)
+        .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
+        .arg(local_dst)
+        .jump(KUBE_NODEPORTS)
+}
+
+/// One service's share of a family's ruleset: its own nat chains (SVC, SVL, EXT, FW, SEP)
+/// and the rules it appends to them and to the fixed chains, in render order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ServiceRules {
+    /// Its own chains (`filter_chains` stays empty) and its rules.
+    pub rules: Ruleset,
+    /// Its rules in nat KUBE-NODEPORTS, which come after every service's other rules.
+    pub nodeports: Vec<String>,
+}
+
+impl ServiceRules {
+    /// Its rules by (table, chain), own chains without rules included.
+    fn by_chain(&self) -> BTreeMap<(Table, &str), Vec<&str>> {
+        let mut out: BTreeMap<(Table, &str), Vec<&str>> = BTreeMap::new();
+        for c in &self.rules.nat_chains {
+            out.insert((Table::Nat, c.as_str()), Vec::new());
+        }
+        let rules = [
+            (Table::Filter, &self.rules.filter_rules),
+            (Table::Nat, &self.rules.nat_rules),
+            (Table::Nat, &self.nodeports),
+        ];
+        for (table, rules) in rules {
+            for r in rules {
+                if let Some(chain) = rule_chain(r) {
+                    out.entry((table, chain)).or_default().push(r.as_str());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Renders one service for one family; None when it has no cluster IP of the family.
+pub fn render_service(
+    svc: &Service,
+    eps: Option<&EndpointSet>,
+    node: &NodeInfo,
+    family: Family,
+    cfg: &RenderConfig,
+) -> Option<ServiceRules> {
+    let &cluster_ip = svc.cluster_ips.iter().find(|ip| Family::of(ip) == family)?;
+    let local_cidr = cfg
+        .cluster_cidrs
+        .iter()
+        .find(|(ip, _)| Family::of(ip) == family)
+        .copied();
+    let target = Target {
+        cluster_ip,
+        family,
+        local_cidr,
+        masquerade_all: cfg.masquerade_all,
+    };
+    let mut out = ServiceRules::default();
+    for pe in port_endpoints(svc, eps, node, Some(family.is_v4())) {
+        render_port(&mut out.rules, &mut out.nodeports, svc, &pe, &target);
+    }
+    Some(out)
+}
+
+/// A family's ruleset kept in parts, so that a change re-renders and restores only the
+/// services it touched (kube-proxy's partial sync): the fixed chains and rules, each
+/// service's share in key order, then the services' node-port rules, then the last rule of
+/// KUBE-SERVICES. [`ruleset`](Self::ruleset) joins them into what [`render`] returns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rendered {
+    head: Ruleset,
+    tail: String,
+    services: BTreeMap<ServiceKey, Arc<ServiceRules>>,
+}
+
+/// What [`Rendered::rerender`] replaced: each service whose rules changed, with its rules
+/// before (None: it had none).
+pub type Replaced = Vec<(ServiceKey, Option<Arc<ServiceRules>>)>;
+
+impl Rendered {
+    pub fn new(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderConfig) -> Self {
+        let services = state
+            .services
+            .iter()
+            .filter_map(|(key, svc)| {
+                let eps = state.endpoints.get(key).map(|e| &**e);
+                Some((key.clone(), Arc::new(render_service(svc, eps, node, family, cfg)?)))
+            })
+            .collect();
+        Rendered {
+            head: head(cfg),
+            tail: tail(family),
+            services,
+        }
+    }
+
+    /// Renders the services `keys` again from `state` (a key it lacks: the service is
+    /// gone) and returns those whose rules changed, with their rules before, for
+    /// [`partial_restore_text`](Self::partial_restore_text) and [`undo`](Self::undo).
+    pub fn rerender<'a>(
+        &mut self,
+        state: &ProxyState,
+        keys: impl IntoIterator<Item = &'a ServiceKey>,
+        node: &NodeInfo,
+        family: Family,
+        cfg: &RenderConfig,
+    ) -> Replaced {
+        let mut replaced = Vec::new();
+        for key in keys {
+            let new = state.services.get(key).and_then(|svc| {
+                let eps = state.endpoints.get(key).map(|e| &**e);
+                render_service(svc, eps, node, family, cfg)
+            });
+            if self.services.get(key).map(|r| &**r) == new.as_ref() {
+                continue;
+            }
+            let old = match new {
+                Some(rules) => self.services.insert(key.clone(), Arc::new(rules)),
+                None => self.services.remove(key),
+            };
+            replaced.push((key.clone(), old));
+        }
+        replaced
+    }
+
+    /// Puts back what [`rerender`](Self::rerender) replaced (the restore failed).
+    pub fn undo(&mut self, replaced: Replaced) {
+        for (key, old) in replaced.into_iter().rev() {
+            match old {
+                Some(rules) => self.services.insert(key, rules),
+                None => self.services.remove(&key),
+            };
+        }
+    }
+
+    /// A service's own chains now (empty if it has none).
+    pub fn own_chains(&self, key: &ServiceKey) -> impl Iterator<Item = &str> {
+        self.services
+            .get(key)
+            .into_iter()
+            .flat_map(|r| r.rules.nat_chains.iter().map(String::as_str))
+    }
+
+    /// Every rule of `table`, in order.
+    fn rules(&self, table: Table) -> Box<dyn Iterator<Item = &String> + '_> {
+        match table {
+            Table::Filter => Box::new(
+                self.head
+                    .filter_rules
+                    .iter()
+                    .chain(self.services.values().flat_map(|s| &s.rules.filter_rules)),
+            ),
+            Table::Nat => Box::new(
+                self.head
+                    .nat_rules
+                    .iter()
+                    .chain(self.services.values().flat_map(|s| &s.rules.nat_rules))
+                    .chain(self.services.values().flat_map(|s| &s.nodeports))
+                    .chain(std::iter::once(&self.tail)),
+            ),
+        }
+    }
+
+    /// The services it holds rules for.
+    pub fn keys(&self) -> impl Iterator<Item = &ServiceKey> {
+        self.services.keys()
+    }
+
+    /// Every chain, fixed and per service.
+    pub fn chains(&self) -> BTreeSet<(Table, String)> {
+        let fixed = [Table::Filter, Table::Nat]
+            .into_iter()
+            .flat_map(|t| self.head.chains(t).iter().map(move |c| (t, c.clone())));
+        let own = self
+            .services
+            .values()
+            .flat_map(|s| s.rules.nat_chains.iter().map(|c| (Table::Nat, c.clone())));
+        fixed.chain(own).collect()
+    }
+
+    /// How many rules the nat table holds.
+    pub fn nat_rule_count(&self) -> usize {
+        let services: usize = self
+            .services
+            .values()
+            .map(|s| s.rules.nat_rules.len() + s.nodeports.len())
+            .sum();
+        self.head.nat_rules.len() + services + 1
+    }
+
+    /// The whole ruleset.
+    pub fn ruleset(&self) -> Ruleset {
+        let own = self.services.values().flat_map(|s| s.rules.nat_chains.iter().cloned());
+        Ruleset {
+            filter_chains: self.head.filter_chains.clone(),
+            filter_rules: self.rules(Table::Filter).cloned().collect(),
+            nat_chains: self.head.nat_chains.iter().cloned().chain(own).collect(),
+            nat_rules: self.rules(Table::Nat).cloned().collect(),
+        }
+    }
+
+    /// Restore input for what `replaced` changed, now that [`rerender`](Self::rerender)
+    /// put the new rules in: the changed services' own chains whose rules differ, each
+    /// fixed chain (KUBE-SERVICES, KUBE-NODEPORTS, ...) in full if some service's rules in
+    /// it differ, and the `stale` chains deleted. One endpoint change thus restores a few
+    /// chains, whatever the number of services. None when nothing differs.
+    pub fn partial_restore_text(
+        &self,
+        replaced: &Replaced,
+        stale: &BTreeSet<(Table, String)>,
+        list_first: bool,
+    ) -> Option<String> {
+        let mut fixed: BTreeSet<(Table, &str)> = BTreeSet::new();
+        let mut own: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        let none = ServiceRules::default();
+        for (key, old) in replaced {
+            let new = self.services.get(key).map_or(&none, |r| &**r);
+            let (now, before) = (new.by_chain(), old.as_deref().unwrap_or(&none).by_chain());
+            for (&(table, chain), rules) in &before {
+                if is_fixed_chain(table, chain) && now.get(&(table, chain)) != Some(rules) {
+                    fixed.insert((table, chain));
+                }
+            }
+            for ((table, chain), rules) in now {
+                if before.get(&(table, chain)) == Some(&rules) {
+                    continue;
+                }
+                if is_fixed_chain(table, chain) {
+                    fixed.insert((table, chain));
+                } else {
+                    own.insert(chain, rules);
+                }
+            }
+        }
+        if fixed.is_empty() && own.is_empty() && stale.is_empty() {
+            return None;
+        }
+        let mut out = String::new();
+        for table in [Table::Filter, Table::Nat] {
+            let gone: Vec<&String> = stale.iter().filter(|(t, _)| *t == table).map(|(_, c)| c).collect();
+            let fixed_here: BTreeSet<&str> = fixed.iter().filter(|(t, _)| *t == table).map(|(_, c)| *c).collect();
+            let own_here: Vec<(&str, &Vec<&str>)> = match table {
+                Table::Nat => own.iter().map(|(c, r)| (*c, r)).collect(),
+                Table::Filter => Vec::new(),
+            };
+            let _ = writeln!(out, "*{}", table.name());
+            if list_first && table == Table::Nat {
+                out.push_str(LIST_FIRST);
+            }
+            let declared = fixed_here.iter().copied().chain(own_here.iter().map(|(c, _)| *c));
+            for c in declared.chain(gone.iter().map(|c| c.as_str())) {
+                let _ = writeln!(out, ":{c} - [0:0]");
+            }
+            if !fixed_here.is_empty() {
+                for r in self.rules(table) {
+                    if rule_chain(r).is_some_and(|c| fixed_here.contains(c)) {
+                        out.push_str(r);
+                        out.push('\n');
+                    }
+                }
+            }
+            for r in own_here.iter().flat_map(|(_, rules)| rules.iter()) {
+                out.push_str(r);
+                out.push('\n');
+            }
+            for c in gone {
+                let _ = writeln!(out, "-X {c}");
+            }
+            out.push_str("COMMIT\n");
+        }
+        Some(out)
+    }
+}
+
+/// Whether `chain` is one of the fixed chains every service adds rules to.
+fn is_fixed_chain(table: Table, chain: &str) -> bool {
+    match table {
+        Table::Filter => FILTER_CHAINS.contains(&chain),
+        Table::Nat => NAT_CHAINS.contains(&chain),
+    }
+}
+
+/// A first line for a big restore into the nat table on the nf_tables backend.
+/// iptables-nft-restore (1.8.x) notes the chain of every command in a sorted linked list,
+/// so that it fetches only those chains from the kernel: quadratic in the number of chains,
+/// a full restore of 10,000 services took more than five minutes here. A command without a
+/// chain makes it fetch every chain instead and skip that list; listing the table (`-S`)
+/// is one that changes nothing. Its output, the table before the restore, is discarded.
+pub const LIST_FIRST: &str = "-S\n";
+
+/// Whether a restore declaring `chains` chains into a nat table that holds about `rules`
+/// rules should start with [`LIST_FIRST`]: on iptables-nft, when its per-chain bookkeeping
+/// (about chains² steps of ~50 ns here) would cost more than listing the table (a few µs
+/// a rule).
+pub fn list_first(nft: bool, chains: usize, rules: usize) -> bool {
+    nft && chains.saturating_mul(chains) > rules.saturating_mul(64).max(1_000_000)
 }
 
 /// What one family's rendering of a service port needs besides the port.
@@ -1197,5 +1481,63 @@ mod tests {
             !is_our_chain(Table::Filter, "KUBE-FIREWALL"),
             "kubelet's chain is not ours"
         );
+    }
+
+    #[test]
+    fn rendering_again_only_the_changed_services_gives_what_a_full_render_gives() {
+        let cfg = RenderConfig::default();
+        let two = |second: &str| {
+            state(vec![
+                (svc("a", "198.19.0.1"), Some(eps(vec![ep("198.18.1.1", "node-a")]))),
+                (svc("b", "198.19.0.2"), Some(eps(vec![ep("198.18.1.1", "node-a"), ep(second, "node-a")]))),
+            ])
+        };
+        let before = two("198.18.1.2");
+        let mut rendered = Rendered::new(&before, &node(), Family::V4, &cfg);
+        assert_eq!(rendered.ruleset(), v4(&before));
+        let b = ServiceKey::new("ns1", "b");
+        let a = ServiceKey::new("ns1", "a");
+
+        // Nothing changed: nothing replaced, nothing to restore.
+        let replaced = rendered.rerender(&before, [&a, &b], &node(), Family::V4, &cfg);
+        assert!(replaced.is_empty());
+        assert_eq!(rendered.partial_restore_text(&replaced, &BTreeSet::new(), false), None);
+
+        // b's second endpoint moves: b's service chain and its new endpoint chain only.
+        let after = two("198.18.1.3");
+        let replaced = rendered.rerender(&after, [&b], &node(), Family::V4, &cfg);
+        assert_eq!(replaced.len(), 1);
+        assert_eq!(rendered.ruleset(), v4(&after));
+        let text = rendered.partial_restore_text(&replaced, &BTreeSet::new(), false).unwrap();
+        let declared: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix(':')).collect();
+        assert_eq!(declared.len(), 2, "{text}");
+        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SVC-")).count(), 1, "{text}");
+        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SEP-")).count(), 1, "{text}");
+        assert!(text.contains("198.18.1.3:80"), "{text}");
+        assert!(!text.contains("198.19.0.1"), "a is untouched: {text}");
+
+        // Undone (the restore failed): as before.
+        rendered.undo(replaced);
+        assert_eq!(rendered.ruleset(), v4(&before));
+
+        // a goes: KUBE-SERVICES is written whole (without a's jump, with b's), and the old
+        // chains the caller names stale are deleted after it.
+        let without_a = state(vec![(svc("b", "198.19.0.2"), Some(eps(vec![ep("198.18.1.1", "node-a"), ep("198.18.1.2", "node-a")])))]);
+        let replaced = rendered.rerender(&without_a, [&a], &node(), Family::V4, &cfg);
+        let old_a: Vec<String> = replaced[0].1.as_ref().unwrap().rules.nat_chains.clone();
+        assert_eq!(old_a.len(), 2, "a's SVC and SEP chains");
+        let stale: BTreeSet<(Table, String)> = old_a.iter().map(|c| (Table::Nat, c.clone())).collect();
+        let text = rendered.partial_restore_text(&replaced, &stale, true).unwrap();
+        let nat = &text[text.find("*nat").unwrap()..];
+        assert!(nat.starts_with(&format!("*nat\n{LIST_FIRST}")), "{nat}");
+        assert!(nat.contains(":KUBE-SERVICES - [0:0]\n"), "{nat}");
+        let services: Vec<&str> = nat.lines().filter(|l| l.starts_with("-A KUBE-SERVICES ")).collect();
+        assert_eq!(services.len(), 2, "b's jump and the node-port rule: {nat}");
+        assert!(services[0].contains("198.19.0.2") && services[1].contains("KUBE-NODEPORTS"), "{nat}");
+        for c in &old_a {
+            assert!(nat.contains(&format!("-X {c}\n")), "{nat}");
+        }
+        assert_eq!(rendered.ruleset(), v4(&without_a));
+        assert!(!text[..text.find("*nat").unwrap()].contains(LIST_FIRST), "the filter table is not listed");
     }
 }
