@@ -313,7 +313,7 @@ fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
         "the NodePort never answered; log:\n{}",
         daemon.log()
     );
-    let attempts = client("10");
+    let attempts = client("20");
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
     assert_eq!(reached(&attempts).len(), 2, "{attempts:?}");
     assert!(

@@ -174,7 +174,7 @@ fn external_and_load_balancer_ips_serve_and_source_ranges_keep_others_out() {
         assert!(attempts.iter().all(|a| a.is_ok()), "external IP serves everyone: {attempts:?}");
         assert!(attempts.iter().all(|a| peer(a) == Some("198.19.1.1:80")), "{attempts:?}");
     }
-    let attempts = tcp_from(&ext, "198.19.1.2:80", 10);
+    let attempts = tcp_from(&ext, "198.19.1.2:80", 20);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
     assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
 
