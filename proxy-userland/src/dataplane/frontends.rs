@@ -186,22 +186,17 @@ pub fn desired_external_socket_frontends(
         return out;
     }
     for pe in port_endpoints(svc, endpoints, node, None) {
+        let cluster = |v4: bool| DesiredFrontend {
+            backends: backend_addrs(&pe.categorized.cluster, v4, pe.port, node),
+            affinity_timeout: svc.affinity_timeout,
+            ..Default::default()
+        };
         if let Some(np) = pe.port.node_port {
             let any = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-            let want = DesiredFrontend {
-                backends: backend_addrs(&pe.categorized.cluster, true, pe.port, node),
-                affinity_timeout: svc.affinity_timeout,
-                ..Default::default()
-            };
-            out.insert(Frontend::socket(any, np, pe.port.protocol), want);
+            out.insert(Frontend::socket(any, np, pe.port.protocol), cluster(true));
         }
         for &ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
-            let want = DesiredFrontend {
-                backends: backend_addrs(&pe.categorized.cluster, ip.is_ipv4(), pe.port, node),
-                affinity_timeout: svc.affinity_timeout,
-                ..Default::default()
-            };
-            out.insert(Frontend::socket(ip, pe.port.port, pe.port.protocol), want);
+            out.insert(Frontend::socket(ip, pe.port.port, pe.port.protocol), cluster(ip.is_ipv4()));
         }
     }
     out

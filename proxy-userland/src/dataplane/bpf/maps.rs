@@ -283,26 +283,8 @@ impl ServiceMaps {
         addrs: &[std::net::Ipv4Addr],
         devices: &[(u32, std::net::Ipv4Addr)],
     ) -> Result<(), MapError> {
-        let want: std::collections::BTreeSet<u32> = addrs.iter().map(|a| v4(*a)).collect();
-        for a in &want {
-            self.node_addrs4.insert(a, 1, 0)?;
-        }
-        let stale: Vec<u32> =
-            self.node_addrs4.keys().filter_map(Result::ok).filter(|a| !want.contains(a)).collect();
-        for a in stale {
-            ignore_missing(self.node_addrs4.remove(&a))?;
-        }
-        let want: std::collections::BTreeMap<u32, u32> =
-            devices.iter().map(|(i, a)| (*i, v4(*a))).collect();
-        for (i, a) in &want {
-            self.device_addrs4.insert(i, a, 0)?;
-        }
-        let stale: Vec<u32> =
-            self.device_addrs4.keys().filter_map(Result::ok).filter(|i| !want.contains_key(i)).collect();
-        for i in stale {
-            ignore_missing(self.device_addrs4.remove(&i))?;
-        }
-        Ok(())
+        replace_all(&mut self.node_addrs4, addrs.iter().map(|a| (v4(*a), 1)).collect())?;
+        replace_all(&mut self.device_addrs4, devices.iter().map(|(i, a)| (*i, v4(*a))).collect())
     }
 
     /// Every flow the packet programs track: where it goes and the source it was given.
@@ -374,6 +356,21 @@ fn backend_addr(ip: IpAddr, port: u16, proto: u8, flags: u8) -> Option<BackendAd
         proto: Protocol::from_number(proto)?,
         local: flags & backend_flags::LOCAL != 0,
     })
+}
+
+/// Makes `map` hold exactly `want`: writes every entry, then deletes the others.
+fn replace_all(
+    map: &mut HashMap<MapData, u32, u32>,
+    want: std::collections::BTreeMap<u32, u32>,
+) -> Result<(), MapError> {
+    for (k, v) in &want {
+        map.insert(k, v, 0)?;
+    }
+    let stale: Vec<u32> = map.keys().filter_map(Result::ok).filter(|k| !want.contains_key(k)).collect();
+    for k in stale {
+        ignore_missing(map.remove(&k))?;
+    }
+    Ok(())
 }
 
 /// Deleting what is already gone is success: the goal is its absence.
