@@ -12,9 +12,16 @@ fn main() -> anyhow::Result<()> {
         .into_iter()
         .find(|p| p.name.as_str() == "proxy-ebpf")
         .ok_or_else(|| anyhow!("proxy-ebpf package not found"))?;
-    let root_dir = ebpf.manifest_path.parent().ok_or_else(|| anyhow!("no parent"))?;
+    let root_dir = ebpf
+        .manifest_path
+        .parent()
+        .ok_or_else(|| anyhow!("no parent"))?;
     aya_build::build_ebpf(
-        [Package { name: "proxy-ebpf", root_dir: root_dir.as_str(), ..Default::default() }],
+        [Package {
+            name: "proxy-ebpf",
+            root_dir: root_dir.as_str(),
+            ..Default::default()
+        }],
         Toolchain::default(),
     )
     .context("building the eBPF programs failed; has `cargo xtask setup` run?")

@@ -24,8 +24,8 @@ pub mod service;
 
 pub use affinity::{AffinityKey, AffinityValue};
 pub use backend::{Backend4, Backend6, BackendId};
-pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 pub use nat::{Ct4Key, Ct4Value, SourceRange4};
+pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 pub use service::{Service4Key, Service6Key, ServiceValue};
 
 /// IP protocol numbers as used in the maps (the same as `IPPROTO_*`).

@@ -88,7 +88,14 @@ impl Service4Key {
     }
 
     pub const fn scoped(address: u32, dport: u16, proto: u8, backend_slot: u16, scope: u8) -> Self {
-        Self { address, dport, backend_slot, proto, scope, _pad: [0; 2] }
+        Self {
+            address,
+            dport,
+            backend_slot,
+            proto,
+            scope,
+            _pad: [0; 2],
+        }
     }
 }
 
@@ -104,16 +111,37 @@ impl Service6Key {
         backend_slot: u16,
         scope: u8,
     ) -> Self {
-        Self { address, dport, backend_slot, proto, scope, _pad: [0; 2] }
+        Self {
+            address,
+            dport,
+            backend_slot,
+            proto,
+            scope,
+            _pad: [0; 2],
+        }
     }
 }
 
 impl ServiceValue {
     pub const fn master(count: u16, rev_nat_index: u16, flags: u16, affinity_timeout: u32) -> Self {
-        Self { backend_id: 0, count, rev_nat_index, flags, _pad: [0; 2], affinity_timeout }
+        Self {
+            backend_id: 0,
+            count,
+            rev_nat_index,
+            flags,
+            _pad: [0; 2],
+            affinity_timeout,
+        }
     }
 
     pub const fn slot(backend_id: u32) -> Self {
-        Self { backend_id, count: 0, rev_nat_index: 0, flags: 0, _pad: [0; 2], affinity_timeout: 0 }
+        Self {
+            backend_id,
+            count: 0,
+            rev_nat_index: 0,
+            flags: 0,
+            _pad: [0; 2],
+            affinity_timeout: 0,
+        }
     }
 }

@@ -132,14 +132,22 @@ fn affine_backend<F: Family>(
         if now.wrapping_sub(last) <= timeout_ns
             && let Some(backend) = F::backend(id)
         {
-            let value = AffinityValue { backend_id: id, _pad: 0, last_used_ns: now };
+            let value = AffinityValue {
+                backend_id: id,
+                _pad: 0,
+                last_used_ns: now,
+            };
             let _ = AFFINITY.insert(&key, &value, 0);
             return Ok(backend);
         }
     }
     let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
     let backend = F::backend(slot.backend_id).ok_or(())?;
-    let value = AffinityValue { backend_id: slot.backend_id, _pad: 0, last_used_ns: now };
+    let value = AffinityValue {
+        backend_id: slot.backend_id,
+        _pad: 0,
+        last_used_ns: now,
+    };
     let _ = AFFINITY.insert(&key, &value, 0);
     Ok(backend)
 }

@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
-    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange4,
+    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
+    SourceRange4,
     maps::{
         AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX,
         SOURCE_RANGES_MAX,

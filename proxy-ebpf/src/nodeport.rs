@@ -92,7 +92,11 @@ impl Flow {
 
     /// The flags an entry of this flow carries after this packet.
     fn mark(&self, flags: u16) -> u16 {
-        if self.ending() { flags | nat::ct_flags::CLOSING } else { flags }
+        if self.ending() {
+            flags | nat::ct_flags::CLOSING
+        } else {
+            flags
+        }
     }
 }
 
@@ -148,7 +152,11 @@ fn parse<P: Packet>(pkt: &P) -> Option<Flow> {
         dport: pkt.load(l4 + 2)?,
         proto,
         l4,
-        tcp_flags: if proto == proto::TCP { pkt.load(l4 + 13)? } else { 0 },
+        tcp_flags: if proto == proto::TCP {
+            pkt.load(l4 + 13)?
+        } else {
+            0
+        },
     })
 }
 
@@ -198,7 +206,9 @@ fn apply<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<(), ()> {
 fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<i32, ()> {
     let out = nat.applied_to(f);
     let tot_len = pkt.load::<u16>(IP_TOT_LEN).map(u16::from_be).unwrap_or(0);
-    let (ret, fib) = pkt.fib_lookup(out.proto, out.sport, out.dport, out.saddr, out.daddr, tot_len);
+    let (ret, fib) = pkt.fib_lookup(
+        out.proto, out.sport, out.dport, out.saddr, out.daddr, tot_len,
+    );
     if ret == FIB_NOT_FWDED {
         apply(pkt, f, nat)?;
         return Ok(P::PASS);
@@ -260,7 +270,12 @@ fn slot_backend(fe_addr: u32, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
 /// A backend for a new flow: the client's previous one under ClientIP affinity, if still
 /// there and within the timeout; else a uniform pick.
 #[inline(always)]
-fn choose_backend(fe_addr: u32, f: &Flow, master: &ServiceValue, now: u64) -> Option<(u32, Backend4)> {
+fn choose_backend(
+    fe_addr: u32,
+    f: &Flow,
+    master: &ServiceValue,
+    now: u64,
+) -> Option<(u32, Backend4)> {
     if master.flags & flags::AFFINITY == 0 {
         return slot_backend(fe_addr, f, pick_slot(master.count));
     }
@@ -281,7 +296,11 @@ fn choose_backend(fe_addr: u32, f: &Flow, master: &ServiceValue, now: u64) -> Op
         Some(c) => c,
         None => slot_backend(fe_addr, f, pick_slot(master.count))?,
     };
-    let value = AffinityValue { backend_id: chosen.0, _pad: 0, last_used_ns: now };
+    let value = AffinityValue {
+        backend_id: chosen.0,
+        _pad: 0,
+        last_used_ns: now,
+    };
     let _ = AFFINITY.insert(&key, &value, 0);
     Some(chosen)
 }
@@ -289,7 +308,13 @@ fn choose_backend(fe_addr: u32, f: &Flow, master: &ServiceValue, now: u64) -> Op
 /// A source port on `snat_addr` no other flow to `backend` uses, claimed by writing the
 /// reply entry that will translate the backend's answers.
 #[inline(always)]
-fn claim_snat_port(f: &Flow, b: &Backend4, snat_addr: u32, reply: &Ct4Value, now: u64) -> Option<u16> {
+fn claim_snat_port(
+    f: &Flow,
+    b: &Backend4,
+    snat_addr: u32,
+    reply: &Ct4Value,
+    now: u64,
+) -> Option<u16> {
     let span = u32::from(nat::SNAT_PORT_MAX - nat::SNAT_PORT_MIN) + 1;
     for _ in 0..SNAT_TRIES {
         let r = unsafe { bpf_get_prandom_u32() };
@@ -325,7 +350,11 @@ fn source_allowed(master: &ServiceValue, saddr: u32) -> bool {
     }
     let key = LpmKey::new(
         nat::SOURCE_RANGE_PREFIX_BITS + 32,
-        SourceRange4 { rev_nat_index: master.rev_nat_index, _pad: 0, addr: saddr },
+        SourceRange4 {
+            rev_nat_index: master.rev_nat_index,
+            _pad: 0,
+            addr: saddr,
+        },
     );
     SOURCE_RANGES4.get(key).is_some()
 }
@@ -344,7 +373,13 @@ fn snat_address<P: Packet>(pkt: &P, f: &Flow, backend: u32) -> Option<u32> {
 /// A new flow to a frontend: pick the backend and record both directions. Returns the
 /// forward entry, or the verdict for a packet that may not pass.
 #[inline(always)]
-fn new_flow<P: Packet>(pkt: &P, f: &Flow, fe_addr: u32, master: &ServiceValue, now: u64) -> Result<Ct4Value, i32> {
+fn new_flow<P: Packet>(
+    pkt: &P,
+    f: &Flow,
+    fe_addr: u32,
+    master: &ServiceValue,
+    now: u64,
+) -> Result<Ct4Value, i32> {
     let drop_as = |stat| {
         count(stat);
         P::DROP
@@ -436,7 +471,11 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
     };
     let r = unsafe { &mut *CT4.get_ptr_mut(&reply_key)? };
     let ours = !snat || (r.snat_addr == f.saddr && r.snat_port == f.sport);
-    let last_seen = if e.last_seen_ns > r.last_seen_ns { e.last_seen_ns } else { r.last_seen_ns };
+    let last_seen = if e.last_seen_ns > r.last_seen_ns {
+        e.last_seen_ns
+    } else {
+        r.last_seen_ns
+    };
     if !ours
         || f.expired(last_seen, r.flags, now)
         || (f.opening() && r.flags & nat::ct_flags::CLOSING != 0)

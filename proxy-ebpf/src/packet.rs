@@ -7,12 +7,10 @@ use core::{ffi::c_void, mem};
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup as FibParams,
-        xdp_action,
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_fib_lookup as FibParams, xdp_action,
     },
-    helpers::{
-        bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh,
-    },
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::{TcContext, XdpContext},
 };
 
@@ -51,7 +49,15 @@ pub trait Packet {
 
     /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device.
     #[inline(always)]
-    fn fib_lookup(&self, proto: u8, sport: u16, dport: u16, saddr: u32, daddr: u32, tot_len: u16) -> (i64, FibParams) {
+    fn fib_lookup(
+        &self,
+        proto: u8,
+        sport: u16,
+        dport: u16,
+        saddr: u32,
+        daddr: u32,
+        tot_len: u16,
+    ) -> (i64, FibParams) {
         let mut p: FibParams = unsafe { mem::zeroed() };
         p.family = 2; // AF_INET
         p.l4_protocol = proto;
@@ -219,9 +225,11 @@ impl Packet for XdpContext {
 fn csum_update(csum: u16, from: u32, to: u32, size: u8) -> u16 {
     let (f, t) = (from.to_ne_bytes(), to.to_ne_bytes());
     let mut sum = u32::from(!u16::from_be(csum));
-    sum += u32::from(!u16::from_be_bytes([f[0], f[1]])) + u32::from(u16::from_be_bytes([t[0], t[1]]));
+    sum +=
+        u32::from(!u16::from_be_bytes([f[0], f[1]])) + u32::from(u16::from_be_bytes([t[0], t[1]]));
     if size == 4 {
-        sum += u32::from(!u16::from_be_bytes([f[2], f[3]])) + u32::from(u16::from_be_bytes([t[2], t[3]]));
+        sum += u32::from(!u16::from_be_bytes([f[2], f[3]]))
+            + u32::from(u16::from_be_bytes([t[2], t[3]]));
     }
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);

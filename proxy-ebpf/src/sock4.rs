@@ -46,8 +46,17 @@ impl Family for V4 {
 
     #[inline(always)]
     fn remember(cookie: u64, backend: (u32, u16), frontend: (u32, u16), rev: u16) {
-        let key = SockRevNat4Key { cookie, address: backend.0, port: backend.1, _pad: [0; 2] };
-        let value = SockRevNat4Value { address: frontend.0, port: frontend.1, rev_nat_index: rev };
+        let key = SockRevNat4Key {
+            cookie,
+            address: backend.0,
+            port: backend.1,
+            _pad: [0; 2],
+        };
+        let value = SockRevNat4Value {
+            address: frontend.0,
+            port: frontend.1,
+            rev_nat_index: rev,
+        };
         // The map is an LRU: a failed insert only loses the reverse view, never the
         // connection itself.
         let _ = SOCK_REVNAT4.insert(&key, &value, 0);
@@ -60,7 +69,12 @@ impl Family for V4 {
 
     #[inline(always)]
     fn recall(cookie: u64, backend: (u32, u16)) -> Option<(u32, u16)> {
-        let key = SockRevNat4Key { cookie, address: backend.0, port: backend.1, _pad: [0; 2] };
+        let key = SockRevNat4Key {
+            cookie,
+            address: backend.0,
+            port: backend.1,
+            _pad: [0; 2],
+        };
         unsafe { SOCK_REVNAT4.get(&key) }.map(|v| (v.address, v.port))
     }
 }

@@ -67,8 +67,17 @@ impl Family for V6 {
 
     #[inline(always)]
     fn remember(cookie: u64, backend: ([u8; 16], u16), frontend: ([u8; 16], u16), rev: u16) {
-        let key = SockRevNat6Key { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };
-        let value = SockRevNat6Value { address: frontend.0, port: frontend.1, rev_nat_index: rev };
+        let key = SockRevNat6Key {
+            cookie,
+            address: backend.0,
+            port: backend.1,
+            _pad: [0; 6],
+        };
+        let value = SockRevNat6Value {
+            address: frontend.0,
+            port: frontend.1,
+            rev_nat_index: rev,
+        };
         let _ = SOCK_REVNAT6.insert(&key, &value, 0);
     }
 
@@ -80,7 +89,12 @@ impl Family for V6 {
 
     #[inline(always)]
     fn recall(cookie: u64, backend: ([u8; 16], u16)) -> Option<([u8; 16], u16)> {
-        let key = SockRevNat6Key { cookie, address: backend.0, port: backend.1, _pad: [0; 6] };
+        let key = SockRevNat6Key {
+            cookie,
+            address: backend.0,
+            port: backend.1,
+            _pad: [0; 6],
+        };
         unsafe { SOCK_REVNAT6.get(&key) }.map(|v| (v.address, v.port))
     }
 }

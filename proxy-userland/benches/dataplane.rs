@@ -68,7 +68,12 @@ fn endpoint_ip(k: u32) -> Ipv4Addr {
 fn synthetic_service(i: u32) -> Service {
     let mut svc = common::web_service(&format!("svc-{i}"), service_ip(i));
     svc.key = ServiceKey::new("bench", format!("svc-{i}"));
-    svc.ports = vec![ServicePort { name: "http".into(), port: 80, protocol: Protocol::Tcp, node_port: None }];
+    svc.ports = vec![ServicePort {
+        name: "http".into(),
+        port: 80,
+        protocol: Protocol::Tcp,
+        node_port: None,
+    }];
     svc
 }
 
@@ -92,14 +97,19 @@ fn with_update(state: &ProxyState, i: u32, step: u32) -> ProxyState {
         .map(|j| common::ready(endpoint_ip(i * ENDPOINTS_PER_SERVICE + j)))
         .collect();
     eps[0] = common::ready(endpoint_ip(200_000 + step));
-    next.endpoints.insert(key, std::sync::Arc::new(common::web_endpoints(eps)));
+    next.endpoints
+        .insert(key, std::sync::Arc::new(common::web_endpoints(eps)));
     next
 }
 
 fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).map(str::to_string))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .map(str::to_string)
+        })
         .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
         .unwrap_or(0)
 }
@@ -121,7 +131,11 @@ fn control_plane<D: Dataplane>(backend: &'static str, dp: &mut D, n: u32) -> Res
     let started = Instant::now();
     let report = dp.sync(&state, &node, Scope::Full);
     let full_sync = started.elapsed();
-    anyhow::ensure!(report.failed.is_empty(), "{backend} full sync failed: {:?}", &report.failed[..1]);
+    anyhow::ensure!(
+        report.failed.is_empty(),
+        "{backend} full sync failed: {:?}",
+        &report.failed[..1]
+    );
     // At most UPDATES updates, and no more than UPDATE_BUDGET of them: the count is in the
     // table.
     let mut samples = Vec::with_capacity(UPDATES);
@@ -164,7 +178,14 @@ struct DataRow {
 
 impl DataRow {
     fn new(path: &'static str, services: u32) -> Self {
-        DataRow { path, services, rates: vec![], p50: vec![], p99: vec![], failures: 0 }
+        DataRow {
+            path,
+            services,
+            rates: vec![],
+            p50: vec![],
+            p99: vec![],
+            failures: 0,
+        }
     }
 
     fn add(&mut self, a: &Attempts) {
@@ -184,7 +205,14 @@ impl DataRow {
 fn connections(bed: &Testbed, target: &str, count: usize) -> Result<Attempts> {
     let out = bed
         .client(Path::new(PROBE))
-        .args(["tcp", target, "--count", &count.to_string(), "--timeout-ms", "1000"])
+        .args([
+            "tcp",
+            target,
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            "1000",
+        ])
         .output()
         .context("running the probe")?;
     Ok(Attempts::parse(&String::from_utf8_lossy(&out.stdout)))
@@ -243,9 +271,17 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
         // The system's iptables (here iptables-nft), as the iptables mode runs by default.
         let mut ipt = iptables(&ipt_bed, Backend::System)?;
         let report = ipt.sync(&state, &node, Scope::Full);
-        anyhow::ensure!(report.failed.is_empty(), "iptables sync failed: {:?}", report.failed.first());
+        anyhow::ensure!(
+            report.failed.is_empty(),
+            "iptables sync failed: {:?}",
+            report.failed.first()
+        );
         connections(&ipt_bed, CLUSTER_IP, conns.min(200))?;
-        let mut paths = [DataRow::new(DIRECT, n), DataRow::new(EBPF, n), DataRow::new(IPTABLES, n)];
+        let mut paths = [
+            DataRow::new(DIRECT, n),
+            DataRow::new(EBPF, n),
+            DataRow::new(IPTABLES, n),
+        ];
         for round in 0..rounds {
             for k in 0..paths.len() {
                 let which = (round + k) % paths.len();
@@ -254,14 +290,21 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                     1 => {
                         let mut dp = BpfDataplane::attach(bed.cgroup_path())?;
                         let report = dp.sync(&state, &node, Scope::Full);
-                        anyhow::ensure!(report.failed.is_empty(), "eBPF sync failed: {:?}", report.failed.first());
+                        anyhow::ensure!(
+                            report.failed.is_empty(),
+                            "eBPF sync failed: {:?}",
+                            report.failed.first()
+                        );
                         connections(&bed, CLUSTER_IP, conns)?
                     }
                     _ => connections(&ipt_bed, CLUSTER_IP, conns)?,
                 };
                 paths[which].add(&attempts);
             }
-            eprintln!("bench: data path, {n} services, round {} of {rounds} done", round + 1);
+            eprintln!(
+                "bench: data path, {n} services, round {} of {rounds} done",
+                round + 1
+            );
         }
         ipt.shutdown();
         rows.extend(paths);
@@ -281,11 +324,27 @@ fn main() -> Result<()> {
         .filter_map(|s| s.trim().parse().ok())
         .filter(|&n| (1..=60_000).contains(&n))
         .collect();
-    let conns: usize = std::env::var("FASTPATH_BENCH_CONNS").ok().and_then(|s| s.parse().ok()).unwrap_or(2000).clamp(10, 100_000);
-    let rounds: usize = std::env::var("FASTPATH_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(5).clamp(1, 50);
+    let conns: usize = std::env::var("FASTPATH_BENCH_CONNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000)
+        .clamp(10, 100_000);
+    let rounds: usize = std::env::var("FASTPATH_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5)
+        .clamp(1, 50);
 
-    let env_max = |name: &str| std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(u32::MAX);
-    let (nft_max, legacy_max) = (env_max("FASTPATH_BENCH_NFT_MAX"), env_max("FASTPATH_BENCH_LEGACY_MAX"));
+    let env_max = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(u32::MAX)
+    };
+    let (nft_max, legacy_max) = (
+        env_max("FASTPATH_BENCH_NFT_MAX"),
+        env_max("FASTPATH_BENCH_LEGACY_MAX"),
+    );
     let only = std::env::var("FASTPATH_BENCH_ONLY").unwrap_or_default();
     let started = Instant::now();
     let mut control = Vec::new();
@@ -295,7 +354,10 @@ fn main() -> Result<()> {
         let mut bpf = BpfDataplane::attach(bed.cgroup_path())?;
         control.push(control_plane("ebpf", &mut bpf, n)?);
         drop(bpf);
-        for (name, backend, max) in [("iptables-nft", Backend::Nft, nft_max), ("iptables-legacy", Backend::Legacy, legacy_max)] {
+        for (name, backend, max) in [
+            ("iptables-nft", Backend::Nft, nft_max),
+            ("iptables-legacy", Backend::Legacy, legacy_max),
+        ] {
             if n > max {
                 continue;
             }
@@ -315,7 +377,13 @@ fn main() -> Result<()> {
     let data_took = started.elapsed();
 
     let mut out = String::new();
-    let _ = writeln!(out, "Machine: {}; bench took {:.0} s (control plane) + {:.0} s (data path).\n", machine(), control_took.as_secs_f64(), data_took.as_secs_f64());
+    let _ = writeln!(
+        out,
+        "Machine: {}; bench took {:.0} s (control plane) + {:.0} s (data path).\n",
+        machine(),
+        control_took.as_secs_f64(),
+        data_took.as_secs_f64()
+    );
     if !control.is_empty() {
         control_table(&mut out, &control);
     }
@@ -334,7 +402,12 @@ fn main() -> Result<()> {
 
 /// Kernel, CPUs, the iptables tools and the load average, for the table's header.
 fn machine() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default().trim().to_string();
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
     let kernel = read("/proc/sys/kernel/osrelease");
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     let iptables = std::process::Command::new("iptables")
@@ -342,19 +415,37 @@ fn machine() -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    let load: Vec<String> = read("/proc/loadavg").split_whitespace().take(3).map(str::to_string).collect();
-    format!("Linux {kernel}, {cpus} CPUs, {iptables}, load average {} at the end", load.join(" "))
+    let load: Vec<String> = read("/proc/loadavg")
+        .split_whitespace()
+        .take(3)
+        .map(str::to_string)
+        .collect();
+    format!(
+        "Linux {kernel}, {cpus} CPUs, {iptables}, load average {} at the end",
+        load.join(" ")
+    )
 }
 
 fn control_table(out: &mut String, control: &[ControlRow]) {
-    let _ = writeln!(out, "## Control plane ({ENDPOINTS_PER_SERVICE} endpoints per service)\n");
-    let _ = writeln!(out, "| dataplane | services | full sync (ms) | update p50 (ms) | update p99 (ms) | updates | RSS growth (MiB) |");
+    let _ = writeln!(
+        out,
+        "## Control plane ({ENDPOINTS_PER_SERVICE} endpoints per service)\n"
+    );
+    let _ = writeln!(
+        out,
+        "| dataplane | services | full sync (ms) | update p50 (ms) | update p99 (ms) | updates | RSS growth (MiB) |"
+    );
     let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in control {
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} | {:.1} |",
-            r.backend, r.services, ms(r.full_sync), ms(r.update_p50), ms(r.update_p99), r.updates,
+            r.backend,
+            r.services,
+            ms(r.full_sync),
+            ms(r.update_p50),
+            ms(r.update_p99),
+            r.updates,
             r.rss_growth_kib as f64 / 1024.0
         );
     }
@@ -362,14 +453,25 @@ fn control_table(out: &mut String, control: &[ControlRow]) {
 
 /// `row`'s rate over direct's, round by round (the runs of a round are neighbours in time).
 fn ratios(row: &DataRow, data: &[DataRow]) -> Vec<f64> {
-    let Some(direct) = data.iter().find(|d| d.services == row.services && d.path == DIRECT) else {
+    let Some(direct) = data
+        .iter()
+        .find(|d| d.services == row.services && d.path == DIRECT)
+    else {
         return Vec::new();
     };
-    row.rates.iter().zip(&direct.rates).filter(|(_, d)| **d > 0.0).map(|(r, d)| r / d).collect()
+    row.rates
+        .iter()
+        .zip(&direct.rates)
+        .filter(|(_, d)| **d > 0.0)
+        .map(|(r, d)| r / d)
+        .collect()
 }
 
 fn spread(xs: &[f64]) -> (f64, f64) {
-    (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(0.0, f64::max))
+    (
+        xs.iter().copied().fold(f64::INFINITY, f64::min),
+        xs.iter().copied().fold(0.0, f64::max),
+    )
 }
 
 fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize) {
@@ -381,7 +483,10 @@ fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize) {
         out,
         "| path | services | connections/s (median of rounds) | rounds' range | vs direct (median of rounds) | vs direct, rounds' range | latency p50 (ms) | latency p99 (ms) | failures |"
     );
-    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(
+        out,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     for r in data {
         let (lo, hi) = spread(&r.rates);
         let mut vs = ratios(r, data);
@@ -390,7 +495,10 @@ fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize) {
         let (vs_median, vs_range) = if r.path == DIRECT || vs.is_empty() {
             (String::new(), String::new())
         } else {
-            (pct(median(&mut vs)), format!("{} to {}", pct(vlo), pct(vhi)))
+            (
+                pct(median(&mut vs)),
+                format!("{} to {}", pct(vlo), pct(vhi)),
+            )
         };
         let _ = writeln!(
             out,
@@ -411,11 +519,18 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
     let ebpf: Vec<&ControlRow> = control.iter().filter(|r| r.backend == "ebpf").collect();
     if let (Some(first), Some(last)) = (ebpf.first(), ebpf.last()) {
         let worst = ebpf.iter().map(|r| r.update_p99).max().unwrap_or_default();
-        let per_size: Vec<String> = ebpf.iter().map(|r| format!("{} ms at {}", ms(r.update_p99), r.services)).collect();
+        let per_size: Vec<String> = ebpf
+            .iter()
+            .map(|r| format!("{} ms at {}", ms(r.update_p99), r.services))
+            .collect();
         let _ = writeln!(
             out,
             "- eBPF single-endpoint update p99 under 1 ms: {} ({}); at {} services {:.2}x the p99 at {}.",
-            if worst < Duration::from_millis(1) { "met" } else { "NOT met" },
+            if worst < Duration::from_millis(1) {
+                "met"
+            } else {
+                "NOT met"
+            },
             per_size.join(", "),
             last.services,
             last.update_p99.as_secs_f64() / first.update_p99.as_secs_f64().max(1e-9),
@@ -426,7 +541,11 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
                 out,
                 "- eBPF full sync of {} services under 1 s: {} ({} ms).",
                 big.services,
-                if big.full_sync < Duration::from_secs(1) { "met" } else { "NOT met" },
+                if big.full_sync < Duration::from_secs(1) {
+                    "met"
+                } else {
+                    "NOT met"
+                },
                 ms(big.full_sync)
             );
         }

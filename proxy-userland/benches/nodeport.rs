@@ -34,7 +34,10 @@ const NODE_PORT: u16 = 30080;
 const UDP_NODE_PORT: u16 = 30053;
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn attach(bed: &Testbed, ext: &Pod, xdp: bool) -> Result<BpfDataplane> {
@@ -44,17 +47,34 @@ fn attach(bed: &Testbed, ext: &Pod, xdp: bool) -> Result<BpfDataplane> {
         node_port_cidrs: vec![],
         xdp,
     };
-    let mut dp = BpfDataplane::attach_with(bed.cgroup_path(), &AttachOptions { packet: Some(packet), ..Default::default() })?;
+    let mut dp = BpfDataplane::attach_with(
+        bed.cgroup_path(),
+        &AttachOptions {
+            packet: Some(packet),
+            ..Default::default()
+        },
+    )?;
     if xdp {
         let devices = dp.node_devices().context("packet path")?;
-        anyhow::ensure!(devices.devices.iter().all(|d| d.xdp), "no native XDP on {:?}", devices.devices);
+        anyhow::ensure!(
+            devices.devices.iter().all(|d| d.xdp),
+            "no native XDP on {:?}",
+            devices.devices
+        );
     }
     let mut svc = common::web_service("web", common::WEB_IP);
     svc.ports[0].node_port = Some(NODE_PORT);
     svc.ports[1].node_port = Some(UDP_NODE_PORT);
-    let local = |i| proxy_userland::model::Endpoint { node_name: Some("node-a".into()), ..common::ready(common::pod_ip(i)) };
+    let local = |i| proxy_userland::model::Endpoint {
+        node_name: Some("node-a".into()),
+        ..common::ready(common::pod_ip(i))
+    };
     let eps = common::web_endpoints(vec![local(1), local(2)]);
-    let report = dp.sync(&common::state_of(vec![(svc, Some(eps))]), &common::node(), Scope::Full);
+    let report = dp.sync(
+        &common::state_of(vec![(svc, Some(eps))]),
+        &common::node(),
+        Scope::Full,
+    );
     anyhow::ensure!(report.failed.is_empty(), "sync failed: {:?}", report.failed);
     Ok(dp)
 }
@@ -102,7 +122,9 @@ impl Series {
 
 fn main() -> Result<()> {
     let rounds = env_usize("FASTPATH_BENCH_ROUNDS", 5).clamp(1, 50);
-    let count = env_usize("FASTPATH_BENCH_CONNS", 2000).clamp(10, 10_000).to_string();
+    let count = env_usize("FASTPATH_BENCH_CONNS", 2000)
+        .clamp(10, 10_000)
+        .to_string();
     let (mut bed, _pods) = common::bed_with_pods("npbench", 2);
     let ext = nat_common::external_client(&mut bed);
     let (tcp_target, udp_target) = (
@@ -114,24 +136,58 @@ fn main() -> Result<()> {
     for round in 0..rounds {
         for (i, xdp) in [false, true].into_iter().enumerate() {
             let dp = attach(&bed, &ext, xdp)?;
-            let tcp = probe(&ext, &["tcp", &tcp_target, "--count", &count, "--timeout-ms", "1000"])?;
-            let udp = probe(&ext, &["udp", &udp_target, "--connected", "--count", &count, "--timeout-ms", "1000"])?;
+            let tcp = probe(
+                &ext,
+                &[
+                    "tcp",
+                    &tcp_target,
+                    "--count",
+                    &count,
+                    "--timeout-ms",
+                    "1000",
+                ],
+            )?;
+            let udp = probe(
+                &ext,
+                &[
+                    "udp",
+                    &udp_target,
+                    "--connected",
+                    "--count",
+                    &count,
+                    "--timeout-ms",
+                    "1000",
+                ],
+            )?;
             series[2 * i].add(&tcp);
             series[2 * i + 1].add(&udp);
             let stats = dp.programmer().maps().packet_stats();
-            eprintln!("round {round} {}: {stats:?}", if xdp { "xdp" } else { "tc" });
+            eprintln!(
+                "round {round} {}: {stats:?}",
+                if xdp { "xdp" } else { "tc" }
+            );
             drop(dp);
             std::thread::sleep(Duration::from_millis(200));
         }
     }
     let mut table = String::new();
-    writeln!(table, "| path | workload | per second (median) | rounds' range | p50 (ms) | p99 (ms) | failures |")?;
+    writeln!(
+        table,
+        "| path | workload | per second (median) | rounds' range | p50 (ms) | p99 (ms) | failures |"
+    )?;
     writeln!(table, "| --- | --- | ---: | ---: | ---: | ---: | ---: |")?;
-    let names = [("tc", "TCP connections"), ("tc", "UDP requests"), ("XDP + tc", "TCP connections"), ("XDP + tc", "UDP requests")];
+    let names = [
+        ("tc", "TCP connections"),
+        ("tc", "UDP requests"),
+        ("XDP + tc", "TCP connections"),
+        ("XDP + tc", "UDP requests"),
+    ];
     for (s, (path, workload)) in series.iter_mut().zip(names) {
         writeln!(table, "{}", s.row(path, workload))?;
     }
-    println!("\nNode port from another host, {rounds} interleaved rounds of {count} each:\n\n{table}");
+    println!(
+        "\nNode port from another host, {rounds} interleaved rounds of {count} each:\n\n{table}"
+    );
     let out = xtask::target_dir().join("bench");
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("nodeport.md"), &table)?;

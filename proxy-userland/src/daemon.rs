@@ -15,10 +15,10 @@ use crate::{
     },
     config::Args,
     dataplane::bpf::maps::Occupancy,
-    events::{self as k8s_events, EventRecorder},
-    node_setup,
     dataplane::{self, Dataplane, Proxier, Scope, StartOptions},
+    events::{self as k8s_events, EventRecorder},
     model::{NodeInfo, ServiceKey, tracker::ChangeTracker},
+    node_setup,
     source::{
         SourceEvent,
         file::{self, Loaded},
@@ -31,7 +31,10 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     if args.cleanup {
         return cleanup(&args);
     }
-    let mut node = NodeInfo { name: args.node_name(), zone: args.zone.clone() };
+    let mut node = NodeInfo {
+        name: args.node_name(),
+        zone: args.zone.clone(),
+    };
     info!(node = %node.name, "starting fastpath");
     match args.node_setup() {
         Some(setup) => node_setup::apply_to_node(&setup),
@@ -51,10 +54,18 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     let source = match &args.manifests {
         Some(path) => {
             info!(path = %path.display(), "reading Services and EndpointSlices from manifests");
-            spawn_file_source(path.clone(), args.manifest_poll_period, events_tx, stopped())
+            spawn_file_source(
+                path.clone(),
+                args.manifest_poll_period,
+                events_tx,
+                stopped(),
+            )
         }
         None => {
-            let cfg = KubeConfig { kubeconfig: args.kubeconfig.clone(), master: args.master.clone() };
+            let cfg = KubeConfig {
+                kubeconfig: args.kubeconfig.clone(),
+                master: args.master.clone(),
+            };
             let client = kube::client(&cfg).await?;
             info!("watching Services and EndpointSlices on the API server");
             recorder = EventRecorder::new(client.clone(), &node.name);
@@ -80,10 +91,15 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     let start = StartOptions::from_args(&args)
         .map_err(anyhow::Error::msg)
         .context("cannot start the dataplane")?;
-    let (mut proxier, _mode) = dataplane::select_and_start(args.proxy_mode.or(args.file_mode), &start)?;
+    let (mut proxier, _mode) =
+        dataplane::select_and_start(args.proxy_mode.or(args.file_mode), &start)?;
     admin.set_proxy_mode(proxier.name());
 
-    let periods = SyncPeriods { min: args.min_sync_period, max: args.sync_period, ..Default::default() };
+    let periods = SyncPeriods {
+        min: args.min_sync_period,
+        max: args.sync_period,
+        ..Default::default()
+    };
     let mut runner = BoundedFrequency::new(periods, Instant::now());
     let mut tracker = ChangeTracker::new();
     // Nothing is programmed until the source has delivered its first full lists, so a
@@ -218,7 +234,10 @@ fn cleanup(args: &Args) -> anyhow::Result<()> {
     // pins go below, wherever --bpf-pin-dir put them.
     crate::mode::cleanup_leftovers(crate::mode::Mode::Ebpf, args.netns.as_deref());
     if args.netns.is_none() {
-        let pins = args.bpf_pin_dir.clone().unwrap_or_else(|| crate::mode::BPF_PIN_DIR.into());
+        let pins = args
+            .bpf_pin_dir
+            .clone()
+            .unwrap_or_else(|| crate::mode::BPF_PIN_DIR.into());
         dataplane::bpf::loader::remove_pinned(&pins)?;
         info!(pins = %pins.display(), "removed pinned eBPF programs and maps");
     }
@@ -232,12 +251,18 @@ fn apply(tracker: &mut ChangeTracker, ev: SourceEvent) {
         SourceEvent::ReplaceServices(services) => tracker.replace_services(services),
         SourceEvent::ReplaceSlices(slices) => tracker.replace_slices(slices),
         SourceEvent::Service { key, service } => tracker.apply_service(key, service),
-        SourceEvent::Slice { owner: Some(owner), name, slice, .. } => {
-            tracker.apply_slice(owner, name, slice)
-        }
-        SourceEvent::Slice { namespace, owner: None, name, .. } => {
-            tracker.forget_slice(&namespace, &name)
-        }
+        SourceEvent::Slice {
+            owner: Some(owner),
+            name,
+            slice,
+            ..
+        } => tracker.apply_slice(owner, name, slice),
+        SourceEvent::Slice {
+            namespace,
+            owner: None,
+            name,
+            ..
+        } => tracker.forget_slice(&namespace, &name),
         SourceEvent::Node(_) | SourceEvent::Synced => {}
     }
 }

@@ -260,11 +260,15 @@ fn a_bad_config_file_stops_the_daemon_with_the_field_named() {
 #[test]
 fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
     let (mut bed, _pods) = bed_with_pods("adminnp", 2);
-    let ext = bed.add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None).expect("client");
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
+        .expect("client");
     let dir = bed.dir().join("manifests");
     std::fs::create_dir_all(&dir).unwrap();
     // lb: NodePort 30080, externalTrafficPolicy Local, pod-1 on this node.
-    let lb = LB.replace("HCPORT", &free_port().to_string()).replace("NODE1", "node-a");
+    let lb = LB
+        .replace("HCPORT", &free_port().to_string())
+        .replace("NODE1", "node-a");
     std::fs::write(dir.join("lb.yaml"), lb).unwrap();
     let metrics = free_port();
     let metrics_addr = format!("127.0.0.1:{metrics}");
@@ -288,7 +292,16 @@ fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
     let target = format!("{}:30080", bed.node_ipv4());
     let client = |count: &str| {
         let mut cmd = std::process::Command::new(PROBE);
-        cmd.args(["--netns", &ext.netns, "tcp", &target, "--count", count, "--timeout-ms", "1000"]);
+        cmd.args([
+            "--netns",
+            &ext.netns,
+            "tcp",
+            &target,
+            "--count",
+            count,
+            "--timeout-ms",
+            "1000",
+        ]);
         xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
     };
     assert!(
@@ -297,12 +310,16 @@ fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
         daemon.log()
     );
     let attempts = client("20");
-    assert!(attempts.iter().all(|a| a.reply() == Some("pod-1")), "the Local policy's pod: {attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.reply() == Some("pod-1")),
+        "the Local policy's pod: {attempts:?}"
+    );
     assert!(
         eventually(10, || {
             let text = get(metrics, "/metrics").map(|r| r.1).unwrap_or_default();
             sample(&text, "fastpath_packets_total{result=\"new_flow\"}").is_some_and(|n| n >= 21.0)
-                && sample(&text, "fastpath_bpf_map_entries{map=\"conntrack\"}").is_some_and(|n| n >= 42.0)
+                && sample(&text, "fastpath_bpf_map_entries{map=\"conntrack\"}")
+                    .is_some_and(|n| n >= 42.0)
         }),
         "the packet counters reach /metrics; log:\n{}",
         daemon.log()

@@ -29,7 +29,10 @@ pub const WEB_DNS: &str = "198.19.0.10:53";
 
 /// The node the tests' proxy runs as ("node-a", no zone).
 pub fn node() -> proxy_userland::model::NodeInfo {
-    proxy_userland::model::NodeInfo { name: "node-a".into(), zone: None }
+    proxy_userland::model::NodeInfo {
+        name: "node-a".into(),
+        zone: None,
+    }
 }
 
 /// Manifests for `demo/web` on [`WEB_IP`] (http TCP 80->8080, dns UDP 53->5353) with one
@@ -46,7 +49,9 @@ pub fn web_manifest(pods: &[Ipv4Addr]) -> String {
          endpoints:\n",
     );
     for ip in pods {
-        yaml.push_str(&format!("- addresses: [{ip}]\n  conditions: {{ready: true}}\n"));
+        yaml.push_str(&format!(
+            "- addresses: [{ip}]\n  conditions: {{ready: true}}\n"
+        ));
     }
     if pods.is_empty() {
         yaml.push_str("[]\n");
@@ -85,7 +90,14 @@ fn bed_with_pods_serving(tag: &str, n: u8, extra: &[&str]) -> (Testbed, Vec<Pod>
             .add_pod(&format!("pod-{i}"), pod_ip(i), None)
             .expect("pod");
         let name = format!("pod-{i}");
-        let mut args = vec!["--name", &name, "--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"];
+        let mut args = vec![
+            "--name",
+            &name,
+            "--tcp",
+            "0.0.0.0:8080",
+            "--udp",
+            "0.0.0.0:5353",
+        ];
         args.extend_from_slice(extra);
         bed.serve(probe(), &pod, &args).expect("pod server");
         pods.push(pod);
@@ -107,7 +119,10 @@ pub fn ready(ip: Ipv4Addr) -> Endpoint {
 
 /// A service `demo/<name>` on `cluster_ip` with http TCP 80->8080 and dns UDP 53->5353.
 pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
-    Service::cluster_ip(ServiceKey::new("demo", name), vec![IpAddr::V4(cluster_ip)], vec![
+    Service::cluster_ip(
+        ServiceKey::new("demo", name),
+        vec![IpAddr::V4(cluster_ip)],
+        vec![
             ServicePort {
                 name: "http".into(),
                 port: 80,
@@ -120,7 +135,8 @@ pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
                 protocol: Protocol::Udp,
                 node_port: None,
             },
-        ])
+        ],
+    )
 }
 
 pub fn web_endpoints(endpoints: Vec<Endpoint>) -> EndpointSet {
@@ -294,7 +310,11 @@ impl Bpffs {
     pub fn mount(under: &Path) -> Self {
         let dir = under.join("bpffs");
         std::fs::create_dir_all(&dir).unwrap();
-        let ok = Command::new("mount").args(["-t", "bpf", "bpf"]).arg(&dir).status().unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "bpf", "bpf"])
+            .arg(&dir)
+            .status()
+            .unwrap();
         assert!(ok.success(), "mounting a bpffs at {}", dir.display());
         Bpffs(dir)
     }

@@ -47,10 +47,22 @@ fn daemon_follows_manifests_survives_bad_ones_and_cleans_up() {
         }
     }
     let _rm = RmDir(dir.clone());
-    std::fs::write(dir.join("web.yaml"), web_manifest(&[pod_ip(1), pod_ip(2), pod_ip(3)])).unwrap();
+    std::fs::write(
+        dir.join("web.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2), pod_ip(3)]),
+    )
+    .unwrap();
     std::fs::write(dir.join("broken.yaml"), BROKEN).unwrap();
 
-    let mut daemon = Daemon::start(bed.cgroup_path(), &["--manifests", dir.to_str().unwrap(), "--manifest-poll-period", "100ms"]);
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            dir.to_str().unwrap(),
+            "--manifest-poll-period",
+            "100ms",
+        ],
+    );
     assert!(
         eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
         "the ClusterIP never became reachable; log:\n{}",
@@ -60,22 +72,44 @@ fn daemon_follows_manifests_survives_bad_ones_and_cleans_up() {
 
     // The malformed service is reported by name, and did not stop anything else.
     let log = daemon.log();
-    assert!(log.contains("demo/broken") && log.contains("70000"), "log:\n{log}");
+    assert!(
+        log.contains("demo/broken") && log.contains("70000"),
+        "log:\n{log}"
+    );
 
     // pod-3 leaves the slice: new connections stop reaching it.
     std::fs::write(dir.join("web.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
     assert!(
-        eventually(10, || !reached(&tcp(&bed, "198.19.0.10:80", 30)).contains("pod-3")),
+        eventually(10, || !reached(&tcp(&bed, "198.19.0.10:80", 30))
+            .contains("pod-3")),
         "pod-3 still reached after removal; log:\n{}",
         daemon.log()
     );
 
-    assert!(!our_programs().is_empty(), "programs are loaded while running");
+    assert!(
+        !our_programs().is_empty(),
+        "programs are loaded while running"
+    );
     let status = daemon.stop();
-    assert!(status.success(), "clean exit on SIGTERM: {status:?}\n{}", daemon.log());
+    assert!(
+        status.success(),
+        "clean exit on SIGTERM: {status:?}\n{}",
+        daemon.log()
+    );
     // The kernel frees programs and maps from RCU callbacks and a work queue once the last
     // reference goes: give it a moment, not forever.
-    assert!(eventually(5, || our_programs().is_empty()), "programs left behind: {:?}", our_programs());
-    assert!(eventually(5, || our_maps().is_empty()), "maps left behind: {:?}", our_maps());
-    assert!(!tcp(&bed, "198.19.0.10:80", 1)[0].is_ok(), "no translation after shutdown");
+    assert!(
+        eventually(5, || our_programs().is_empty()),
+        "programs left behind: {:?}",
+        our_programs()
+    );
+    assert!(
+        eventually(5, || our_maps().is_empty()),
+        "maps left behind: {:?}",
+        our_maps()
+    );
+    assert!(
+        !tcp(&bed, "198.19.0.10:80", 1)[0].is_ok(),
+        "no translation after shutdown"
+    );
 }

@@ -56,11 +56,13 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
     api.create("endpointslices", slice("web-2", "web", &[POD3]));
     // Another proxy's service and a headless one are not ours.
     let mut other = service("other", "198.19.0.30");
-    other["metadata"]["labels"] = json!({"service.kubernetes.io/service-proxy-name": "someone-else"});
+    other["metadata"]["labels"] =
+        json!({"service.kubernetes.io/service-proxy-name": "someone-else"});
     api.create("services", other);
     api.create("endpointslices", slice("other-1", "other", &[POD1]));
 
-    let kubeconfig = std::env::temp_dir().join(format!("fastpath-kube-{}.yaml", std::process::id()));
+    let kubeconfig =
+        std::env::temp_dir().join(format!("fastpath-kube-{}.yaml", std::process::id()));
     api.write_kubeconfig(&kubeconfig).unwrap();
     struct Rm(std::path::PathBuf);
     impl Drop for Rm {
@@ -69,7 +71,10 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
         }
     }
     let _rm = Rm(kubeconfig.clone());
-    let mut daemon = Daemon::start(bed.cgroup_path(), &["--kubeconfig", kubeconfig.to_str().unwrap()]);
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &["--kubeconfig", kubeconfig.to_str().unwrap()],
+    );
 
     // A service split over two slices reaches all three pods.
     assert!(
@@ -77,12 +82,16 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
         "web never reached all three pods; log:\n{}",
         daemon.log()
     );
-    assert!(!tcp(&bed, "198.19.0.30:80", 1)[0].is_ok(), "another proxy's service is not ours");
+    assert!(
+        !tcp(&bed, "198.19.0.30:80", 1)[0].is_ok(),
+        "another proxy's service is not ours"
+    );
 
     // An endpoint leaves: new connections stop reaching it.
     api.update("endpointslices", slice("web-2", "web", &[]));
     assert!(
-        eventually(10, || !reached(&tcp(&bed, "198.19.0.10:80", 30)).contains("pod-3")),
+        eventually(10, || !reached(&tcp(&bed, "198.19.0.10:80", 30))
+            .contains("pod-3")),
         "pod-3 still reached; log:\n{}",
         daemon.log()
     );
@@ -90,12 +99,16 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
     // A new service appears.
     api.create("services", service("api", "198.19.0.20"));
     api.create("endpointslices", slice("api-1", "api", &[POD2]));
-    assert!(eventually(10, || tcp(&bed, "198.19.0.20:80", 1)[0].reply() == Some("pod-2")));
+    assert!(eventually(10, || tcp(&bed, "198.19.0.20:80", 1)[0].reply()
+        == Some("pod-2")));
 
     // The watches drop after history was compacted past what the proxy has seen, so each
     // watcher's resume gets 410 Gone and must relist; changes made meanwhile must end up
     // programmed with no stale entries, whichever path delivers them.
-    assert!(api.wait_for_watches(3, Duration::from_secs(10)), "three watches open");
+    assert!(
+        api.wait_for_watches(3, Duration::from_secs(10)),
+        "three watches open"
+    );
     api.set_bookmark_interval(Duration::ZERO);
     std::thread::sleep(Duration::from_millis(300));
     let mut node_b = node();
@@ -138,10 +151,18 @@ fn a_bad_kubeconfig_fails_clearly_and_touches_nothing() {
     let path = std::env::temp_dir().join(format!("fastpath-badkube-{}.yaml", std::process::id()));
     std::fs::write(&path, "this: is: not a kubeconfig").unwrap();
     let mut daemon = Daemon::start(bed.cgroup_path(), &["--kubeconfig", path.to_str().unwrap()]);
-    let status = daemon.wait_exit(10).expect("fastpath exits by itself on a bad kubeconfig");
+    let status = daemon
+        .wait_exit(10)
+        .expect("fastpath exits by itself on a bad kubeconfig");
     let _ = std::fs::remove_file(&path);
     assert!(!status.success());
     let log = daemon.log();
-    assert!(log.contains("kubeconfig"), "the error names the kubeconfig:\n{log}");
-    assert!(!log.contains("attached"), "nothing was attached before the source was ready:\n{log}");
+    assert!(
+        log.contains("kubeconfig"),
+        "the error names the kubeconfig:\n{log}"
+    );
+    assert!(
+        !log.contains("attached"),
+        "nothing was attached before the source was ready:\n{log}"
+    );
 }

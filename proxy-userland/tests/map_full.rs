@@ -17,30 +17,53 @@ fn a_service_that_does_not_fit_fails_whole_and_the_others_keep_working() {
     let (bed, _pods) = bed_with_pods("mapfull", 2);
     // Room for 9 service entries: `web` takes 6 (two ports, a master and two slots each),
     // so `web2` fits its first port (dns) but not its second: the first must be undone.
-    let opts = AttachOptions { lb_map_max: Some(9), ..Default::default() };
+    let opts = AttachOptions {
+        lb_map_max: Some(9),
+        ..Default::default()
+    };
     let mut dp = BpfDataplane::attach_with(bed.cgroup_path(), &opts).expect("programs load");
     let big_ip = Ipv4Addr::new(198, 19, 0, 20);
     let two = || Some(web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]));
     let web = web_service("web", WEB_IP);
     // Services are programmed in name order: `web` first, then `web2`.
     let big = web_service("web2", big_ip);
-    let report = dp.sync(&state_of(vec![(web.clone(), two()), (big.clone(), two())]), &node(), Scope::Full);
+    let report = dp.sync(
+        &state_of(vec![(web.clone(), two()), (big.clone(), two())]),
+        &node(),
+        Scope::Full,
+    );
 
     assert_eq!(report.failed.len(), 1, "{report:?}");
     let (failed, why) = &report.failed[0];
     assert_eq!(failed, &big.key);
-    assert!(why.contains("map full"), "the error says what is wrong: {why}");
+    assert!(
+        why.contains("map full"),
+        "the error says what is wrong: {why}"
+    );
     // Not half-programmed: neither of big's ports is in the maps.
     for (port, proto) in [(80, Protocol::Tcp), (53, Protocol::Udp)] {
         let fe = Frontend::socket(big_ip.into(), port, proto);
-        assert!(dp.programmer().programmed(&fe).is_none(), "{fe} left behind");
-        assert!(dp.programmer().maps().get_service(&fe, 0).is_none(), "{fe} in the map");
+        assert!(
+            dp.programmer().programmed(&fe).is_none(),
+            "{fe} left behind"
+        );
+        assert!(
+            dp.programmer().maps().get_service(&fe, 0).is_none(),
+            "{fe} in the map"
+        );
     }
-    assert!(tcp(&bed, WEB, 10).iter().all(|a| a.is_ok()), "web keeps working");
+    assert!(
+        tcp(&bed, WEB, 10).iter().all(|a| a.is_ok()),
+        "web keeps working"
+    );
 
     // web goes: big fits now, and the retry programs it.
     let changed = BTreeSet::from([web.key.clone(), big.key.clone()]);
-    let report = dp.sync(&state_of(vec![(big, two())]), &node(), Scope::Changed(&changed));
+    let report = dp.sync(
+        &state_of(vec![(big, two())]),
+        &node(),
+        Scope::Changed(&changed),
+    );
     assert!(report.failed.is_empty(), "{report:?}");
     let attempts = tcp(&bed, "198.19.0.20:80", 10);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");

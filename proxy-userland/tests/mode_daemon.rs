@@ -43,7 +43,11 @@ fn all_ok(bed: &xtask::testbed::Testbed) -> bool {
 fn daemon_runs_iptables_then_userspace_for_a_namespace() {
     let (bed, _pods) = bed_with_pods("modedmn", 2);
     route_services(&bed);
-    std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
+    std::fs::write(
+        bed.dir().join("manifests.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
 
     let mut ipt = start(&bed, Some("iptables"), &[]);
     assert!(
@@ -87,7 +91,11 @@ fn daemon_runs_iptables_then_userspace_for_a_namespace() {
 #[test]
 fn a_mode_the_node_cannot_run_is_refused_clearly() {
     let bed = xtask::testbed::Testbed::new("modebad").expect("test bed");
-    std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
+    std::fs::write(
+        bed.dir().join("manifests.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
     // No such namespace: iptables cannot run there, and the daemon says so and exits.
     let manifests = bed.dir().join("manifests.yaml");
     let mut d = Daemon::start(
@@ -118,11 +126,19 @@ fn a_mode_the_node_cannot_run_is_refused_clearly() {
 fn when_the_ebpf_load_fails_the_daemon_falls_back_and_says_why() {
     let (bed, _pods) = bed_with_pods("modefall", 2);
     route_services(&bed);
-    std::fs::write(bed.dir().join("manifests.yaml"), web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
+    std::fs::write(
+        bed.dir().join("manifests.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
     // The probes pass, but the maps cannot be pinned in a folder that is not on bpffs, so
     // loading fails as a verifier rejection would: after the probes, at load time.
     let not_bpffs = bed.dir().join("not-bpffs");
-    let pin = ["--bpf-pin-dir", not_bpffs.to_str().unwrap(), "--cleanup-on-exit"];
+    let pin = [
+        "--bpf-pin-dir",
+        not_bpffs.to_str().unwrap(),
+        "--cleanup-on-exit",
+    ];
     let mut d = start(&bed, None, &pin);
     assert!(
         eventually(20, || all_ok(&bed)),
@@ -131,8 +147,14 @@ fn when_the_ebpf_load_fails_the_daemon_falls_back_and_says_why() {
     );
     let log = d.log();
     assert!(log.contains("the eBPF dataplane failed to start"), "{log}");
-    assert!(log.contains("is it on a bpffs mount?"), "the reason is named: {log}");
-    assert!(log.contains("proxy mode chosen after the eBPF failure"), "{log}");
+    assert!(
+        log.contains("is it on a bpffs mount?"),
+        "the reason is named: {log}"
+    );
+    assert!(
+        log.contains("proxy mode chosen after the eBPF failure"),
+        "{log}"
+    );
     assert!(!chains_with(&saved(bed.node_netns(), "iptables-save"), "KUBE-SVC-").is_empty());
     assert!(d.stop().success(), "{}", d.log());
 }

@@ -36,20 +36,31 @@ fn attach_xdp(bed: &Testbed, devices: &[&str], xdp: bool) -> BpfDataplane {
     attach_opts(bed, devices, xdp, None)
 }
 
-fn attach_opts(bed: &Testbed, devices: &[&str], xdp: bool, pin_dir: Option<&std::path::Path>) -> BpfDataplane {
+fn attach_opts(
+    bed: &Testbed,
+    devices: &[&str],
+    xdp: bool,
+    pin_dir: Option<&std::path::Path>,
+) -> BpfDataplane {
     let packet = PacketPathConfig {
         netns: Some(bed.node_netns().to_string()),
         devices: devices.iter().map(|d| d.to_string()).collect(),
         node_port_cidrs: vec![],
         xdp,
     };
-    let opts = AttachOptions { packet: Some(packet), pin_dir: pin_dir.map(Into::into), ..Default::default() };
-    BpfDataplane::attach_with(bed.cgroup_path(), &opts)
-        .expect("programs load and attach")
+    let opts = AttachOptions {
+        packet: Some(packet),
+        pin_dir: pin_dir.map(Into::into),
+        ..Default::default()
+    };
+    BpfDataplane::attach_with(bed.cgroup_path(), &opts).expect("programs load and attach")
 }
 
 fn on(node: &str, ep: Endpoint) -> Endpoint {
-    Endpoint { node_name: Some(node.into()), ..ep }
+    Endpoint {
+        node_name: Some(node.into()),
+        ..ep
+    }
 }
 
 /// `demo/<name>` with node ports on both of its ports.
@@ -65,24 +76,43 @@ fn node_addr(bed: &Testbed, port: u16) -> String {
 }
 
 fn tcp_from(client: &Pod, target: &str, count: usize) -> Vec<xtask::probe::Outcome> {
-    probe_from(&client.netns, &["tcp", target, "--count", &count.to_string(), "--timeout-ms", "1000"])
+    probe_from(
+        &client.netns,
+        &[
+            "tcp",
+            target,
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            "1000",
+        ],
+    )
 }
 
 /// Both of the bed's pods, on this node.
 fn local_pods() -> proxy_userland::model::EndpointSet {
-    web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-a", ready(pod_ip(2)))])
+    web_endpoints(vec![
+        on("node-a", ready(pod_ip(1))),
+        on("node-a", ready(pod_ip(2))),
+    ])
 }
 
 /// Every attempt succeeded, `pods` pods answered, and the client only ever saw `target`.
 fn assert_served(attempts: &[xtask::probe::Outcome], target: &str, pods: usize) {
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
     assert_eq!(names(attempts).len(), pods, "{attempts:?}");
-    assert!(attempts.iter().all(|a| peer(a) == Some(target)), "the client only sees {target}: {attempts:?}");
+    assert!(
+        attempts.iter().all(|a| peer(a) == Some(target)),
+        "the client only sees {target}: {attempts:?}"
+    );
 }
 
 /// The pods that answered (by name, also from servers that echo the peer).
 fn names(outcomes: &[xtask::probe::Outcome]) -> BTreeSet<String> {
-    outcomes.iter().filter_map(|o| o.name().map(str::to_string)).collect()
+    outcomes
+        .iter()
+        .filter_map(|o| o.name().map(str::to_string))
+        .collect()
 }
 
 #[test]
@@ -91,7 +121,11 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     let ext = external_client(&mut bed);
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
-    let report = dp.sync(&state_of(vec![(svc.clone(), Some(local_pods()))]), &node(), Scope::Full);
+    let report = dp.sync(
+        &state_of(vec![(svc.clone(), Some(local_pods()))]),
+        &node(),
+        Scope::Full,
+    );
     assert!(report.failed.is_empty(), "{report:?}");
 
     let target = node_addr(&bed, NODE_PORT);
@@ -99,16 +133,33 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     assert_served(&attempts, &target, 2);
     // The backends are on this node: no SNAT, the pods see the client itself.
     let client = format!("{}:", ext.ipv4);
-    assert!(attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))), "{attempts:?}");
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))),
+        "{attempts:?}"
+    );
 
     let udp_target = node_addr(&bed, UDP_NODE_PORT);
     let udp = probe_from(
         &ext.netns,
-        &["udp", &udp_target, "--count", "10", "--timeout-ms", "1000", "--fresh-socket"],
+        &[
+            "udp",
+            &udp_target,
+            "--count",
+            "10",
+            "--timeout-ms",
+            "1000",
+            "--fresh-socket",
+        ],
     );
     for a in &udp {
         assert!(a.is_ok(), "{a:?}");
-        assert_eq!(from(a), Some(udp_target.as_str()), "reply from the node port: {a:?}");
+        assert_eq!(
+            from(a),
+            Some(udp_target.as_str()),
+            "reply from the node port: {a:?}"
+        );
     }
     let stats = dp.programmer().maps().packet_stats();
     assert!(stats.new_flows >= 40, "{stats:?}");
@@ -118,9 +169,21 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     assert_eq!(other[0].errno(), Some("ECONNREFUSED"), "{other:?}");
 
     // The node gets another address: from the next full sync on, node ports answer there.
-    xtask::cmd::ip(["-n", bed.node_netns(), "addr", "add", "198.18.0.5/32", "dev", &ext.node_veth])
-        .expect("second address");
-    dp.sync(&state_of(vec![(svc, Some(local_pods()))]), &node(), Scope::Full);
+    xtask::cmd::ip([
+        "-n",
+        bed.node_netns(),
+        "addr",
+        "add",
+        "198.18.0.5/32",
+        "dev",
+        &ext.node_veth,
+    ])
+    .expect("second address");
+    dp.sync(
+        &state_of(vec![(svc, Some(local_pods()))]),
+        &node(),
+        Scope::Full,
+    );
     let attempts = tcp_from(&ext, &format!("198.18.0.5:{NODE_PORT}"), 5);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
 }
@@ -135,17 +198,30 @@ fn local_policy_uses_only_this_nodes_endpoints_and_drops_without_one() {
     let mut elsewhere = node_port_service("elsewhere", Ipv4Addr::new(198, 19, 0, 12), 30180);
     elsewhere.external_policy_local = true;
     // pod-1 runs on this node, pod-2 on another.
-    let eps = || web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-b", ready(pod_ip(2)))]);
+    let eps = || {
+        web_endpoints(vec![
+            on("node-a", ready(pod_ip(1))),
+            on("node-b", ready(pod_ip(2))),
+        ])
+    };
     let remote_only = web_endpoints(vec![on("node-b", ready(pod_ip(2)))]);
     let state = state_of(vec![(local, Some(eps())), (elsewhere, Some(remote_only))]);
     let report = dp.sync(&state, &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
 
     let attempts = tcp_from(&ext, &node_addr(&bed, NODE_PORT), 20);
-    assert!(attempts.iter().all(|a| a.name() == Some("pod-1")), "{attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.name() == Some("pod-1")),
+        "{attempts:?}"
+    );
     // The pod sees the client's own address: no SNAT under the Local policy.
     let client = format!("{}:", ext.ipv4);
-    assert!(attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))), "{attempts:?}");
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.seen_from().is_some_and(|s| s.starts_with(&client))),
+        "{attempts:?}"
+    );
 
     // No endpoint here: dropped (kube-proxy drops too, so a load balancer's health check
     // steers clients to nodes that have one), and counted.
@@ -160,26 +236,41 @@ fn external_and_load_balancer_ips_serve_and_source_ranges_keep_others_out() {
     let (mut bed, _pods) = bed_with_pods("npextlb", 2);
     let ext = external_client(&mut bed);
     // A second outside client, in a range the load balancer does not allow.
-    let stranger = bed.add_pod("stranger", Ipv4Addr::new(198, 18, 4, 1), None).expect("client");
+    let stranger = bed
+        .add_pod("stranger", Ipv4Addr::new(198, 18, 4, 1), None)
+        .expect("client");
     let mut dp = attach(&bed, &[&ext.node_veth, &stranger.node_veth]);
     let mut svc = web_service("web", WEB_IP);
     svc.external_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 1))];
     svc.load_balancer_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 2))];
     svc.load_balancer_source_ranges = vec![(IpAddr::V4(Ipv4Addr::new(198, 18, 2, 0)), 24)];
-    let report = dp.sync(&state_of(vec![(svc, Some(local_pods()))]), &node(), Scope::Full);
+    let report = dp.sync(
+        &state_of(vec![(svc, Some(local_pods()))]),
+        &node(),
+        Scope::Full,
+    );
     assert!(report.failed.is_empty(), "{report:?}");
 
     for client in [&ext, &stranger] {
         let attempts = tcp_from(client, "198.19.1.1:80", 10);
-        assert!(attempts.iter().all(|a| a.is_ok()), "external IP serves everyone: {attempts:?}");
-        assert!(attempts.iter().all(|a| peer(a) == Some("198.19.1.1:80")), "{attempts:?}");
+        assert!(
+            attempts.iter().all(|a| a.is_ok()),
+            "external IP serves everyone: {attempts:?}"
+        );
+        assert!(
+            attempts.iter().all(|a| peer(a) == Some("198.19.1.1:80")),
+            "{attempts:?}"
+        );
     }
     let attempts = tcp_from(&ext, "198.19.1.2:80", 20);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
     assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
 
     let attempts = tcp_from(&stranger, "198.19.1.2:80", 2);
-    assert!(attempts.iter().all(|a| !a.is_ok()), "outside loadBalancerSourceRanges: {attempts:?}");
+    assert!(
+        attempts.iter().all(|a| !a.is_ok()),
+        "outside loadBalancerSourceRanges: {attempts:?}"
+    );
     assert!(dp.programmer().maps().packet_stats().dropped_source_range > 0);
 }
 
@@ -195,7 +286,11 @@ fn client_ip_affinity_holds_for_traffic_from_outside() {
 
     let attempts = tcp_from(&ext, &node_addr(&bed, NODE_PORT), 20);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
-    assert_eq!(names(&attempts).len(), 1, "one client, one backend: {attempts:?}");
+    assert_eq!(
+        names(&attempts).len(),
+        1,
+        "one client, one backend: {attempts:?}"
+    );
 }
 
 #[test]
@@ -205,7 +300,11 @@ fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
     let both = local_pods();
-    dp.sync(&state_of(vec![(svc.clone(), Some(both))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(both))]),
+        &node(),
+        Scope::Full,
+    );
 
     // One socket, one flow, a datagram every 100 ms for 3 s, like a statsd client.
     let target = node_addr(&bed, UDP_NODE_PORT);
@@ -213,28 +312,56 @@ fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
     let client = thread::spawn(move || {
         probe_from(
             &netns,
-            &["udp", &target, "--connected", "--count", "30", "--interval-ms", "100", "--timeout-ms", "500"],
+            &[
+                "udp",
+                &target,
+                "--connected",
+                "--count",
+                "30",
+                "--interval-ms",
+                "100",
+                "--timeout-ms",
+                "500",
+            ],
         )
     });
     thread::sleep(Duration::from_millis(800));
     // Remove whichever pod the flow went to: the flow table says.
-    let first = dp.programmer().maps().packet_flows().into_iter().next().expect("a flow");
-    let gone = if first.backend.ip() == IpAddr::V4(pod_ip(1)) { 1 } else { 2 };
+    let first = dp
+        .programmer()
+        .maps()
+        .packet_flows()
+        .into_iter()
+        .next()
+        .expect("a flow");
+    let gone = if first.backend.ip() == IpAddr::V4(pod_ip(1)) {
+        1
+    } else {
+        2
+    };
     let stay = 3 - gone;
     let changed = BTreeSet::from([svc.key.clone()]);
     let one = web_endpoints(vec![on("node-a", ready(pod_ip(stay)))]);
-    let report = dp.sync(&state_of(vec![(svc, Some(one))]), &node(), Scope::Changed(&changed));
+    let report = dp.sync(
+        &state_of(vec![(svc, Some(one))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
     assert!(report.failed.is_empty(), "{report:?}");
 
     let attempts = client.join().expect("client thread");
     assert_eq!(attempts.len(), 30);
     let last = &attempts[20..];
     assert!(
-        last.iter().all(|a| a.reply() == Some(format!("pod-{stay}").as_str())),
+        last.iter()
+            .all(|a| a.reply() == Some(format!("pod-{stay}").as_str())),
         "after the removal the same socket is served by pod-{stay}: {attempts:?}"
     );
     let lost = attempts.iter().filter(|a| !a.is_ok()).count();
-    assert!(lost <= 1, "at most the datagram in flight is lost: {attempts:?}");
+    assert!(
+        lost <= 1,
+        "at most the datagram in flight is lost: {attempts:?}"
+    );
 }
 
 #[test]
@@ -245,18 +372,35 @@ fn native_xdp_serves_node_ports_on_veth_ahead_of_tc() {
     let mut dp = attach_xdp(&bed, &[&ext.node_veth, "lo"], true);
     let devices = &dp.node_devices().expect("packet path attached").devices;
     let xdp: Vec<(&str, bool)> = devices.iter().map(|d| (d.name.as_str(), d.xdp)).collect();
-    assert_eq!(xdp, [(ext.node_veth.as_str(), true), ("lo", false)], "veth runs native XDP, lo does not");
+    assert_eq!(
+        xdp,
+        [(ext.node_veth.as_str(), true), ("lo", false)],
+        "veth runs native XDP, lo does not"
+    );
     let svc = node_port_service("web", WEB_IP, NODE_PORT);
-    dp.sync(&state_of(vec![(svc, Some(local_pods()))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(svc, Some(local_pods()))]),
+        &node(),
+        Scope::Full,
+    );
 
     let target = node_addr(&bed, NODE_PORT);
     assert_served(&tcp_from(&ext, &target, 30), &target, 2);
     let udp_target = node_addr(&bed, UDP_NODE_PORT);
-    let udp = probe_from(&ext.netns, &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000"]);
-    assert!(udp.iter().all(|a| from(a) == Some(udp_target.as_str())), "{udp:?}");
+    let udp = probe_from(
+        &ext.netns,
+        &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000"],
+    );
+    assert!(
+        udp.iter().all(|a| from(a) == Some(udp_target.as_str())),
+        "{udp:?}"
+    );
     let stats = dp.programmer().maps().packet_stats();
     // 30 TCP connections and one UDP socket.
-    assert!(stats.xdp >= stats.new_flows && stats.new_flows >= 31, "XDP did the work: {stats:?}");
+    assert!(
+        stats.xdp >= stats.new_flows && stats.new_flows >= 31,
+        "XDP did the work: {stats:?}"
+    );
 }
 
 #[test]
@@ -281,9 +425,26 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
     };
     let to_strings = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     let (tcp_target, udp_target) = (node_addr(&bed, NODE_PORT), node_addr(&bed, UDP_NODE_PORT));
-    let tcp = spawn(to_strings(&["tcp", &tcp_target, "--count", "100", "--interval-ms", "20", "--timeout-ms", "1000"]));
+    let tcp = spawn(to_strings(&[
+        "tcp",
+        &tcp_target,
+        "--count",
+        "100",
+        "--interval-ms",
+        "20",
+        "--timeout-ms",
+        "1000",
+    ]));
     let udp = spawn(to_strings(&[
-        "udp", &udp_target, "--connected", "--count", "40", "--interval-ms", "50", "--timeout-ms", "1000",
+        "udp",
+        &udp_target,
+        "--connected",
+        "--count",
+        "40",
+        "--interval-ms",
+        "50",
+        "--timeout-ms",
+        "1000",
     ]));
     thread::sleep(Duration::from_millis(400));
     drop(first); // the daemon exits; its pinned links keep translating...
@@ -295,10 +456,18 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
 
     let tcp = tcp.join().expect("tcp client");
     let failed: Vec<_> = tcp.iter().filter(|a| !a.is_ok()).collect();
-    assert!(failed.is_empty(), "{} of 100 connections failed: {failed:?}", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} of 100 connections failed: {failed:?}",
+        failed.len()
+    );
     let udp = udp.join().expect("udp client");
     assert!(udp.iter().all(|a| a.is_ok()), "{udp:?}");
-    assert_eq!(names(&udp).len(), 1, "the pinned flow table kept the UDP flow on its backend: {udp:?}");
+    assert_eq!(
+        names(&udp).len(),
+        1,
+        "the pinned flow table kept the UDP flow on its backend: {udp:?}"
+    );
     loader::remove_pinned(&pin).unwrap();
 }
 
@@ -308,8 +477,18 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
 fn add_node_b(bed: &mut Testbed) -> String {
     let b = bed.add_peer_node("b", NODE_B).expect("node B");
     let pod = bed.add_pod_on(&b, "pod-b", POD_B).expect("pod on node B");
-    bed.serve(probe(), &pod, &["--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353", "--echo-peer"])
-        .expect("pod-b serves");
+    bed.serve(
+        probe(),
+        &pod,
+        &[
+            "--tcp",
+            "0.0.0.0:8080",
+            "--udp",
+            "0.0.0.0:5353",
+            "--echo-peer",
+        ],
+    )
+    .expect("pod-b serves");
     b.bed_veth
 }
 
@@ -330,18 +509,41 @@ fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
 
     let target = node_addr(&bed, NODE_PORT);
     let attempts = tcp_from(&ext, &target, 20);
-    assert!(attempts.iter().all(|a| a.name() == Some("pod-b")), "{attempts:?}");
-    assert!(attempts.iter().all(|a| peer(a) == Some(target.as_str())), "{attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.name() == Some("pod-b")),
+        "{attempts:?}"
+    );
+    assert!(
+        attempts.iter().all(|a| peer(a) == Some(target.as_str())),
+        "{attempts:?}"
+    );
     // pod-b saw node A's address (SNAT), so its replies came back through A.
     let node_a = bed.node_ipv4().to_string();
     assert!(
-        attempts.iter().all(|a| a.seen_from().is_some_and(|s| s.starts_with(&format!("{node_a}:")))),
+        attempts.iter().all(|a| a
+            .seen_from()
+            .is_some_and(|s| s.starts_with(&format!("{node_a}:")))),
         "{attempts:?}"
     );
     let udp_target = node_addr(&bed, UDP_NODE_PORT);
-    let udp = probe_from(&ext.netns, &["udp", &udp_target, "--count", "5", "--timeout-ms", "1000", "--fresh-socket"]);
+    let udp = probe_from(
+        &ext.netns,
+        &[
+            "udp",
+            &udp_target,
+            "--count",
+            "5",
+            "--timeout-ms",
+            "1000",
+            "--fresh-socket",
+        ],
+    );
     for a in &udp {
-        assert_eq!((a.name(), from(a)), (Some("pod-b"), Some(udp_target.as_str())), "{a:?}");
+        assert_eq!(
+            (a.name(), from(a)),
+            (Some("pod-b"), Some(udp_target.as_str())),
+            "{a:?}"
+        );
     }
     // Every flow went to pod-b with this node's address as its source, so the replies came
     // back here to be translated.
@@ -350,9 +552,13 @@ fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
     // The TCP connections have ended: their SNAT ports go back to the pool within seconds,
     // so many short connections cannot use them all up.
     let tcp_flows = flows.iter().filter(|f| f.frontend.port() == NODE_PORT);
-    assert!(tcp_flows.clone().count() == 20 && tcp_flows.clone().all(|f| f.closing), "{flows:?}");
     assert!(
-        flows.iter().all(|f| f.backend.ip() == IpAddr::V4(POD_B) && f.snat.map(|s| s.ip()) == Some(bed.node_ipv4().into())),
+        tcp_flows.clone().count() == 20 && tcp_flows.clone().all(|f| f.closing),
+        "{flows:?}"
+    );
+    assert!(
+        flows.iter().all(|f| f.backend.ip() == IpAddr::V4(POD_B)
+            && f.snat.map(|s| s.ip()) == Some(bed.node_ipv4().into())),
         "{flows:?}"
     );
 }
@@ -370,7 +576,10 @@ fn with_xdp_a_pod_on_another_node_is_still_reached_through_tc() {
     dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
     let target = node_addr(&bed, NODE_PORT);
     let attempts = tcp_from(&ext, &target, 20);
-    assert!(attempts.iter().all(|a| a.name() == Some("pod-b")), "{attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.name() == Some("pod-b")),
+        "{attempts:?}"
+    );
     let stats = dp.programmer().maps().packet_stats();
     assert_eq!(stats.xdp, 0, "XDP left these flows to tc: {stats:?}");
 }
@@ -384,7 +593,10 @@ fn the_node_itself_reaches_its_node_ports_on_cluster_endpoints() {
     // with kube-proxy.
     let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
     svc.external_policy_local = true;
-    let eps = web_endpoints(vec![on("node-a", ready(pod_ip(1))), on("node-b", ready(pod_ip(2)))]);
+    let eps = web_endpoints(vec![
+        on("node-a", ready(pod_ip(1))),
+        on("node-b", ready(pod_ip(2))),
+    ]);
     dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
 
     let target = node_addr(&bed, NODE_PORT);

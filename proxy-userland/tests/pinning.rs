@@ -15,7 +15,9 @@ use proxy_userland::{
 };
 
 fn links_pinned(pin: &Path) -> usize {
-    std::fs::read_dir(loader::PinLayout::new(pin).links).map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir(loader::PinLayout::new(pin).links)
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 #[test]
@@ -29,13 +31,26 @@ fn restart_keeps_connections_flowing_and_reconciles_what_changed_meanwhile() {
     let eps = || Some(web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]));
 
     let mut first = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&pin)).unwrap();
-    first.sync(&state_of(vec![(web.clone(), eps()), (old.clone(), eps())]), &node, Scope::Full);
+    first.sync(
+        &state_of(vec![(web.clone(), eps()), (old.clone(), eps())]),
+        &node,
+        Scope::Full,
+    );
     assert!(tcp(&bed, "198.19.0.11:80", 1)[0].is_ok());
 
     // A bounded loop of new connections, 20 ms apart, across the whole restart.
     let client = std::thread::spawn({
         let mut cmd = bed.client(probe());
-        cmd.args(["tcp", "198.19.0.10:80", "--count", "150", "--interval-ms", "20", "--timeout-ms", "1000"]);
+        cmd.args([
+            "tcp",
+            "198.19.0.10:80",
+            "--count",
+            "150",
+            "--interval-ms",
+            "20",
+            "--timeout-ms",
+            "1000",
+        ]);
         move || cmd.output().expect("probe runs")
     });
     std::thread::sleep(Duration::from_millis(500));
@@ -45,24 +60,45 @@ fn restart_keeps_connections_flowing_and_reconciles_what_changed_meanwhile() {
     let mut second = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&pin)).unwrap();
     let report = second.sync(&state_of(vec![(web.clone(), eps())]), &node, Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
-    assert_eq!(report.frontends_written, 0, "web was adopted as it was: nothing rewritten");
-    assert_eq!(report.frontends_removed, 2, "old's two ports, deleted while no daemon ran");
+    assert_eq!(
+        report.frontends_written, 0,
+        "web was adopted as it was: nothing rewritten"
+    );
+    assert_eq!(
+        report.frontends_removed, 2,
+        "old's two ports, deleted while no daemon ran"
+    );
 
     let out = client.join().unwrap();
     let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
     assert_eq!(outcomes.len(), 150);
     let failed: Vec<_> = outcomes.iter().filter(|o| !o.is_ok()).collect();
-    assert!(failed.is_empty(), "{} of 150 connections failed across the restart: {failed:?}", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} of 150 connections failed across the restart: {failed:?}",
+        failed.len()
+    );
     assert_eq!(reached(&outcomes).len(), 2);
 
-    assert!(!tcp(&bed, "198.19.0.11:80", 1)[0].is_ok(), "the deleted service is gone");
-    assert_eq!(links_pinned(&pin), 8, "one generation of links remains, not two");
+    assert!(
+        !tcp(&bed, "198.19.0.11:80", 1)[0].is_ok(),
+        "the deleted service is gone"
+    );
+    assert_eq!(
+        links_pinned(&pin),
+        8,
+        "one generation of links remains, not two"
+    );
 
     // The maps are the same ones: an endpoint change still lands.
     let one = Some(web_endpoints(vec![ready(pod_ip(2))]));
     let changed = std::collections::BTreeSet::from([web.key.clone()]);
     second.sync(&state_of(vec![(web, one)]), &node, Scope::Changed(&changed));
-    assert!(tcp(&bed, "198.19.0.10:80", 20).iter().all(|o| o.reply() == Some("pod-2")));
+    assert!(
+        tcp(&bed, "198.19.0.10:80", 20)
+            .iter()
+            .all(|o| o.reply() == Some("pod-2"))
+    );
 
     // Clean-up detaches everything, even while a daemon still holds its handles.
     // (The kernel releases an unpinned link from a work queue: allow it a moment.)
@@ -103,7 +139,14 @@ endpoints: [{addresses: [198.18.1.11]}, {addresses: [198.18.1.12]}]
     let pin_arg = pin.to_str().unwrap();
     let mut daemon = Daemon::start(
         bed.cgroup_path(),
-        &["--manifests", dir.to_str().unwrap(), "--proxy-mode", "ebpf", "--bpf-pin-dir", pin_arg],
+        &[
+            "--manifests",
+            dir.to_str().unwrap(),
+            "--proxy-mode",
+            "ebpf",
+            "--bpf-pin-dir",
+            pin_arg,
+        ],
     );
     assert!(
         eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
@@ -113,14 +156,21 @@ endpoints: [{addresses: [198.18.1.11]}, {addresses: [198.18.1.12]}]
     assert!(daemon.stop().success(), "{}", daemon.log());
     // No daemon runs, and Services still work: the programs stay attached through the pins.
     let without_daemon = tcp(&bed, "198.19.0.10:80", 20);
-    assert!(without_daemon.iter().all(|o| o.is_ok()), "{without_daemon:?}");
+    assert!(
+        without_daemon.iter().all(|o| o.is_ok()),
+        "{without_daemon:?}"
+    );
     assert_eq!(reached(&without_daemon).len(), 2);
 
     let cleanup = std::process::Command::new(FASTPATH)
         .args(["--cleanup", "--bpf-pin-dir", pin_arg])
         .output()
         .unwrap();
-    assert!(cleanup.status.success(), "{}", String::from_utf8_lossy(&cleanup.stderr));
+    assert!(
+        cleanup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cleanup.stderr)
+    );
     assert!(
         eventually(3, || !tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
         "nothing translates after --cleanup"

@@ -29,12 +29,18 @@ fn tcp_to_cluster_ip_reaches_every_ready_backend() {
     assert!(report.failed.is_empty(), "{report:?}");
 
     let attempts = tcp(&bed, WEB, 60);
-    assert!(attempts.iter().all(|a| a.is_ok()), "every connection succeeds: {attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.is_ok()),
+        "every connection succeeds: {attempts:?}"
+    );
     let seen = reached(&attempts);
     let all: BTreeSet<String> = ["pod-1", "pod-2", "pod-3"].map(String::from).into();
     assert_eq!(seen, all, "60 connections spread over all three pods");
     for pod in &all {
-        let n = attempts.iter().filter(|a| a.reply() == Some(pod.as_str())).count();
+        let n = attempts
+            .iter()
+            .filter(|a| a.reply() == Some(pod.as_str()))
+            .count();
         // Uniform choice: P(a pod gets fewer than 5 of 60) is about 1e-5.
         assert!(n >= 5, "{pod} got only {n} of 60 connections");
     }
@@ -47,16 +53,33 @@ fn udp_replies_come_from_the_cluster_ip() {
     let (bed, _pods) = bed_with_pods("udprev", 2);
     let mut dp = attach(&bed);
     let eps = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
-    dp.sync(&state_of(vec![(web_service("web", WEB_IP), Some(eps))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(web_service("web", WEB_IP), Some(eps))]),
+        &node(),
+        Scope::Full,
+    );
 
-    let unconnected = run_probe(&bed, &["udp", WEB_DNS, "--count", "10", "--timeout-ms", "2000"]);
+    let unconnected = run_probe(
+        &bed,
+        &["udp", WEB_DNS, "--count", "10", "--timeout-ms", "2000"],
+    );
     for a in &unconnected {
         assert!(a.is_ok(), "unconnected UDP gets a reply: {a:?}");
         assert!(a.reply().is_some_and(|r| r.starts_with("pod-")));
         assert_eq!(from(a), Some(WEB_DNS), "{a:?}");
     }
-    let connected =
-        run_probe(&bed, &["udp", WEB_DNS, "--count", "5", "--timeout-ms", "2000", "--connected"]);
+    let connected = run_probe(
+        &bed,
+        &[
+            "udp",
+            WEB_DNS,
+            "--count",
+            "5",
+            "--timeout-ms",
+            "2000",
+            "--connected",
+        ],
+    );
     for a in &connected {
         assert!(a.is_ok(), "connected UDP gets a reply: {a:?}");
         assert_eq!(from(a), Some(WEB_DNS), "{a:?}");
@@ -70,7 +93,11 @@ fn a_removed_endpoint_gets_no_new_connections() {
     let mut dp = attach(&bed);
     let svc = web_service("web", WEB_IP);
     let three = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2)), ready(pod_ip(3))]);
-    dp.sync(&state_of(vec![(svc.clone(), Some(three))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(three))]),
+        &node(),
+        Scope::Full,
+    );
     assert!(reached(&tcp(&bed, WEB, 40)).contains("pod-3"));
 
     let two = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
@@ -82,7 +109,10 @@ fn a_removed_endpoint_gets_no_new_connections() {
     let attempts = tcp(&bed, WEB, 40);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
     let seen = reached(&attempts);
-    assert!(!seen.contains("pod-3"), "pod-3 was removed but still reached: {attempts:?}");
+    assert!(
+        !seen.contains("pod-3"),
+        "pod-3 was removed but still reached: {attempts:?}"
+    );
     assert_eq!(seen.len(), 2);
 }
 
@@ -98,12 +128,26 @@ fn a_service_without_endpoints_refuses_at_once() {
     let took = started.elapsed();
     for a in &attempts {
         assert!(!a.is_ok(), "{a:?}");
-        assert_eq!(a.errno(), Some("ECONNREFUSED"), "refused like kube-proxy's REJECT: {a:?}");
+        assert_eq!(
+            a.errno(),
+            Some("ECONNREFUSED"),
+            "refused like kube-proxy's REJECT: {a:?}"
+        );
     }
     // Well under the 2 s connect timeout the probe would otherwise wait, three times over.
     assert!(took.as_secs_f64() < 1.5, "refusal took {took:?}");
 
-    let udp = run_probe(&bed, &["udp", "198.19.0.11:53", "--count", "1", "--timeout-ms", "500"]);
+    let udp = run_probe(
+        &bed,
+        &[
+            "udp",
+            "198.19.0.11:53",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "500",
+        ],
+    );
     assert_eq!(udp[0].errno(), Some("ECONNREFUSED"), "{udp:?}");
 }
 
@@ -112,16 +156,27 @@ fn traffic_to_other_addresses_is_untouched() {
     let (bed, _pods) = bed_with_pods("untouched", 2);
     let mut dp = attach(&bed);
     let eps = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
-    dp.sync(&state_of(vec![(web_service("web", WEB_IP), Some(eps))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(web_service("web", WEB_IP), Some(eps))]),
+        &node(),
+        Scope::Full,
+    );
 
     // Straight to pod-1 always lands on pod-1, and reports pod-1 as the peer.
     let direct = tcp(&bed, "198.18.1.11:8080", 20);
-    assert!(direct.iter().all(|a| a.reply() == Some("pod-1")), "{direct:?}");
+    assert!(
+        direct.iter().all(|a| a.reply() == Some("pod-1")),
+        "{direct:?}"
+    );
     assert!(direct.iter().all(|a| peer(a) == Some("198.18.1.11:8080")));
     // A port the service does not have is not translated: nothing routes the ClusterIP.
     let other_port = tcp(&bed, "198.19.0.10:8080", 1);
     assert!(!other_port[0].is_ok(), "{other_port:?}");
-    assert_ne!(other_port[0].errno(), Some("ECONNREFUSED"), "not refused by us: {other_port:?}");
+    assert_ne!(
+        other_port[0].errno(),
+        Some("ECONNREFUSED"),
+        "not refused by us: {other_port:?}"
+    );
 }
 
 #[test]
@@ -131,7 +186,10 @@ fn one_endpoint_change_rewrites_one_frontend() {
     let mut entries = Vec::new();
     for i in 0..50u8 {
         let svc = web_service(&format!("svc-{i}"), Ipv4Addr::new(198, 19, 1, i));
-        entries.push((svc, Some(web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]))));
+        entries.push((
+            svc,
+            Some(web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))])),
+        ));
     }
     let state = state_of(entries.clone());
     let first = dp.sync(&state, &node(), Scope::Full);
@@ -149,11 +207,17 @@ fn one_endpoint_change_rewrites_one_frontend() {
     let state = state_of(entries);
     let key = proxy_userland::model::ServiceKey::new("demo", "svc-7");
     let report = dp.sync(&state, &node(), Scope::Changed(&BTreeSet::from([key])));
-    assert_eq!(report.frontends_written, 2, "only svc-7's two ports are rewritten");
+    assert_eq!(
+        report.frontends_written, 2,
+        "only svc-7's two ports are rewritten"
+    );
     assert_eq!(dp.programmer().occupancy().services, 298);
 
     let attempts = tcp(&bed, "198.19.1.7:80", 20);
-    assert!(attempts.iter().all(|a| a.reply() == Some("pod-1")), "{attempts:?}");
+    assert!(
+        attempts.iter().all(|a| a.reply() == Some("pod-1")),
+        "{attempts:?}"
+    );
     let others = tcp(&bed, "198.19.1.8:80", 30);
     assert_eq!(reached(&others).len(), 2, "svc-8 still uses both pods");
 }
@@ -163,7 +227,10 @@ fn removing_a_service_removes_its_entries() {
     let (bed, _pods) = bed_with_pods("svcremove", 1);
     let mut dp = attach(&bed);
     let svc = web_service("web", WEB_IP);
-    let state = state_of(vec![(svc.clone(), Some(web_endpoints(vec![ready(pod_ip(1))])))]);
+    let state = state_of(vec![(
+        svc.clone(),
+        Some(web_endpoints(vec![ready(pod_ip(1))])),
+    )]);
     dp.sync(&state, &node(), Scope::Full);
     assert!(tcp(&bed, WEB, 1)[0].is_ok());
 
@@ -172,7 +239,10 @@ fn removing_a_service_removes_its_entries() {
     let occupancy = dp.programmer().occupancy();
     assert_eq!((occupancy.services, occupancy.backends), (0, 0));
     let after = tcp(&bed, WEB, 1);
-    assert!(!after[0].is_ok(), "the ClusterIP is no longer translated: {after:?}");
+    assert!(
+        !after[0].is_ok(),
+        "the ClusterIP is no longer translated: {after:?}"
+    );
 }
 
 #[test]
@@ -181,8 +251,17 @@ fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out()
     let mut dp = attach(&bed);
     let mut svc = web_service("web", WEB_IP);
     svc.affinity_timeout = Some(1);
-    let all = vec![ready(pod_ip(1)), ready(pod_ip(2)), ready(pod_ip(3)), ready(pod_ip(4))];
-    dp.sync(&state_of(vec![(svc.clone(), Some(web_endpoints(all.clone())))]), &node(), Scope::Full);
+    let all = vec![
+        ready(pod_ip(1)),
+        ready(pod_ip(2)),
+        ready(pod_ip(3)),
+        ready(pod_ip(4)),
+    ];
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(web_endpoints(all.clone())))]),
+        &node(),
+        Scope::Full,
+    );
 
     // Back-to-back connections (each probe is a new process, same client netns) stick.
     let first = tcp(&bed, WEB, 20);
@@ -193,9 +272,17 @@ fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out()
 
     // Its backend leaves: the client moves to another one and sticks there.
     let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
-    let rest: Vec<_> = all.iter().filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i))).cloned().collect();
+    let rest: Vec<_> = all
+        .iter()
+        .filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i)))
+        .cloned()
+        .collect();
     let changed = BTreeSet::from([svc.key.clone()]);
-    dp.sync(&state_of(vec![(svc.clone(), Some(web_endpoints(rest)))]), &node(), Scope::Changed(&changed));
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(web_endpoints(rest)))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
     let moved = reached(&tcp(&bed, WEB, 20));
     assert_eq!(moved.len(), 1, "{moved:?}");
     assert!(!moved.contains(&pod), "still sent to the removed {pod}");
@@ -207,7 +294,10 @@ fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out()
         std::thread::sleep(Duration::from_millis(1200));
         after_idle.extend(reached(&tcp(&bed, WEB, 1)));
     }
-    assert!(after_idle.len() >= 2, "affinity outlived its timeout: {after_idle:?}");
+    assert!(
+        after_idle.len() >= 2,
+        "affinity outlived its timeout: {after_idle:?}"
+    );
 }
 
 /// A long-lived connected UDP client (statsd, a DNS forwarder) whose backend dies: its
@@ -224,12 +314,23 @@ fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
     let mut dp = attach(&bed);
     let svc = web_service("web", WEB_IP);
     let both = web_endpoints(vec![ready(pod_ip(1)), ready(pod_ip(2))]);
-    dp.sync(&state_of(vec![(svc.clone(), Some(both))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(both))]),
+        &node(),
+        Scope::Full,
+    );
 
     let mut client = bed
         .client(probe())
         .args(["udp", WEB_DNS, "--connected", "--reconnect-on-error"])
-        .args(["--count", "80", "--interval-ms", "50", "--timeout-ms", "200"])
+        .args([
+            "--count",
+            "80",
+            "--interval-ms",
+            "50",
+            "--timeout-ms",
+            "200",
+        ])
         .stdout(Stdio::piped())
         .spawn()
         .expect("probe client");
@@ -240,7 +341,10 @@ fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
             let _ = tx.send(line);
         }
     });
-    let next = || rx.recv_timeout(Duration::from_secs(5)).expect("a probe line within 5 s");
+    let next = || {
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("a probe line within 5 s")
+    };
     let first = next();
     let victim = xtask::probe::parse_line(&first)
         .and_then(|o| o.reply().map(str::to_string))
@@ -250,14 +354,32 @@ fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
     // The pod dies without a word: its address now swallows UDP silently.
     let dead = &pods[i - 1];
     let drop_udp = std::process::Command::new("ip")
-        .args(["netns", "exec", &dead.netns, "iptables", "-I", "INPUT", "-p", "udp", "-j", "DROP"])
+        .args([
+            "netns",
+            "exec",
+            &dead.netns,
+            "iptables",
+            "-I",
+            "INPUT",
+            "-p",
+            "udp",
+            "-j",
+            "DROP",
+        ])
         .status()
         .expect("iptables runs");
     assert!(drop_udp.success());
     let survivor = ready(pod_ip(if i == 1 { 2 } else { 1 }));
     let changed = BTreeSet::from([svc.key.clone()]);
-    let report = dp.sync(&state_of(vec![(svc, Some(web_endpoints(vec![survivor])))]), &node(), Scope::Changed(&changed));
-    assert_eq!(report.udp_sockets_reset, 1, "the client's socket is reset: {report:?}");
+    let report = dp.sync(
+        &state_of(vec![(svc, Some(web_endpoints(vec![survivor])))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
+    assert_eq!(
+        report.udp_sockets_reset, 1,
+        "the client's socket is reset: {report:?}"
+    );
 
     // Within a few attempts the client is told, reconnects, and is served again.
     let mut after = Vec::new();
@@ -269,17 +391,32 @@ fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
     }
     let _ = client.kill();
     let _ = client.wait();
-    let outcomes: Vec<_> = after.iter().filter_map(|l| xtask::probe::parse_line(l)).collect();
-    let recovered = outcomes.iter().position(|o| o.is_ok() && o.reply() != Some(victim.as_str()));
-    let recovered = recovered.unwrap_or_else(|| panic!("never served again after {victim} died: {after:?}"));
-    assert!(recovered <= 4, "recovery took {recovered} attempts: {after:?}");
+    let outcomes: Vec<_> = after
+        .iter()
+        .filter_map(|l| xtask::probe::parse_line(l))
+        .collect();
+    let recovered = outcomes
+        .iter()
+        .position(|o| o.is_ok() && o.reply() != Some(victim.as_str()));
+    let recovered =
+        recovered.unwrap_or_else(|| panic!("never served again after {victim} died: {after:?}"));
     assert!(
-        outcomes[recovered..].iter().all(|o| o.is_ok() && o.reply() != Some(victim.as_str())),
+        recovered <= 4,
+        "recovery took {recovered} attempts: {after:?}"
+    );
+    assert!(
+        outcomes[recovered..]
+            .iter()
+            .all(|o| o.is_ok() && o.reply() != Some(victim.as_str())),
         "once reconnected it stays on live backends: {after:?}"
     );
 }
 
-fn on_node(mut e: proxy_userland::model::Endpoint, node: &str, zone: &str) -> proxy_userland::model::Endpoint {
+fn on_node(
+    mut e: proxy_userland::model::Endpoint,
+    node: &str,
+    zone: &str,
+) -> proxy_userland::model::Endpoint {
     e.node_name = Some(node.into());
     e.zone = Some(zone.into());
     e.zone_hints = vec![zone.into()];
@@ -297,15 +434,27 @@ fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() {
         on_node(ready(pod_ip(2)), "node-b", "zone-a"),
         on_node(ready(pod_ip(3)), "node-a", "zone-b"),
     ]);
-    dp.sync(&state_of(vec![(svc.clone(), Some(eps))]), &node(), Scope::Full);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(eps))]),
+        &node(),
+        Scope::Full,
+    );
     let seen = reached(&tcp(&bed, WEB, 40));
-    assert_eq!(seen, BTreeSet::from(["pod-1".to_string(), "pod-3".to_string()]), "node-a's pods only");
+    assert_eq!(
+        seen,
+        BTreeSet::from(["pod-1".to_string(), "pod-3".to_string()]),
+        "node-a's pods only"
+    );
 
     // No local endpoint: kube-proxy drops such traffic (the client hangs until its
     // timeout); we refuse it, so the client learns at once.
     let remote_only = web_endpoints(vec![on_node(ready(pod_ip(2)), "node-b", "zone-a")]);
     let changed = BTreeSet::from([svc.key.clone()]);
-    dp.sync(&state_of(vec![(svc, Some(remote_only))]), &node(), Scope::Changed(&changed));
+    dp.sync(
+        &state_of(vec![(svc, Some(remote_only))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
     let refused = tcp(&bed, WEB, 1);
     assert_eq!(refused[0].errno(), Some("ECONNREFUSED"), "{refused:?}");
 }
@@ -322,14 +471,25 @@ fn terminating_endpoints_take_over_only_when_none_is_ready() {
         ..e
     };
     let mixed = web_endpoints(vec![ready(pod_ip(1)), draining(ready(pod_ip(2)))]);
-    dp.sync(&state_of(vec![(svc.clone(), Some(mixed))]), &node(), Scope::Full);
-    assert_eq!(reached(&tcp(&bed, WEB, 30)), BTreeSet::from(["pod-1".to_string()]));
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(mixed))]),
+        &node(),
+        Scope::Full,
+    );
+    assert_eq!(
+        reached(&tcp(&bed, WEB, 30)),
+        BTreeSet::from(["pod-1".to_string()])
+    );
 
     // A rollout's last moment: every endpoint is terminating but still serving. Refusing
     // would drop traffic the old pods can still answer.
     let all_draining = web_endpoints(vec![draining(ready(pod_ip(1))), draining(ready(pod_ip(2)))]);
     let changed = BTreeSet::from([svc.key.clone()]);
-    dp.sync(&state_of(vec![(svc, Some(all_draining))]), &node(), Scope::Changed(&changed));
+    dp.sync(
+        &state_of(vec![(svc, Some(all_draining))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
     let attempts = tcp(&bed, WEB, 30);
     assert!(attempts.iter().all(|o| o.is_ok()), "{attempts:?}");
     assert_eq!(reached(&attempts).len(), 2);
@@ -346,7 +506,10 @@ fn topology_hints_keep_traffic_in_this_nodes_zone() {
         on_node(ready(pod_ip(2)), "node-b", "zone-a"),
         on_node(ready(pod_ip(3)), "node-c", "zone-b"),
     ]);
-    let here = NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()) };
+    let here = NodeInfo {
+        name: "node-a".into(),
+        zone: Some("zone-a".into()),
+    };
     dp.sync(&state_of(vec![(svc, Some(eps))]), &here, Scope::Full);
     assert_eq!(
         reached(&tcp(&bed, WEB, 40)),
@@ -365,13 +528,19 @@ fn pods_reach_external_and_load_balancer_ips_without_leaving_the_node() {
     // Even under externalTrafficPolicy Local, a pod's connection uses every endpoint, as
     // kube-proxy short-circuits it; pod-2 runs elsewhere.
     svc.external_policy_local = true;
-    let eps = web_endpoints(vec![on_node(ready(pod_ip(1)), "node-a", ""), on_node(ready(pod_ip(2)), "node-b", "")]);
+    let eps = web_endpoints(vec![
+        on_node(ready(pod_ip(1)), "node-a", ""),
+        on_node(ready(pod_ip(2)), "node-b", ""),
+    ]);
     let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
     for target in ["198.19.2.1:80", "198.19.2.2:80"] {
         let attempts = tcp(&bed, target, 30);
         assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
         assert_eq!(reached(&attempts).len(), 2, "{attempts:?}");
-        assert!(attempts.iter().all(|a| peer(a) == Some(target)), "{attempts:?}");
+        assert!(
+            attempts.iter().all(|a| peer(a) == Some(target)),
+            "{attempts:?}"
+        );
     }
 }

@@ -215,7 +215,12 @@ pub fn demo(
         .arg(bed.cgroup_path())
         // Node ports on the node namespace's device towards "another host" only: never on
         // this machine's own devices.
-        .args(["--netns", bed.node_netns(), "--nodeport-devices", &outside.node_veth])
+        .args([
+            "--netns",
+            bed.node_netns(),
+            "--nodeport-devices",
+            &outside.node_veth,
+        ])
         .args(["--hostname-override", NODE_NAME]);
     if let Some(level) = log_level {
         cmd.args(["--log-level", level]);
@@ -415,18 +420,36 @@ impl Demo<'_> {
     fn show_node_port(&mut self, outside: &Pod) -> Result<()> {
         let target = format!("{}:{WEB_NODE_PORT}", self.bed.node_ipv4());
         let mut cmd = Command::new(self.probe);
-        cmd.arg("--netns").arg(&outside.netns).args(["tcp", &target, "--count", "6", "--timeout-ms", "2000"]);
+        cmd.arg("--netns").arg(&outside.netns).args([
+            "tcp",
+            &target,
+            "--count",
+            "6",
+            "--timeout-ms",
+            "2000",
+        ]);
         let got = probe::parse(&crate::cmd::output(&mut cmd)?);
         let answered: Vec<&str> = got.iter().filter_map(Outcome::reply).collect();
         println!(
             "4. From another host ({OUTSIDE_IP}), 6 connections to the node's NodePort {target} were answered by {}.",
-            if answered.is_empty() { "nobody".to_string() } else { answered.join(", ") }
+            if answered.is_empty() {
+                "nobody".to_string()
+            } else {
+                answered.join(", ")
+            }
         );
-        let peers_ok = got.iter().all(|o| matches!(o, Outcome::Ok { peer: Some(p), .. } if *p == target));
+        let peers_ok = got
+            .iter()
+            .all(|o| matches!(o, Outcome::Ok { peer: Some(p), .. } if *p == target));
         if answered.len() == got.len() && !got.is_empty() && peers_ok {
-            println!("   tc programs on {} translated each packet; the client only saw {target}.", outside.node_veth);
+            println!(
+                "   tc programs on {} translated each packet; the client only saw {target}.",
+                outside.node_veth
+            );
         } else {
-            self.surprise(format!("expected every connection to reach a pod through {target}: {got:?}"));
+            self.surprise(format!(
+                "expected every connection to reach a pod through {target}: {got:?}"
+            ));
         }
         Ok(())
     }

@@ -71,7 +71,11 @@ fn main() -> ExitCode {
         match Cli::parse().command {
             Cmd::Setup => xtask::setup::setup(),
             Cmd::Test { args } => xtask::run::test(&args),
-            Cmd::Bench { sizes, connections, rounds } => xtask::run::bench(&sizes, connections, rounds),
+            Cmd::Bench {
+                sizes,
+                connections,
+                rounds,
+            } => xtask::run::bench(&sizes, connections, rounds),
             Cmd::Run {
                 manifests,
                 kubeconfig,

@@ -34,13 +34,20 @@ impl Attempts {
             }
         }
         latencies.sort();
-        Attempts { latencies, failures }
+        Attempts {
+            latencies,
+            failures,
+        }
     }
 
     /// Attempts per second of the attempts' own time (the probe's start-up does not count).
     pub fn rate(&self) -> f64 {
         let busy: Duration = self.latencies.iter().sum();
-        if busy.is_zero() { 0.0 } else { self.latencies.len() as f64 / busy.as_secs_f64() }
+        if busy.is_zero() {
+            0.0
+        } else {
+            self.latencies.len() as f64 / busy.as_secs_f64()
+        }
     }
 
     pub fn p50(&self) -> Duration {

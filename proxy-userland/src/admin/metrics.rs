@@ -250,8 +250,16 @@ mod tests {
             conntrack: 2,
             ..Default::default()
         });
-        m.set_packet_stats(&PacketStats { new_flows: 3, dropped_source_range: 1, ..Default::default() });
-        m.set_packet_stats(&PacketStats { new_flows: 5, dropped_source_range: 1, ..Default::default() });
+        m.set_packet_stats(&PacketStats {
+            new_flows: 3,
+            dropped_source_range: 1,
+            ..Default::default()
+        });
+        m.set_packet_stats(&PacketStats {
+            new_flows: 5,
+            dropped_source_range: 1,
+            ..Default::default()
+        });
         m.last_sync_timestamp.set(unix_seconds(
             SystemTime::UNIX_EPOCH + Duration::from_secs(7),
         ));

@@ -39,12 +39,22 @@ pub struct Frontend {
 impl Frontend {
     /// A frontend for connections made on this node.
     pub fn socket(ip: IpAddr, port: u16, proto: Protocol) -> Self {
-        Self { ip, port, proto, scope: FrontendScope::Socket }
+        Self {
+            ip,
+            port,
+            proto,
+            scope: FrontendScope::Socket,
+        }
     }
 
     /// A frontend for packets from other hosts.
     pub fn packet(ip: IpAddr, port: u16, proto: Protocol) -> Self {
-        Self { ip, port, proto, scope: FrontendScope::Packet }
+        Self {
+            ip,
+            port,
+            proto,
+            scope: FrontendScope::Packet,
+        }
     }
 }
 
@@ -196,7 +206,10 @@ pub fn desired_external_socket_frontends(
             out.insert(Frontend::socket(any, np, pe.port.protocol), cluster(true));
         }
         for &ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
-            out.insert(Frontend::socket(ip, pe.port.port, pe.port.protocol), cluster(ip.is_ipv4()));
+            out.insert(
+                Frontend::socket(ip, pe.port.port, pe.port.protocol),
+                cluster(ip.is_ipv4()),
+            );
         }
     }
     out
@@ -212,14 +225,25 @@ pub fn desired_packet_frontends(
     node: &NodeInfo,
 ) -> BTreeMap<Frontend, DesiredFrontend> {
     let mut out = BTreeMap::new();
-    let v4 = |ips: &[IpAddr]| ips.iter().copied().filter(IpAddr::is_ipv4).collect::<Vec<_>>();
+    let v4 = |ips: &[IpAddr]| {
+        ips.iter()
+            .copied()
+            .filter(IpAddr::is_ipv4)
+            .collect::<Vec<_>>()
+    };
     let (external_ips, lb_ips) = (v4(&svc.external_ips), v4(&svc.load_balancer_ips));
-    if svc.ports.iter().all(|p| p.node_port.is_none()) && external_ips.is_empty() && lb_ips.is_empty()
+    if svc.ports.iter().all(|p| p.node_port.is_none())
+        && external_ips.is_empty()
+        && lb_ips.is_empty()
     {
         return out;
     }
-    let mut ranges: Vec<(IpAddr, u8)> =
-        svc.load_balancer_source_ranges.iter().copied().filter(|(ip, _)| ip.is_ipv4()).collect();
+    let mut ranges: Vec<(IpAddr, u8)> = svc
+        .load_balancer_source_ranges
+        .iter()
+        .copied()
+        .filter(|(ip, _)| ip.is_ipv4())
+        .collect();
     // Sorted as the maps give them back, so an adopted frontend compares equal.
     ranges.sort();
     ranges.dedup();
@@ -240,7 +264,10 @@ pub fn desired_packet_frontends(
         }
         // kube-proxy applies the source ranges to the load-balancer IPs only.
         for &ip in &lb_ips {
-            out.insert(Frontend::packet(ip, port.port, port.protocol), want(&ranges));
+            out.insert(
+                Frontend::packet(ip, port.port, port.protocol),
+                want(&ranges),
+            );
         }
     }
     out

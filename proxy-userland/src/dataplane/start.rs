@@ -129,7 +129,10 @@ pub fn select_and_start(
         // will not create): a node that was not forced into eBPF still gets Services.
         Err(e) if requested.is_none() && decision.mode == Mode::Ebpf => {
             tracing::error!("the eBPF dataplane failed to start: {e}; falling back");
-            let probes = Probes { bpf_syscall: Err(format!("loading our programs failed: {e}")), ..probes };
+            let probes = Probes {
+                bpf_syscall: Err(format!("loading our programs failed: {e}")),
+                ..probes
+            };
             let decision = mode::decide(None, &probes)?;
             info!(mode = %decision.mode, reasons = ?decision.reasons, "proxy mode chosen after the eBPF failure");
             mode::cleanup_leftovers(decision.mode, opts.netns.as_deref());
@@ -156,8 +159,12 @@ impl StartOptions {
                     .map_err(|e| format!("--nodeport-addresses {a:?}: {e}"))?,
             );
         }
-        let devices: Vec<String> =
-            args.nodeport_devices.iter().map(|d| d.trim().to_string()).filter(|d| !d.is_empty()).collect();
+        let devices: Vec<String> = args
+            .nodeport_devices
+            .iter()
+            .map(|d| d.trim().to_string())
+            .filter(|d| !d.is_empty())
+            .collect();
         let packet_auto = devices.iter().any(|d| d == "auto");
         let packet = (!devices.iter().any(|d| d == "none")).then(|| PacketPathConfig {
             netns: args.netns.clone(),
@@ -195,8 +202,10 @@ mod tests {
     use super::*;
 
     fn opts(flags: &[&str]) -> StartOptions {
-        let args = crate::config::Args::try_parse_from(std::iter::once("fastpath").chain(flags.iter().copied()))
-            .expect("flags parse");
+        let args = crate::config::Args::try_parse_from(
+            std::iter::once("fastpath").chain(flags.iter().copied()),
+        )
+        .expect("flags parse");
         StartOptions::from_args(&args).expect("options")
     }
 
@@ -204,17 +213,36 @@ mod tests {
     fn nodeport_devices_choose_the_packet_path() {
         let auto = opts(&[]);
         assert!(auto.packet_auto);
-        assert_eq!(auto.packet.as_ref().map(|p| p.devices.len()), Some(0), "auto: default-route devices");
+        assert_eq!(
+            auto.packet.as_ref().map(|p| p.devices.len()),
+            Some(0),
+            "auto: default-route devices"
+        );
 
-        let named = opts(&["--nodeport-devices", "eth1,eth2", "--nodeport-addresses", "198.18.0.0/15,primary"]);
+        let named = opts(&[
+            "--nodeport-devices",
+            "eth1,eth2",
+            "--nodeport-addresses",
+            "198.18.0.0/15,primary",
+        ]);
         let packet = named.packet.expect("on");
         assert!(!named.packet_auto, "named devices must attach or fail");
         assert_eq!(packet.devices, ["eth1", "eth2"]);
-        assert_eq!(packet.node_port_cidrs, [("198.18.0.0".parse().unwrap(), 15)]);
+        assert_eq!(
+            packet.node_port_cidrs,
+            [("198.18.0.0".parse().unwrap(), 15)]
+        );
 
         // The last occurrence wins, so a wrapper can turn it off, or on again.
-        assert!(opts(&["--nodeport-devices", "eth1", "--nodeport-devices", "none"]).packet.is_none());
+        assert!(
+            opts(&["--nodeport-devices", "eth1", "--nodeport-devices", "none"])
+                .packet
+                .is_none()
+        );
         let again = opts(&["--nodeport-devices", "none", "--nodeport-devices", "eth3"]);
-        assert_eq!(again.packet.map(|p| p.devices), Some(vec!["eth3".to_string()]));
+        assert_eq!(
+            again.packet.map(|p| p.devices),
+            Some(vec!["eth3".to_string()])
+        );
     }
 }

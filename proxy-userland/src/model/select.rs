@@ -322,7 +322,11 @@ mod tests {
     }
 
     fn svc() -> Service {
-        Service::cluster_ip(ServiceKey::new("default", "web"), vec!["10.96.0.1".parse().unwrap()], vec![port("http", Protocol::Tcp)])
+        Service::cluster_ip(
+            ServiceKey::new("default", "web"),
+            vec!["10.96.0.1".parse().unwrap()],
+            vec![port("http", Protocol::Tcp)],
+        )
     }
 
     fn node_port_svc() -> Service {

@@ -11,7 +11,10 @@ pub struct ServiceKey {
 
 impl ServiceKey {
     pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self { namespace: namespace.into(), name: name.into() }
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
     }
 }
 

@@ -252,7 +252,12 @@ impl ChangeTracker {
     /// Replaces every slice with a full list (a relist of EndpointSlices alone), keeping
     /// the services as they are.
     pub fn replace_slices(&mut self, slices: Vec<(ServiceKey, String, SliceInfo)>) {
-        let services = self.state.services.values().map(|s| (**s).clone()).collect();
+        let services = self
+            .state
+            .services
+            .values()
+            .map(|s| (**s).clone())
+            .collect();
         self.replace_all(services, slices);
     }
 
@@ -270,7 +275,9 @@ impl ChangeTracker {
             .endpoints
             .iter()
             .flat_map(|(owner, set)| {
-                set.slices.iter().map(|(name, info)| (owner.clone(), name.clone(), info.clone()))
+                set.slices
+                    .iter()
+                    .map(|(name, info)| (owner.clone(), name.clone(), info.clone()))
             })
             .collect()
     }
@@ -286,12 +293,16 @@ mod tests {
     }
 
     fn svc(name: &str, port: u16) -> Service {
-        Service::cluster_ip(key(name), vec!["10.96.0.1".parse().unwrap()], vec![ServicePort {
+        Service::cluster_ip(
+            key(name),
+            vec!["10.96.0.1".parse().unwrap()],
+            vec![ServicePort {
                 name: "http".into(),
                 port,
                 protocol: Protocol::Tcp,
                 node_port: None,
-            }])
+            }],
+        )
     }
 
     fn slice(ips: &[&str]) -> SliceInfo {
@@ -474,7 +485,10 @@ mod tests {
     #[test]
     fn partial_relists_and_forgetting_a_slice() {
         let mut t = ChangeTracker::new();
-        t.replace_all(vec![svc("a", 80), svc("b", 80)], vec![(key("a"), "a-1".into(), slice(&["198.18.1.1"]))]);
+        t.replace_all(
+            vec![svc("a", 80), svc("b", 80)],
+            vec![(key("a"), "a-1".into(), slice(&["198.18.1.1"]))],
+        );
         t.take_changes();
         // A relist of services that drops b keeps a's endpoints.
         t.replace_services(vec![svc("a", 80)]);

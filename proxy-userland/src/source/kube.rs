@@ -50,11 +50,14 @@ pub async fn client(cfg: &KubeConfig) -> anyhow::Result<Client> {
                 .await
                 .with_context(|| format!("invalid kubeconfig {}", path.display()))?
         }
-        None => Config::infer().await.context("no in-cluster config and no kubeconfig found")?,
+        None => Config::infer()
+            .await
+            .context("no in-cluster config and no kubeconfig found")?,
     };
     if let Some(master) = &cfg.master {
-        config.cluster_url =
-            master.parse().with_context(|| format!("--master {master:?} is not a URL"))?;
+        config.cluster_url = master
+            .parse()
+            .with_context(|| format!("--master {master:?} is not a URL"))?;
     }
     Client::try_from(config).context("cannot build a Kubernetes client")
 }
@@ -82,8 +85,7 @@ pub async fn run(
     let config = watcher::Config::default().labels(&selector);
     let services =
         watcher(Api::<v1::Service>::all(client.clone()), config.clone()).default_backoff();
-    let slices =
-        watcher(Api::<EndpointSlice>::all(client.clone()), config).default_backoff();
+    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), config).default_backoff();
     let nodes = watcher(
         Api::<v1::Node>::all(client),
         watcher::Config::default().fields(&format!("metadata.name={node_name}")),
@@ -129,7 +131,10 @@ struct Pump {
 }
 
 fn object_key<K: ResourceExt>(obj: &K) -> ServiceKey {
-    ServiceKey::new(obj.namespace().unwrap_or_else(|| "default".into()), obj.name_any())
+    ServiceKey::new(
+        obj.namespace().unwrap_or_else(|| "default".into()),
+        obj.name_any(),
+    )
 }
 
 impl Pump {
@@ -153,7 +158,8 @@ impl Pump {
             Err(e) => {
                 error!("{e}; the service is not programmed until it is fixed");
                 let note = format!("{e}; fastpath does not program it until it is fixed");
-                self.events.warn(svc.object_ref(&()), events::REASON_INVALID, "Convert", note);
+                self.events
+                    .warn(svc.object_ref(&()), events::REASON_INVALID, "Convert", note);
                 None
             }
         }
@@ -168,7 +174,12 @@ impl Pump {
             Err(e) => {
                 error!("{e}; the slice is ignored until it is fixed");
                 let note = format!("{e}; fastpath ignores it until it is fixed");
-                self.events.warn(slice.object_ref(&()), events::REASON_INVALID, "Convert", note);
+                self.events.warn(
+                    slice.object_ref(&()),
+                    events::REASON_INVALID,
+                    "Convert",
+                    note,
+                );
                 None
             }
         }
@@ -237,16 +248,31 @@ impl Pump {
                 let namespace = slice.namespace().unwrap_or_else(|| "default".into());
                 let name = slice.name_any();
                 let ev = match self.convert_slice(&slice) {
-                    Some((owner, name, info)) => SourceEvent::Slice { namespace, owner: Some(owner), name, slice: Some(info) },
+                    Some((owner, name, info)) => SourceEvent::Slice {
+                        namespace,
+                        owner: Some(owner),
+                        name,
+                        slice: Some(info),
+                    },
                     // Unusable now (malformed, FQDN, owner label gone): whatever it fed
                     // before must go.
-                    None => SourceEvent::Slice { namespace, owner: None, name, slice: None },
+                    None => SourceEvent::Slice {
+                        namespace,
+                        owner: None,
+                        name,
+                        slice: None,
+                    },
                 };
                 return self.send(ev).await;
             }
             watcher::Event::Delete(slice) => {
                 let namespace = slice.namespace().unwrap_or_else(|| "default".into());
-                let ev = SourceEvent::Slice { namespace, owner: None, name: slice.name_any(), slice: None };
+                let ev = SourceEvent::Slice {
+                    namespace,
+                    owner: None,
+                    name: slice.name_any(),
+                    slice: None,
+                };
                 return self.send(ev).await;
             }
         }
@@ -257,12 +283,18 @@ impl Pump {
         match ev {
             Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => {
                 let zone = node.labels().get(ZONE).cloned();
-                let info = NodeInfo { name: self.node_name.clone(), zone };
+                let info = NodeInfo {
+                    name: self.node_name.clone(),
+                    zone,
+                };
                 self.send(SourceEvent::Node(info)).await
             }
             Ok(_) => true,
             Err(e) => {
-                warn!("watching Node {}: {e}; retrying with backoff", self.node_name);
+                warn!(
+                    "watching Node {}: {e}; retrying with backoff",
+                    self.node_name
+                );
                 true
             }
         }

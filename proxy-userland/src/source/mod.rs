@@ -15,16 +15,27 @@ use crate::model::{NodeInfo, Service, ServiceKey, SliceInfo};
 #[derive(Clone, Debug, PartialEq)]
 pub enum SourceEvent {
     /// Every service and slice at once (a file re-read): nothing else exists.
-    ReplaceAll { services: Vec<Service>, slices: Vec<(ServiceKey, String, SliceInfo)> },
+    ReplaceAll {
+        services: Vec<Service>,
+        slices: Vec<(ServiceKey, String, SliceInfo)>,
+    },
     /// A full list of services (the initial list, or a relist after 410 Gone).
     ReplaceServices(Vec<Service>),
     /// A full list of slices, as (owner, slice name, slice).
     ReplaceSlices(Vec<(ServiceKey, String, SliceInfo)>),
     /// One service added, changed (`Some`) or removed or no longer ours (`None`).
-    Service { key: ServiceKey, service: Option<Service> },
+    Service {
+        key: ServiceKey,
+        service: Option<Service>,
+    },
     /// One slice changed (`Some`, with its owner) or gone/unusable (`None`; the owner may
     /// be unknown then, the tracker remembers it).
-    Slice { namespace: String, owner: Option<ServiceKey>, name: String, slice: Option<SliceInfo> },
+    Slice {
+        namespace: String,
+        owner: Option<ServiceKey>,
+        name: String,
+        slice: Option<SliceInfo>,
+    },
     /// What we learnt about this node (its zone).
     Node(NodeInfo),
     /// The initial lists are complete: programming may start.

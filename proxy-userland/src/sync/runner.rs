@@ -16,7 +16,11 @@ pub struct SyncPeriods {
 
 impl Default for SyncPeriods {
     fn default() -> Self {
-        Self { min: Duration::ZERO, max: Duration::from_secs(30), retry: Duration::from_secs(1) }
+        Self {
+            min: Duration::ZERO,
+            max: Duration::from_secs(30),
+            retry: Duration::from_secs(1),
+        }
     }
 }
 
@@ -42,7 +46,13 @@ pub struct BoundedFrequency {
 
 impl BoundedFrequency {
     pub fn new(periods: SyncPeriods, now: Instant) -> Self {
-        Self { periods, last_run: None, last_full: now, pending: false, retry_at: None }
+        Self {
+            periods,
+            last_run: None,
+            last_full: now,
+            pending: false,
+            retry_at: None,
+        }
     }
 
     /// Something changed. Many calls before the next run still cost one run.
@@ -56,7 +66,9 @@ impl BoundedFrequency {
 
     /// When the next sync should start, and why.
     pub fn next_run(&self) -> (Instant, Due) {
-        let earliest = self.last_run.map_or(self.last_full, |t| t + self.periods.min);
+        let earliest = self
+            .last_run
+            .map_or(self.last_full, |t| t + self.periods.min);
         let periodic = self.last_full + self.periods.max;
         let mut next = (periodic, Due::Periodic);
         if let Some(at) = self.retry_at {

@@ -62,12 +62,19 @@ impl NodeDevices {
 
     /// (ifindex, address) of every device that has an IPv4 address, for the SNAT map.
     pub fn snat_addresses(&self) -> Vec<(u32, Ipv4Addr)> {
-        self.devices.iter().filter_map(|d| Some((d.ifindex, d.ipv4?))).collect()
+        self.devices
+            .iter()
+            .filter_map(|d| Some((d.ifindex, d.ipv4?)))
+            .collect()
     }
 }
 
 fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
-    let names = if cfg.devices.is_empty() { default_route_devices() } else { cfg.devices.clone() };
+    let names = if cfg.devices.is_empty() {
+        default_route_devices()
+    } else {
+        cfg.devices.clone()
+    };
     if names.is_empty() {
         return Err(DeviceError::NoDevices);
     }
@@ -76,22 +83,34 @@ fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
     for name in names {
         let ifindex = if_index(&name).ok_or_else(|| DeviceError::Unknown(name.clone()))?;
         let ipv4 = addrs.iter().find(|(n, _)| *n == name).map(|(_, a)| *a);
-        devices.push(Device { name, ifindex, ipv4, xdp: false });
+        devices.push(Device {
+            name,
+            ifindex,
+            ipv4,
+            xdp: false,
+        });
     }
     let mut node_port_addrs: Vec<Ipv4Addr> = addrs
         .iter()
         .map(|(_, a)| *a)
         .filter(|a| !a.is_loopback())
-        .filter(|a| cfg.node_port_cidrs.is_empty() || cfg.node_port_cidrs.iter().any(|c| contains(*c, *a)))
+        .filter(|a| {
+            cfg.node_port_cidrs.is_empty() || cfg.node_port_cidrs.iter().any(|c| contains(*c, *a))
+        })
         .collect();
     node_port_addrs.sort();
     node_port_addrs.dedup();
-    Ok(NodeDevices { devices, node_port_addrs })
+    Ok(NodeDevices {
+        devices,
+        node_port_addrs,
+    })
 }
 
 fn contains((net, len): (IpAddr, u8), a: Ipv4Addr) -> bool {
     let IpAddr::V4(net) = net else { return false };
-    let mask = u32::MAX.checked_shl(32 - u32::from(len.min(32))).unwrap_or(0);
+    let mask = u32::MAX
+        .checked_shl(32 - u32::from(len.min(32)))
+        .unwrap_or(0);
     u32::from(net) & mask == u32::from(a) & mask
 }
 
@@ -115,12 +134,16 @@ fn interface_addresses() -> std::io::Result<Vec<(String, Ipv4Addr)>> {
         // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET {
+        if ifa.ifa_addr.is_null()
+            || i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET
+        {
             continue;
         }
         // SAFETY: an AF_INET address is a sockaddr_in.
         let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-        let name = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(ifa.ifa_name) }
+            .to_string_lossy()
+            .into_owned();
         out.push((name, Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
     }
     // SAFETY: the list came from getifaddrs and is freed once.
@@ -152,7 +175,9 @@ pub fn in_netns<T: Send>(ns: Option<&str>, f: impl FnOnce() -> T + Send) -> Resu
             netns::enter(ns)?;
             Ok(f())
         });
-        handle.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        handle
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     })
 }
 
@@ -165,7 +190,13 @@ mod tests {
         let net = ("198.18.0.0".parse().unwrap(), 16);
         assert!(contains(net, Ipv4Addr::new(198, 18, 3, 4)));
         assert!(!contains(net, Ipv4Addr::new(198, 19, 0, 1)));
-        assert!(contains(("0.0.0.0".parse().unwrap(), 0), Ipv4Addr::new(198, 19, 0, 1)));
-        assert!(!contains(("2001:db8::".parse().unwrap(), 32), Ipv4Addr::new(198, 19, 0, 1)));
+        assert!(contains(
+            ("0.0.0.0".parse().unwrap(), 0),
+            Ipv4Addr::new(198, 19, 0, 1)
+        ));
+        assert!(!contains(
+            ("2001:db8::".parse().unwrap(), 32),
+            Ipv4Addr::new(198, 19, 0, 1)
+        ));
     }
 }

@@ -53,7 +53,10 @@ pub const NODEPORT_XDP: &str = "fp_nodeport_xdp";
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("cannot open cgroup {path}: {source} (is cgroup v2 mounted there?)")]
-    Cgroup { path: String, source: std::io::Error },
+    Cgroup {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("loading the eBPF object failed: {0}")]
     Object(#[from] EbpfError),
     #[error("program {name} is missing from the eBPF object")]
@@ -61,15 +64,25 @@ pub enum LoadError {
     #[error("program {name} is not a cgroup sock_addr program")]
     WrongType { name: &'static str },
     #[error("the kernel refused program {name}: {source}")]
-    Program { name: &'static str, source: ProgramError },
+    Program {
+        name: &'static str,
+        source: ProgramError,
+    },
     #[error("map {name} is missing from the eBPF object")]
     MissingMap { name: &'static str },
     #[error("map {name} has an unexpected type: {source}")]
-    Map { name: &'static str, source: aya::maps::MapError },
+    Map {
+        name: &'static str,
+        source: aya::maps::MapError,
+    },
     #[error("pinning under {path}: {source} (is it on a bpffs mount?)")]
     Pin { path: String, source: io::Error },
     #[error("attaching {name} to device {device}: {source}")]
-    Device { name: &'static str, device: String, source: ProgramError },
+    Device {
+        name: &'static str,
+        device: String,
+        source: ProgramError,
+    },
     #[error(transparent)]
     Devices(#[from] DeviceError),
 }
@@ -79,7 +92,9 @@ impl LoadError {
     pub fn is_packet_path(&self) -> bool {
         match self {
             LoadError::Devices(_) | LoadError::Device { .. } => true,
-            LoadError::Program { name, .. } | LoadError::MissingProgram { name } | LoadError::WrongType { name } => {
+            LoadError::Program { name, .. }
+            | LoadError::MissingProgram { name }
+            | LoadError::WrongType { name } => {
                 [NODEPORT_INGRESS, NODEPORT_EGRESS, NODEPORT_XDP].contains(name)
             }
             _ => false,
@@ -107,7 +122,10 @@ pub fn object() -> &'static [u8] {
 }
 
 fn pin_err(path: &Path) -> impl FnOnce(io::Error) -> LoadError + '_ {
-    move |source| LoadError::Pin { path: path.display().to_string(), source }
+    move |source| LoadError::Pin {
+        path: path.display().to_string(),
+        source,
+    }
 }
 
 /// Pinning works only on bpffs; saying so beats the loader's bare "pinning failed".
@@ -134,7 +152,10 @@ pub struct PinLayout {
 
 impl PinLayout {
     pub fn new(dir: &Path) -> Self {
-        Self { maps: dir.join(format!("maps-v{MAP_LAYOUT_VERSION}")), links: dir.join("links") }
+        Self {
+            maps: dir.join(format!("maps-v{MAP_LAYOUT_VERSION}")),
+            links: dir.join("links"),
+        }
     }
 }
 
@@ -152,8 +173,10 @@ pub fn remove_pinned(dir: &Path) -> Result<(), LoadError> {
 /// (or pinned to) it and the links are pinned there, replacing an older generation's.
 pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, LoadError> {
     let (pin_dir, packet) = (opts.pin_dir.as_deref(), opts.packet.as_ref());
-    let cgroup_file = File::open(cgroup)
-        .map_err(|source| LoadError::Cgroup { path: cgroup.display().to_string(), source })?;
+    let cgroup_file = File::open(cgroup).map_err(|source| LoadError::Cgroup {
+        path: cgroup.display().to_string(),
+        source,
+    })?;
     let layout = pin_dir.map(PinLayout::new);
     let mut loader = EbpfLoader::new();
     let map_paths: Vec<(&str, PathBuf)> = match &layout {
@@ -161,7 +184,10 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
             std::fs::create_dir_all(&l.maps).map_err(pin_err(&l.maps))?;
             std::fs::create_dir_all(&l.links).map_err(pin_err(&l.links))?;
             check_bpffs(&l.maps)?;
-            map_names::ALL.iter().map(|n| (*n, l.maps.join(n))).collect()
+            map_names::ALL
+                .iter()
+                .map(|n| (*n, l.maps.join(n)))
+                .collect()
         }
         None => Vec::new(),
     };
@@ -169,17 +195,26 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         loader.map_pin_path(name, path.as_path());
     }
     if let Some(max) = opts.lb_map_max {
-        for name in [map_names::SERVICES4, map_names::SERVICES6, map_names::BACKENDS4, map_names::BACKENDS6] {
+        for name in [
+            map_names::SERVICES4,
+            map_names::SERVICES6,
+            map_names::BACKENDS4,
+            map_names::BACKENDS6,
+        ] {
             loader.map_max_entries(name, max.max(1));
         }
     }
     let mut ebpf = loader.load(object())?;
     // A generation tag keeps this daemon's link pins apart from the previous one's until
     // ours are in place.
-    let generation = format!("{}-{}", std::process::id(), std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or_default());
+    let generation = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default()
+    );
     let mut pinned_now = Vec::new();
     // With a pin directory a link is pinned there, so it outlives us; without, it stays
     // with its program and goes when we exit.
@@ -190,7 +225,9 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
             source: io::Error::other(format!("link of {name} is not a BPF link: {e}")),
         })?;
         let path = l.links.join(format!("{tag}@{generation}"));
-        fd_link.pin(&path).map_err(|e| pin_err(&path)(io::Error::other(e)))?;
+        fd_link
+            .pin(&path)
+            .map_err(|e| pin_err(&path)(io::Error::other(e)))?;
         pinned_now.push(path);
         Ok::<(), LoadError>(())
     };
@@ -203,7 +240,9 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
                 .ok_or(LoadError::MissingProgram { name })?
                 .try_into()
                 .map_err(|_| LoadError::WrongType { name })?;
-            program.load().map_err(|source| LoadError::Program { name, source })?;
+            program
+                .load()
+                .map_err(|source| LoadError::Program { name, source })?;
             program
         }};
     }
@@ -211,8 +250,14 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         ($program:expr, $name:expr, $link_id:expr, $tag:expr) => {
             if layout.is_some() {
                 let name = $name;
-                let link = $program.take_link($link_id).map_err(|source| LoadError::Program { name, source })?;
-                pin(name, FdLink::try_from(link).map_err(|e| e.to_string()), $tag)?;
+                let link = $program
+                    .take_link($link_id)
+                    .map_err(|source| LoadError::Program { name, source })?;
+                pin(
+                    name,
+                    FdLink::try_from(link).map_err(|e| e.to_string()),
+                    $tag,
+                )?;
             }
         };
     }
@@ -233,9 +278,10 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         // Before TCX (6.6) aya attaches tc programs to the clsact qdisc, which must exist.
         let needs_clsact = aya::util::KernelVersion::current()
             .map_or(true, |v| v < aya::util::KernelVersion::new(6, 6, 0));
-        for (name, attach_type) in
-            [(NODEPORT_INGRESS, TcAttachType::Ingress), (NODEPORT_EGRESS, TcAttachType::Egress)]
-        {
+        for (name, attach_type) in [
+            (NODEPORT_INGRESS, TcAttachType::Ingress),
+            (NODEPORT_EGRESS, TcAttachType::Egress),
+        ] {
             let program = loaded!(name, SchedClassifier);
             for dev in &devices.devices {
                 let link_id = in_netns(netns, || {
@@ -245,8 +291,12 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
                     }
                     program.attach(&dev.name, attach_type)
                 })
-                    .map_err(DeviceError::from)?
-                    .map_err(|source| LoadError::Device { name, device: dev.name.clone(), source })?;
+                .map_err(DeviceError::from)?
+                .map_err(|source| LoadError::Device {
+                    name,
+                    device: dev.name.clone(),
+                    source,
+                })?;
                 keep!(program, name, link_id, &format!("{name}-{}", dev.ifindex));
             }
         }
@@ -294,9 +344,19 @@ mod tests {
     #[test]
     fn only_node_port_failures_count_as_packet_path_failures() {
         assert!(LoadError::MissingProgram { name: NODEPORT_XDP }.is_packet_path());
-        assert!(LoadError::WrongType { name: NODEPORT_INGRESS }.is_packet_path());
+        assert!(
+            LoadError::WrongType {
+                name: NODEPORT_INGRESS
+            }
+            .is_packet_path()
+        );
         assert!(LoadError::Devices(DeviceError::NoDevices).is_packet_path());
-        assert!(!LoadError::MissingProgram { name: SOCK_PROGRAMS[0] }.is_packet_path());
+        assert!(
+            !LoadError::MissingProgram {
+                name: SOCK_PROGRAMS[0]
+            }
+            .is_packet_path()
+        );
         assert!(!LoadError::MissingMap { name: "FP_CT4" }.is_packet_path());
     }
 }

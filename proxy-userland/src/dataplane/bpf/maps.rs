@@ -7,13 +7,15 @@ use std::net::{IpAddr, SocketAddr};
 
 use aya::{
     Ebpf,
-    maps::{HashMap, MapData, MapError, PerCpuArray, lpm_trie::{Key as LpmKey, LpmTrie}},
+    maps::{
+        HashMap, MapData, MapError, PerCpuArray,
+        lpm_trie::{Key as LpmKey, LpmTrie},
+    },
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
-    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange4, backend::flags as backend_flags, maps as names, nat,
-    service::scope,
+    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
+    SourceRange4, backend::flags as backend_flags, maps as names, nat, service::scope,
 };
 
 use crate::{dataplane::frontends::FrontendScope, model::Protocol};
@@ -86,15 +88,31 @@ fn scope_of(s: FrontendScope) -> u8 {
 }
 
 fn key4(fe: &Frontend, ip: std::net::Ipv4Addr, slot: u16) -> Service4Key {
-    Service4Key::scoped(v4(ip), fe.port.to_be(), fe.proto.number(), slot, scope_of(fe.scope))
+    Service4Key::scoped(
+        v4(ip),
+        fe.port.to_be(),
+        fe.proto.number(),
+        slot,
+        scope_of(fe.scope),
+    )
 }
 
 fn key6(fe: &Frontend, ip: std::net::Ipv6Addr, slot: u16) -> Service6Key {
-    Service6Key::scoped(ip.octets(), fe.port.to_be(), fe.proto.number(), slot, scope_of(fe.scope))
+    Service6Key::scoped(
+        ip.octets(),
+        fe.port.to_be(),
+        fe.proto.number(),
+        slot,
+        scope_of(fe.scope),
+    )
 }
 
 fn source_range_key(rev_nat_index: u16, ip: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange4> {
-    let data = SourceRange4 { rev_nat_index, _pad: 0, addr: v4(ip) };
+    let data = SourceRange4 {
+        rev_nat_index,
+        _pad: 0,
+        addr: v4(ip),
+    };
     LpmKey::new(nat::SOURCE_RANGE_PREFIX_BITS + u32::from(len.min(32)), data)
 }
 
@@ -128,12 +146,26 @@ impl ServiceMaps {
         let (port, proto) = (b.port.to_be(), b.proto.number());
         let flags = if b.local { backend_flags::LOCAL } else { 0 };
         match b.ip {
-            IpAddr::V4(ip) => {
-                self.backends4.insert(id, Backend4 { address: v4(ip), port, proto, flags }, 0)
-            }
-            IpAddr::V6(ip) => {
-                self.backends6.insert(id, Backend6 { address: ip.octets(), port, proto, flags }, 0)
-            }
+            IpAddr::V4(ip) => self.backends4.insert(
+                id,
+                Backend4 {
+                    address: v4(ip),
+                    port,
+                    proto,
+                    flags,
+                },
+                0,
+            ),
+            IpAddr::V6(ip) => self.backends6.insert(
+                id,
+                Backend6 {
+                    address: ip.octets(),
+                    port,
+                    proto,
+                    flags,
+                },
+                0,
+            ),
         }
     }
 
@@ -174,37 +206,53 @@ impl ServiceMaps {
     /// Every service map entry: (frontend, slot, value), both families; for adopting what a
     /// previous daemon programmed into pinned maps.
     pub fn service_entries(&self) -> Vec<(Frontend, u16, ServiceValue)> {
-        let v4 = self.services4.iter().filter_map(Result::ok).filter_map(|(k, v)| {
-            let fe = Frontend {
-                ip: IpAddr::V4(std::net::Ipv4Addr::from(k.address.to_ne_bytes())),
-                port: u16::from_be(k.dport),
-                proto: Protocol::from_number(k.proto)?,
-                scope: scope_from(k.scope)?,
-            };
-            Some((fe, k.backend_slot, v))
-        });
-        let v6 = self.services6.iter().filter_map(Result::ok).filter_map(|(k, v)| {
-            let fe = Frontend {
-                ip: IpAddr::V6(std::net::Ipv6Addr::from(k.address)),
-                port: u16::from_be(k.dport),
-                proto: Protocol::from_number(k.proto)?,
-                scope: scope_from(k.scope)?,
-            };
-            Some((fe, k.backend_slot, v))
-        });
+        let v4 = self
+            .services4
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(k, v)| {
+                let fe = Frontend {
+                    ip: IpAddr::V4(std::net::Ipv4Addr::from(k.address.to_ne_bytes())),
+                    port: u16::from_be(k.dport),
+                    proto: Protocol::from_number(k.proto)?,
+                    scope: scope_from(k.scope)?,
+                };
+                Some((fe, k.backend_slot, v))
+            });
+        let v6 = self
+            .services6
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(k, v)| {
+                let fe = Frontend {
+                    ip: IpAddr::V6(std::net::Ipv6Addr::from(k.address)),
+                    port: u16::from_be(k.dport),
+                    proto: Protocol::from_number(k.proto)?,
+                    scope: scope_from(k.scope)?,
+                };
+                Some((fe, k.backend_slot, v))
+            });
         v4.chain(v6).collect()
     }
 
     /// Every backend: (id, where it points).
     pub fn backend_entries(&self) -> Vec<(BackendId, BackendAddr)> {
-        let v4 = self.backends4.iter().filter_map(Result::ok).filter_map(|(id, b)| {
-            let ip = IpAddr::V4(std::net::Ipv4Addr::from(b.address.to_ne_bytes()));
-            Some((id, backend_addr(ip, b.port, b.proto, b.flags)?))
-        });
-        let v6 = self.backends6.iter().filter_map(Result::ok).filter_map(|(id, b)| {
-            let ip = IpAddr::V6(std::net::Ipv6Addr::from(b.address));
-            Some((id, backend_addr(ip, b.port, b.proto, b.flags)?))
-        });
+        let v4 = self
+            .backends4
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(id, b)| {
+                let ip = IpAddr::V4(std::net::Ipv4Addr::from(b.address.to_ne_bytes()));
+                Some((id, backend_addr(ip, b.port, b.proto, b.flags)?))
+            });
+        let v6 = self
+            .backends6
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(id, b)| {
+                let ip = IpAddr::V6(std::net::Ipv6Addr::from(b.address));
+                Some((id, backend_addr(ip, b.port, b.proto, b.flags)?))
+            });
         v4.chain(v6).collect()
     }
 
@@ -214,13 +262,23 @@ impl ServiceMaps {
         let port = backend.port().to_be();
         match backend.ip() {
             IpAddr::V4(ip) => {
-                let key = SockRevNat4Key { cookie, address: v4(ip), port, _pad: [0; 2] };
+                let key = SockRevNat4Key {
+                    cookie,
+                    address: v4(ip),
+                    port,
+                    _pad: [0; 2],
+                };
                 let v = self.sock_revnat4.get(&key, 0).ok()?;
                 let fe = std::net::Ipv4Addr::from(v.address.to_ne_bytes());
                 Some(SocketAddr::new(IpAddr::V4(fe), u16::from_be(v.port)))
             }
             IpAddr::V6(ip) => {
-                let key = SockRevNat6Key { cookie, address: ip.octets(), port, _pad: [0; 6] };
+                let key = SockRevNat6Key {
+                    cookie,
+                    address: ip.octets(),
+                    port,
+                    _pad: [0; 6],
+                };
                 let v = self.sock_revnat6.get(&key, 0).ok()?;
                 let fe = std::net::Ipv6Addr::from(v.address);
                 Some(SocketAddr::new(IpAddr::V6(fe), u16::from_be(v.port)))
@@ -231,7 +289,11 @@ impl ServiceMaps {
     /// Forgets which backend clients had for frontend `rev_nat_index` where `stale` says
     /// so: a client must not stick to a backend that left the service, and a reused index
     /// must not inherit another frontend's clients. Returns how many entries went.
-    pub fn purge_affinity(&mut self, rev_nat_index: u16, stale: impl Fn(BackendId) -> bool) -> usize {
+    pub fn purge_affinity(
+        &mut self,
+        rev_nat_index: u16,
+        stale: impl Fn(BackendId) -> bool,
+    ) -> usize {
         let doomed: Vec<AffinityKey> = self
             .affinity
             .iter()
@@ -239,15 +301,23 @@ impl ServiceMaps {
             .filter(|(k, v)| k.rev_nat_index == rev_nat_index && stale(v.backend_id))
             .map(|(k, _)| k)
             .collect();
-        doomed.iter().filter(|k| self.affinity.remove(k).is_ok()).count()
+        doomed
+            .iter()
+            .filter(|k| self.affinity.remove(k).is_ok())
+            .count()
     }
 
     /// Lets `ranges` use the frontend `rev_nat_index` (loadBalancerSourceRanges). Written
     /// before the master entry that turns the check on.
-    pub fn put_source_ranges(&mut self, rev_nat_index: u16, ranges: &[(IpAddr, u8)]) -> Result<(), MapError> {
+    pub fn put_source_ranges(
+        &mut self,
+        rev_nat_index: u16,
+        ranges: &[(IpAddr, u8)],
+    ) -> Result<(), MapError> {
         for &(ip, len) in ranges {
             if let IpAddr::V4(ip) = ip {
-                self.source_ranges4.insert(&source_range_key(rev_nat_index, ip, len), 1, 0)?;
+                self.source_ranges4
+                    .insert(&source_range_key(rev_nat_index, ip, len), 1, 0)?;
             }
         }
         Ok(())
@@ -256,7 +326,9 @@ impl ServiceMaps {
     pub fn del_source_ranges(&mut self, rev_nat_index: u16, ranges: &[(IpAddr, u8)]) {
         for &(ip, len) in ranges {
             if let IpAddr::V4(ip) = ip {
-                let _ = self.source_ranges4.remove(&source_range_key(rev_nat_index, ip, len));
+                let _ = self
+                    .source_ranges4
+                    .remove(&source_range_key(rev_nat_index, ip, len));
             }
         }
     }
@@ -283,13 +355,24 @@ impl ServiceMaps {
         addrs: &[std::net::Ipv4Addr],
         devices: &[(u32, std::net::Ipv4Addr)],
     ) -> Result<(), MapError> {
-        replace_all(&mut self.node_addrs4, addrs.iter().map(|a| (v4(*a), 1)).collect())?;
-        replace_all(&mut self.device_addrs4, devices.iter().map(|(i, a)| (*i, v4(*a))).collect())
+        replace_all(
+            &mut self.node_addrs4,
+            addrs.iter().map(|a| (v4(*a), 1)).collect(),
+        )?;
+        replace_all(
+            &mut self.device_addrs4,
+            devices.iter().map(|(i, a)| (*i, v4(*a))).collect(),
+        )
     }
 
     /// Every flow the packet programs track: where it goes and the source it was given.
     pub fn packet_flows(&self) -> Vec<PacketFlow> {
-        let addr = |a: u32, p: u16| SocketAddr::new(std::net::Ipv4Addr::from(a.to_ne_bytes()).into(), u16::from_be(p));
+        let addr = |a: u32, p: u16| {
+            SocketAddr::new(
+                std::net::Ipv4Addr::from(a.to_ne_bytes()).into(),
+                u16::from_be(p),
+            )
+        };
         self.ct4
             .iter()
             .filter_map(Result::ok)
@@ -307,7 +390,10 @@ impl ServiceMaps {
     /// The packet programs' counters, summed over CPUs.
     pub fn packet_stats(&self) -> PacketStats {
         let get = |i: u32| -> u64 {
-            self.stats.get(&i, 0).map(|per_cpu| per_cpu.iter().sum()).unwrap_or(0)
+            self.stats
+                .get(&i, 0)
+                .map(|per_cpu| per_cpu.iter().sum())
+                .unwrap_or(0)
         };
         PacketStats {
             new_flows: get(nat::stat::NEW_FLOW),
@@ -366,7 +452,11 @@ fn replace_all(
     for (k, v) in &want {
         map.insert(k, v, 0)?;
     }
-    let stale: Vec<u32> = map.keys().filter_map(Result::ok).filter(|k| !want.contains_key(k)).collect();
+    let stale: Vec<u32> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !want.contains_key(k))
+        .collect();
     for k in stale {
         ignore_missing(map.remove(&k))?;
     }

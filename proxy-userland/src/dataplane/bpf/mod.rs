@@ -55,7 +55,13 @@ impl BpfDataplane {
     /// [`loader`]): what a previous daemon programmed there is adopted and reconciled by the
     /// first full sync, and on exit everything stays for the next one.
     pub fn attach_pinned(cgroup: &Path, pin_dir: Option<&Path>) -> Result<Self, LoadError> {
-        Self::attach_with(cgroup, &AttachOptions { pin_dir: pin_dir.map(Path::to_path_buf), ..Default::default() })
+        Self::attach_with(
+            cgroup,
+            &AttachOptions {
+                pin_dir: pin_dir.map(Path::to_path_buf),
+                ..Default::default()
+            },
+        )
     }
 
     /// Loads and attaches as `opts` say: pinned, with the node-port programs on the node's
@@ -69,7 +75,10 @@ impl BpfDataplane {
             programmer
                 .maps_mut()
                 .set_node_addresses(&devices.node_port_addrs, &devices.snat_addresses())
-                .map_err(|source| LoadError::Map { name: proxy_common::maps::NODE_ADDRS4, source })?;
+                .map_err(|source| LoadError::Map {
+                    name: proxy_common::maps::NODE_ADDRS4,
+                    source,
+                })?;
             programmer.enable_packet_path();
             tracing::info!(
                 devices = ?devices.devices.iter().map(|d| &d.name).collect::<Vec<_>>(),
@@ -81,10 +90,17 @@ impl BpfDataplane {
         if opts.pin_dir.is_some() {
             let adopted = programmer.adopt_existing();
             if adopted > 0 {
-                tracing::info!(frontends = adopted, "adopted frontends a previous daemon programmed");
+                tracing::info!(
+                    frontends = adopted,
+                    "adopted frontends a previous daemon programmed"
+                );
             }
         }
-        Ok(Self { programmer, packet: opts.packet.clone(), _attached: attached })
+        Ok(Self {
+            programmer,
+            packet: opts.packet.clone(),
+            _attached: attached,
+        })
     }
 
     pub fn programmer(&self) -> &Programmer {
@@ -94,7 +110,8 @@ impl BpfDataplane {
     /// Node addresses come and go (DHCP, a second address): every full sync re-reads them,
     /// so node ports answer on the addresses the node has now.
     fn refresh_addresses(&mut self) {
-        let (Some(cfg), Some(current)) = (&self.packet, self._attached.node_devices.as_mut()) else {
+        let (Some(cfg), Some(current)) = (&self.packet, self._attached.node_devices.as_mut())
+        else {
             return;
         };
         let fresh = match devices::NodeDevices::read(cfg) {
@@ -104,7 +121,13 @@ impl BpfDataplane {
         let snat: Vec<_> = current
             .devices
             .iter()
-            .map(|d| fresh.devices.iter().find(|f| f.name == d.name).and_then(|f| f.ipv4))
+            .map(|d| {
+                fresh
+                    .devices
+                    .iter()
+                    .find(|f| f.name == d.name)
+                    .and_then(|f| f.ipv4)
+            })
             .collect();
         let unchanged = fresh.node_port_addrs == current.node_port_addrs
             && current.devices.iter().zip(&snat).all(|(d, a)| d.ipv4 == *a);
@@ -115,8 +138,14 @@ impl BpfDataplane {
             d.ipv4 = a;
         }
         current.node_port_addrs = fresh.node_port_addrs;
-        match self.programmer.maps_mut().set_node_addresses(&current.node_port_addrs, &current.snat_addresses()) {
-            Ok(()) => tracing::info!(node_port_addresses = ?current.node_port_addrs, "the node's addresses changed"),
+        match self
+            .programmer
+            .maps_mut()
+            .set_node_addresses(&current.node_port_addrs, &current.snat_addresses())
+        {
+            Ok(()) => {
+                tracing::info!(node_port_addresses = ?current.node_port_addrs, "the node's addresses changed")
+            }
             Err(e) => tracing::warn!("cannot update the node's addresses: {e}"),
         }
     }

@@ -26,23 +26,31 @@ pub use crate::dataplane::frontends::{
     BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_external_socket_frontends,
     desired_frontends, desired_packet_frontends,
 };
+#[cfg(test)]
+use crate::model::{EndpointSet, Service};
 use crate::{
     dataplane::{Scope, SyncReport, frontends::frontend_name},
     model::{NodeInfo, Protocol, ProxyState, ServiceKey},
 };
-#[cfg(test)]
-use crate::model::{EndpointSet, Service};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
     #[error("{frontend} is already used by service {owner}")]
     Conflict { frontend: String, owner: ServiceKey },
     #[error("{frontend}: {count} backends is more than the {max} a frontend can hold")]
-    TooManyBackends { frontend: String, count: usize, max: usize },
+    TooManyBackends {
+        frontend: String,
+        count: usize,
+        max: usize,
+    },
     #[error("no free reverse-NAT index (65535 frontends programmed)")]
     RevNatExhausted,
     #[error("writing {what} for {frontend} failed: {source} (map full?)")]
-    Map { what: &'static str, frontend: String, source: MapError },
+    Map {
+        what: &'static str,
+        frontend: String,
+        source: MapError,
+    },
 }
 
 struct FrontendState {
@@ -67,7 +75,11 @@ struct IdPool {
 
 impl IdPool {
     fn new(max: u32) -> Self {
-        Self { next: 1, max, free: Vec::new() }
+        Self {
+            next: 1,
+            max,
+            free: Vec::new(),
+        }
     }
 
     fn alloc(&mut self) -> Option<u32> {
@@ -151,7 +163,9 @@ impl Programmer {
 
     /// The backends a frontend is programmed with, for tests and diagnostics.
     pub fn programmed(&self, fe: &Frontend) -> Option<&[BackendAddr]> {
-        self.frontends.get(fe).map(|s| s.programmed.backends.as_slice())
+        self.frontends
+            .get(fe)
+            .map(|s| s.programmed.backends.as_slice())
     }
 
     pub fn frontend_count(&self) -> usize {
@@ -191,8 +205,11 @@ impl Programmer {
         if matches!(scope, Scope::Full) {
             // Adopted frontends no service claimed belong to services deleted while no
             // daemon ran.
-            let unclaimed: Vec<Frontend> =
-                self.owners.get(&adopted()).map(|s| s.iter().copied().collect()).unwrap_or_default();
+            let unclaimed: Vec<Frontend> = self
+                .owners
+                .get(&adopted())
+                .map(|s| s.iter().copied().collect())
+                .unwrap_or_default();
             for fe in unclaimed {
                 match self.remove_frontend(&fe) {
                     Ok(()) => report.frontends_removed += 1,
@@ -208,7 +225,8 @@ impl Programmer {
     /// only what differs instead of rewriting (and briefly disturbing) every frontend.
     /// Entries that reference nothing are deleted. Returns how many frontends were adopted.
     pub fn adopt_existing(&mut self) -> usize {
-        let backends: HashMap<BackendId, BackendAddr> = self.maps.backend_entries().into_iter().collect();
+        let backends: HashMap<BackendId, BackendAddr> =
+            self.maps.backend_entries().into_iter().collect();
         let mut ranges: HashMap<u16, Vec<(std::net::IpAddr, u8)>> = HashMap::new();
         for (rev, range) in self.maps.source_range_entries() {
             ranges.entry(rev).or_default().push(range);
@@ -230,7 +248,8 @@ impl Programmer {
                 rev_nat_index: master.rev_nat_index,
                 programmed: DesiredFrontend {
                     backends: Vec::new(),
-                    affinity_timeout: (master.flags & flags::AFFINITY != 0).then_some(master.affinity_timeout),
+                    affinity_timeout: (master.flags & flags::AFFINITY != 0)
+                        .then_some(master.affinity_timeout),
                     snat: master.flags & flags::SNAT != 0,
                     source_ranges,
                 },
@@ -238,11 +257,16 @@ impl Programmer {
             };
             for slot in 1..=master.count {
                 // A gap means a half-written frontend; keep the prefix, the sync rewrites it.
-                let Some(id) = slots.remove(&(*fe, slot)) else { break };
+                let Some(id) = slots.remove(&(*fe, slot)) else {
+                    break;
+                };
                 let Some(b) = backends.get(&id) else { break };
                 st.ids.push(id);
                 st.programmed.backends.push(*b);
-                self.backends.entry(*b).or_insert(BackendRef { id, refs: 0 }).refs += 1;
+                self.backends
+                    .entry(*b)
+                    .or_insert(BackendRef { id, refs: 0 })
+                    .refs += 1;
                 self.backend_ids.reserve(id);
             }
             self.rev_nat_ids.reserve(u32::from(master.rev_nat_index));
@@ -250,7 +274,11 @@ impl Programmer {
             self.frontends.insert(*fe, st);
         }
         for ((fe, slot), _) in slots {
-            if self.frontends.get(&fe).is_none_or(|st| usize::from(slot) > st.ids.len()) {
+            if self
+                .frontends
+                .get(&fe)
+                .is_none_or(|st| usize::from(slot) > st.ids.len())
+            {
                 let _ = self.maps.del_service(&fe, slot);
             }
         }
@@ -270,8 +298,10 @@ impl Programmer {
         // Only sockets can be reset; the packet path re-picks for flows whose backend went.
         if fe.proto == Protocol::Udp && fe.scope == FrontendScope::Socket {
             let frontend = SocketAddr::new(fe.ip, fe.port);
-            self.departed_udp
-                .extend(gone.into_iter().map(|b| (frontend, SocketAddr::new(b.ip, b.port))));
+            self.departed_udp.extend(
+                gone.into_iter()
+                    .map(|b| (frontend, SocketAddr::new(b.ip, b.port))),
+            );
         }
     }
 
@@ -286,7 +316,8 @@ impl Programmer {
         let peers: BTreeSet<SocketAddr> = departed.iter().map(|(_, b)| *b).collect();
         let maps = &self.maps;
         let ours = |cookie: u64, peer: SocketAddr| {
-            maps.translated_from(cookie, peer).is_some_and(|fe| departed.contains(&(fe, peer)))
+            maps.translated_from(cookie, peer)
+                .is_some_and(|fe| departed.contains(&(fe, peer)))
         };
         let mut reset = 0;
         for ns in stale_sockets::client_namespaces(cgroup) {
@@ -296,7 +327,10 @@ impl Programmer {
             }
         }
         if reset > 0 {
-            tracing::info!(sockets = reset, "reset connected UDP sockets of removed backends");
+            tracing::info!(
+                sockets = reset,
+                "reset connected UDP sockets of removed backends"
+            );
         }
         reset
     }
@@ -321,7 +355,10 @@ impl Programmer {
         }
         let mut written: Vec<(Frontend, Option<(ServiceKey, DesiredFrontend)>)> = Vec::new();
         for (fe, want) in desired {
-            let before = self.frontends.get(fe).map(|st| (st.owner.clone(), st.programmed.clone()));
+            let before = self
+                .frontends
+                .get(fe)
+                .map(|st| (st.owner.clone(), st.programmed.clone()));
             match self.write_frontend(key, fe, want) {
                 Ok(true) => {
                     report.frontends_written += 1;
@@ -348,7 +385,12 @@ impl Programmer {
         let stale: Vec<Frontend> = self
             .owners
             .get(key)
-            .map(|set| set.iter().filter(|fe| !desired.contains_key(fe)).copied().collect())
+            .map(|set| {
+                set.iter()
+                    .filter(|fe| !desired.contains_key(fe))
+                    .copied()
+                    .collect()
+            })
             .unwrap_or_default();
         for fe in stale {
             self.remove_frontend(&fe)?;
@@ -385,12 +427,23 @@ impl Programmer {
             });
         }
         let (old_ids, old_backends, old_ranges) = old
-            .map(|o| (o.ids.clone(), o.programmed.backends.clone(), o.programmed.source_ranges.clone()))
+            .map(|o| {
+                (
+                    o.ids.clone(),
+                    o.programmed.backends.clone(),
+                    o.programmed.source_ranges.clone(),
+                )
+            })
             .unwrap_or_default();
         let old_owner = old.map(|o| o.owner.clone());
         let (rev_nat_index, new_rev) = match old {
             Some(o) => (o.rev_nat_index, false),
-            None => (self.rev_nat_ids.alloc().ok_or(ProgramError::RevNatExhausted)? as u16, true),
+            None => (
+                self.rev_nat_ids
+                    .alloc()
+                    .ok_or(ProgramError::RevNatExhausted)? as u16,
+                true,
+            ),
         };
 
         let result = self.publish(fe, want, rev_nat_index, &old_ids, &old_ranges);
@@ -406,16 +459,23 @@ impl Programmer {
 
         // Readers now use the new set: drop what it no longer needs.
         let kept: BTreeSet<BackendId> = ids.iter().copied().collect();
-        let gone: BTreeSet<BackendId> =
-            old_ids.iter().copied().filter(|id| !kept.contains(id)).collect();
+        let gone: BTreeSet<BackendId> = old_ids
+            .iter()
+            .copied()
+            .filter(|id| !kept.contains(id))
+            .collect();
         if !gone.is_empty() {
-            self.maps.purge_affinity(rev_nat_index, |id| gone.contains(&id));
+            self.maps
+                .purge_affinity(rev_nat_index, |id| gone.contains(&id));
         }
         for slot in ids.len() + 1..=old_ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
         }
-        let dropped: Vec<_> =
-            old_ranges.iter().filter(|r| !want.source_ranges.contains(r)).copied().collect();
+        let dropped: Vec<_> = old_ranges
+            .iter()
+            .filter(|r| !want.source_ranges.contains(r))
+            .copied()
+            .collect();
         self.maps.del_source_ranges(rev_nat_index, &dropped);
         let gone: Vec<BackendAddr> =
             // `want.backends` is sorted (see desired_frontends).
@@ -429,7 +489,12 @@ impl Programmer {
         }
         self.frontends.insert(
             *fe,
-            FrontendState { owner: key.clone(), rev_nat_index, programmed: want.clone(), ids },
+            FrontendState {
+                owner: key.clone(),
+                rev_nat_index,
+                programmed: want.clone(),
+                ids,
+            },
         );
         self.owners.entry(key.clone()).or_default().insert(*fe);
         Ok(true)
@@ -446,14 +511,20 @@ impl Programmer {
         old_ranges: &[(std::net::IpAddr, u8)],
     ) -> Result<Vec<BackendId>, ProgramError> {
         let mut ids = Vec::with_capacity(want.backends.len());
-        let added_ranges: Vec<_> =
-            want.source_ranges.iter().filter(|r| !old_ranges.contains(r)).copied().collect();
+        let added_ranges: Vec<_> = want
+            .source_ranges
+            .iter()
+            .filter(|r| !old_ranges.contains(r))
+            .copied()
+            .collect();
         let undo = |this: &mut Self, ids: &[BackendId], slots_written: usize| {
             this.maps.del_source_ranges(rev_nat_index, &added_ranges);
             for slot in 1..=slots_written {
                 match old_ids.get(slot - 1) {
                     Some(&id) => {
-                        let _ = this.maps.put_service(fe, slot as u16, ServiceValue::slot(id));
+                        let _ = this
+                            .maps
+                            .put_service(fe, slot as u16, ServiceValue::slot(id));
                     }
                     None => {
                         let _ = this.maps.del_service(fe, slot as u16);
@@ -481,7 +552,9 @@ impl Programmer {
             if old_ids.get(i) == Some(&id) {
                 continue;
             }
-            if let Err(source) = self.maps.put_service(fe, (i + 1) as u16, ServiceValue::slot(id))
+            if let Err(source) = self
+                .maps
+                .put_service(fe, (i + 1) as u16, ServiceValue::slot(id))
             {
                 undo(self, &ids, i);
                 return Err(ProgramError::Map {
@@ -541,7 +614,8 @@ impl Programmer {
         for b in &st.programmed.backends {
             self.release_backend(b);
         }
-        self.maps.del_source_ranges(st.rev_nat_index, &st.programmed.source_ranges);
+        self.maps
+            .del_source_ranges(st.rev_nat_index, &st.programmed.source_ranges);
         self.note_departed(fe, st.programmed.backends.iter().copied());
         self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
@@ -613,8 +687,18 @@ mod tests {
             key: ServiceKey::new("demo", "web"),
             cluster_ips: cluster_ips.iter().map(|ip| ip.parse().unwrap()).collect(),
             ports: vec![
-                ServicePort { name: "http".into(), port: 80, protocol: Protocol::Tcp, node_port: None },
-                ServicePort { name: "dns".into(), port: 53, protocol: Protocol::Udp, node_port: None },
+                ServicePort {
+                    name: "http".into(),
+                    port: 80,
+                    protocol: Protocol::Tcp,
+                    node_port: None,
+                },
+                ServicePort {
+                    name: "dns".into(),
+                    port: 53,
+                    protocol: Protocol::Udp,
+                    node_port: None,
+                },
             ],
             external_ips: vec![],
             load_balancer_ips: vec![],
@@ -629,14 +713,27 @@ mod tests {
 
     fn set(endpoints: Vec<Endpoint>) -> EndpointSet {
         let ports = vec![
-            SlicePort { name: "http".into(), port: 8080, protocol: Protocol::Tcp },
-            SlicePort { name: "dns".into(), port: 5353, protocol: Protocol::Udp },
+            SlicePort {
+                name: "http".into(),
+                port: 8080,
+                protocol: Protocol::Tcp,
+            },
+            SlicePort {
+                name: "dns".into(),
+                port: 5353,
+                protocol: Protocol::Udp,
+            },
         ];
-        EndpointSet { slices: BTreeMap::from([("s".into(), SliceInfo { ports, endpoints })]) }
+        EndpointSet {
+            slices: BTreeMap::from([("s".into(), SliceInfo { ports, endpoints })]),
+        }
     }
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: None }
+        NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        }
     }
 
     fn fe(ip: &str, port: u16, proto: Protocol) -> Frontend {
@@ -644,19 +741,30 @@ mod tests {
     }
 
     fn be(ip: &str, port: u16, proto: Protocol) -> BackendAddr {
-        BackendAddr { ip: ip.parse().unwrap(), port, proto, local: true }
+        BackendAddr {
+            ip: ip.parse().unwrap(),
+            port,
+            proto,
+            local: true,
+        }
     }
 
     #[test]
     fn each_cluster_ip_and_port_is_a_frontend_with_its_target_ports() {
-        let eps = set(vec![ep("198.18.1.12", true, false), ep("198.18.1.11", true, false)]);
+        let eps = set(vec![
+            ep("198.18.1.12", true, false),
+            ep("198.18.1.11", true, false),
+        ]);
         let d = desired_frontends(&svc(&["198.19.0.10"]), Some(&eps), &node());
         assert_eq!(d.len(), 2);
         let http = &d[&fe("198.19.0.10", 80, Protocol::Tcp)];
         // Sorted, so the same endpoints always land in the same slots.
         assert_eq!(
             http.backends,
-            vec![be("198.18.1.11", 8080, Protocol::Tcp), be("198.18.1.12", 8080, Protocol::Tcp)]
+            vec![
+                be("198.18.1.11", 8080, Protocol::Tcp),
+                be("198.18.1.12", 8080, Protocol::Tcp)
+            ]
         );
         assert_eq!(http.affinity_timeout, Some(600));
         let dns = &d[&fe("198.19.0.10", 53, Protocol::Udp)];
@@ -665,8 +773,15 @@ mod tests {
 
     #[test]
     fn dual_stack_frontends_only_get_backends_of_their_family() {
-        let eps = set(vec![ep("198.18.1.11", true, false), ep("2001:db8::11", true, false)]);
-        let d = desired_frontends(&svc(&["198.19.0.10", "2001:db8:1::10"]), Some(&eps), &node());
+        let eps = set(vec![
+            ep("198.18.1.11", true, false),
+            ep("2001:db8::11", true, false),
+        ]);
+        let d = desired_frontends(
+            &svc(&["198.19.0.10", "2001:db8:1::10"]),
+            Some(&eps),
+            &node(),
+        );
         assert_eq!(d.len(), 4);
         assert_eq!(
             d[&fe("198.19.0.10", 80, Protocol::Tcp)].backends,
@@ -687,7 +802,10 @@ mod tests {
 
     #[test]
     fn terminating_endpoints_serve_only_when_nothing_is_ready() {
-        let eps = set(vec![ep("198.18.1.11", true, false), ep("198.18.1.12", false, true)]);
+        let eps = set(vec![
+            ep("198.18.1.11", true, false),
+            ep("198.18.1.12", false, true),
+        ]);
         let d = desired_frontends(&svc(&["198.19.0.10"]), Some(&eps), &node());
         assert_eq!(d[&fe("198.19.0.10", 80, Protocol::Tcp)].backends.len(), 1);
 
@@ -703,7 +821,10 @@ mod tests {
     #[test]
     fn id_pool_reuses_freed_ids_and_stops_at_its_max() {
         let mut pool = IdPool::new(3);
-        assert_eq!((pool.alloc(), pool.alloc(), pool.alloc(), pool.alloc()), (Some(1), Some(2), Some(3), None));
+        assert_eq!(
+            (pool.alloc(), pool.alloc(), pool.alloc(), pool.alloc()),
+            (Some(1), Some(2), Some(3), None)
+        );
         pool.release(2);
         assert_eq!(pool.alloc(), Some(2));
     }

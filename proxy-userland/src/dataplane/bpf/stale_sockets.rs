@@ -107,7 +107,9 @@ pub fn client_namespaces(cgroup: &Path) -> Vec<File> {
     while let Some(dir) = dirs.pop().filter(|_| seen.len() < 100_000) {
         if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
             for pid in procs.lines() {
-                let Ok(ns) = File::open(format!("/proc/{pid}/ns/net")) else { continue };
+                let Ok(ns) = File::open(format!("/proc/{pid}/ns/net")) else {
+                    continue;
+                };
                 let Ok(meta) = ns.metadata() else { continue };
                 if seen.insert((meta.dev(), meta.ino())) {
                     out.push(ns);
@@ -115,7 +117,12 @@ pub fn client_namespaces(cgroup: &Path) -> Vec<File> {
             }
         }
         if let Ok(entries) = std::fs::read_dir(&dir) {
-            dirs.extend(entries.flatten().filter(|e| e.path().is_dir()).map(|e| e.path()));
+            dirs.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.path().is_dir())
+                    .map(|e| e.path()),
+            );
         }
     }
     out
@@ -157,12 +164,18 @@ struct DiagSocket {
 impl DiagSocket {
     fn open() -> io::Result<Self> {
         let fd = unsafe {
-            libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG)
+            libc::socket(
+                libc::AF_NETLINK,
+                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
+                libc::NETLINK_SOCK_DIAG,
+            )
         };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) } })
+        Ok(Self {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
     }
 
     fn send(&self, ty: u16, flags: u16, req: &DiagReq) -> io::Result<()> {
@@ -177,17 +190,30 @@ impl DiagSocket {
         buf.extend_from_slice(bytemuck::bytes_of(&hdr));
         buf.extend_from_slice(bytemuck::bytes_of(req));
         let n = unsafe { libc::send(self.fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
-        if n < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
     }
 
     fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) }
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
     }
 
     /// Every connected UDP socket of `family` in this namespace.
     fn connected_udp(&self, family: u8) -> io::Result<Vec<UdpSocketInfo>> {
-        let req = DiagReq { family, protocol: libc::IPPROTO_UDP as u8, states: CONNECTED, ..Default::default() };
+        let req = DiagReq {
+            family,
+            protocol: libc::IPPROTO_UDP as u8,
+            states: CONNECTED,
+            ..Default::default()
+        };
         self.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, &req)?;
         let mut out = Vec::new();
         let mut buf = vec![0u8; 64 * 1024];
@@ -195,7 +221,8 @@ impl DiagSocket {
             let n = self.recv(&mut buf)?;
             let mut off = 0;
             while off + size_of::<NlMsgHdr>() <= n {
-                let hdr: NlMsgHdr = bytemuck::pod_read_unaligned(&buf[off..off + size_of::<NlMsgHdr>()]);
+                let hdr: NlMsgHdr =
+                    bytemuck::pod_read_unaligned(&buf[off..off + size_of::<NlMsgHdr>()]);
                 let len = hdr.len as usize;
                 if len < size_of::<NlMsgHdr>() || off + len > n {
                     return Err(io::Error::other("truncated sock_diag message"));
@@ -205,9 +232,11 @@ impl DiagSocket {
                     NLMSG_DONE => return Ok(out),
                     NLMSG_ERROR => return Err(netlink_error(body)),
                     _ if body.len() >= size_of::<DiagMsg>() => {
-                        let msg: DiagMsg = bytemuck::pod_read_unaligned(&body[..size_of::<DiagMsg>()]);
+                        let msg: DiagMsg =
+                            bytemuck::pod_read_unaligned(&body[..size_of::<DiagMsg>()]);
                         out.push(UdpSocketInfo {
-                            cookie: u64::from(msg.id.cookie[0]) | (u64::from(msg.id.cookie[1]) << 32),
+                            cookie: u64::from(msg.id.cookie[0])
+                                | (u64::from(msg.id.cookie[1]) << 32),
                             peer: peer_of(msg.family, &msg.id),
                             id: msg.id,
                             family: msg.family,
@@ -238,7 +267,10 @@ impl DiagSocket {
             if hdr.ty == NLMSG_ERROR {
                 let err = netlink_error(&buf[size_of::<NlMsgHdr>()..n]);
                 // ENOENT: the socket closed meanwhile, which is what we wanted.
-                if err.raw_os_error().is_some_and(|e| e != 0 && e != libc::ENOENT) {
+                if err
+                    .raw_os_error()
+                    .is_some_and(|e| e != 0 && e != libc::ENOENT)
+                {
                     return Err(err);
                 }
             }
@@ -249,7 +281,9 @@ impl DiagSocket {
 
 /// The errno in an NLMSG_ERROR body (0 is an acknowledgement).
 fn netlink_error(body: &[u8]) -> io::Error {
-    let code = body.get(..4).map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+    let code = body
+        .get(..4)
+        .map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
     io::Error::from_raw_os_error(-code)
 }
 
@@ -257,7 +291,10 @@ fn peer_of(family: u8, id: &SockId) -> SocketAddr {
     let port = u16::from_be(id.dport);
     let bytes: [u8; 16] = bytemuck::cast(id.dst);
     if i32::from(family) == libc::AF_INET {
-        SocketAddr::new(IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3])), port)
+        SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::new(bytes[0], bytes[1], bytes[2], bytes[3])),
+            port,
+        )
     } else {
         SocketAddr::new(IpAddr::V6(Ipv6Addr::from(bytes)), port)
     }

@@ -68,7 +68,11 @@ fn describe(cmd: &Command) -> String {
 
 impl Runner {
     pub fn new(family: Family, netns: Option<String>) -> Self {
-        Runner { family, netns, backend: Backend::System }
+        Runner {
+            family,
+            netns,
+            backend: Backend::System,
+        }
     }
 
     pub fn with_backend(self, backend: Backend) -> Self {
@@ -110,7 +114,9 @@ impl Runner {
             (Some(text), Some(mut stdin)) => {
                 let text = text.to_string();
                 // A write error shows up as the command's failure below.
-                Some(std::thread::spawn(move || drop(stdin.write_all(text.as_bytes()))))
+                Some(std::thread::spawn(move || {
+                    drop(stdin.write_all(text.as_bytes()))
+                }))
             }
             _ => None,
         };
@@ -348,7 +354,8 @@ pub fn removal_text(
         }
         any = true;
         out.push_str(&format!("*{}\n", table.name()));
-        if table == Table::Nat && super::render::list_first(saved.nft, chains.len(), t.rules.len()) {
+        if table == Table::Nat && super::render::list_first(saved.nft, chains.len(), t.rules.len())
+        {
             out.push_str(super::render::LIST_FIRST);
         }
         for c in &chains {
@@ -428,7 +435,9 @@ COMMIT
     #[test]
     fn big_removals_on_nf_tables_list_the_nat_table_first() {
         let mut text = SAVED.replace("COMMIT\n*nat\n", "COMMIT\n*nat\n:KUBE-SVC-MANY - [0:0]\n");
-        let many: String = (0..2000).map(|i| format!(":KUBE-SEP-{i} - [0:0]\n")).collect();
+        let many: String = (0..2000)
+            .map(|i| format!(":KUBE-SEP-{i} - [0:0]\n"))
+            .collect();
         text = text.replace(":OTHER - [0:0]\n", &format!(":OTHER - [0:0]\n{many}"));
         let s = Saved::parse(&text);
         assert!(s.nft);
@@ -440,7 +449,11 @@ COMMIT
         assert!(!small.contains(super::super::render::LIST_FIRST));
         let legacy = Saved::parse(&text.replace("(nf_tables)", "(legacy)"));
         assert!(!legacy.nft);
-        assert!(!removal_text(&legacy, &[Table::Nat], ours).unwrap().contains(super::super::render::LIST_FIRST));
+        assert!(
+            !removal_text(&legacy, &[Table::Nat], ours)
+                .unwrap()
+                .contains(super::super::render::LIST_FIRST)
+        );
     }
 
     #[test]

@@ -202,7 +202,9 @@ impl IptablesDataplane {
                     nft: match cfg.backend {
                         apply::Backend::Nft => true,
                         apply::Backend::Legacy => false,
-                        apply::Backend::System => runner.version().is_ok_and(|v| v.contains("nf_tables")),
+                        apply::Backend::System => {
+                            runner.version().is_ok_and(|v| v.contains("nf_tables"))
+                        }
                     },
                     runner,
                     last: None,
@@ -291,7 +293,13 @@ impl IptablesDataplane {
             Some(set) => set.clone(),
             None => {
                 let known = f.last.iter().flat_map(Rendered::keys);
-                state.services.keys().chain(f.frontends.keys()).chain(known).cloned().collect()
+                state
+                    .services
+                    .keys()
+                    .chain(f.frontends.keys())
+                    .chain(known)
+                    .cloned()
+                    .collect()
             }
         };
 
@@ -308,7 +316,10 @@ impl IptablesDataplane {
                 );
             }
             let before = f.frontends.get(key);
-            written += now.iter().filter(|(fe, d)| before.and_then(|b| b.get(fe)) != Some(d)).count();
+            written += now
+                .iter()
+                .filter(|(fe, d)| before.and_then(|b| b.get(fe)) != Some(d))
+                .count();
             removed += before.map_or(0, |b| b.keys().filter(|fe| !now.contains_key(fe)).count());
             frontends.insert(key.clone(), now);
         }
@@ -321,7 +332,10 @@ impl IptablesDataplane {
                 let (stale, added) = match changed {
                     None => {
                         let wanted = last.chains();
-                        (f.chains.difference(&wanted).cloned().collect(), Some(wanted))
+                        (
+                            f.chains.difference(&wanted).cloned().collect(),
+                            Some(wanted),
+                        )
                     }
                     Some(_) => {
                         let mut stale = BTreeSet::new();
@@ -336,8 +350,12 @@ impl IptablesDataplane {
                         (stale, None)
                     }
                 };
-                let declared: usize = replaced.iter().map(|(k, _)| last.own_chains(k).count()).sum();
-                let listing = render::list_first(f.nft, declared + stale.len(), last.nat_rule_count());
+                let declared: usize = replaced
+                    .iter()
+                    .map(|(k, _)| last.own_chains(k).count())
+                    .sum();
+                let listing =
+                    render::list_first(f.nft, declared + stale.len(), last.nat_rule_count());
                 if let Some(text) = last.partial_restore_text(&replaced, &stale, listing) {
                     debug!(?family, bytes = text.len(), "iptables-restore (partial)");
                     if let Err(e) = f.runner.restore(&text) {
@@ -353,7 +371,8 @@ impl IptablesDataplane {
                             f.chains.remove(c);
                         }
                         for (key, _) in &replaced {
-                            f.chains.extend(last.own_chains(key).map(|c| (Table::Nat, c.to_string())));
+                            f.chains
+                                .extend(last.own_chains(key).map(|c| (Table::Nat, c.to_string())));
                         }
                     }
                 }
@@ -362,7 +381,8 @@ impl IptablesDataplane {
                 let rendered = Rendered::new(state, node, family, &cfg.render);
                 let ruleset = rendered.ruleset();
                 let wanted = rendered.chains();
-                let stale: BTreeSet<(Table, String)> = f.chains.difference(&wanted).cloned().collect();
+                let stale: BTreeSet<(Table, String)> =
+                    f.chains.difference(&wanted).cloned().collect();
                 // What the nat table holds now, for the choice of listing it first.
                 let present = saved
                     .as_ref()

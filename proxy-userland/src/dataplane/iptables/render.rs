@@ -157,7 +157,11 @@ impl Ruleset {
 
     /// As [`restore_text`](Self::restore_text); with `list_first`, the nat table's input
     /// starts with [`LIST_FIRST`] (iptables-nft and many chains).
-    pub fn restore_text_listing(&self, stale: &BTreeSet<(Table, String)>, list_first: bool) -> String {
+    pub fn restore_text_listing(
+        &self,
+        stale: &BTreeSet<(Table, String)>,
+        list_first: bool,
+    ) -> String {
         self.text(stale, |_, _| true, list_first)
     }
 
@@ -166,9 +170,17 @@ impl Ruleset {
     /// change then rewrites a couple of chains instead of every service's, which keeps
     /// iptables-nft's cost per change small at any cluster size. None when nothing differs.
     /// (The proxier itself keeps a [`Rendered`], which re-renders only changed services.)
-    pub fn partial_restore_text(&self, previous: &Ruleset, stale: &BTreeSet<(Table, String)>) -> Option<String> {
+    pub fn partial_restore_text(
+        &self,
+        previous: &Ruleset,
+        stale: &BTreeSet<(Table, String)>,
+    ) -> Option<String> {
         let (now, before) = (self.by_chain(), previous.by_chain());
-        let changed: BTreeSet<&(Table, String)> = now.iter().filter(|(k, rules)| before.get(*k) != Some(*rules)).map(|(k, _)| k).collect();
+        let changed: BTreeSet<&(Table, String)> = now
+            .iter()
+            .filter(|(k, rules)| before.get(*k) != Some(*rules))
+            .map(|(k, _)| k)
+            .collect();
         let any = !stale.is_empty() || !changed.is_empty();
         any.then(|| self.text(stale, |t, c| changed.contains(&(t, c.to_string())), false))
     }
@@ -185,14 +197,21 @@ impl Ruleset {
             }
             for r in rules {
                 if let Some(chain) = rule_chain(r) {
-                    out.entry((table, chain.to_string())).or_insert_with(Vec::new).push(r.as_str());
+                    out.entry((table, chain.to_string()))
+                        .or_insert_with(Vec::new)
+                        .push(r.as_str());
                 }
             }
         }
         out
     }
 
-    fn text(&self, stale: &BTreeSet<(Table, String)>, include: impl Fn(Table, &str) -> bool, list_first: bool) -> String {
+    fn text(
+        &self,
+        stale: &BTreeSet<(Table, String)>,
+        include: impl Fn(Table, &str) -> bool,
+        list_first: bool,
+    ) -> String {
         let mut out = String::new();
         for (table, chains, rules) in [
             (Table::Filter, &self.filter_chains, &self.filter_rules),
@@ -207,10 +226,17 @@ impl Ruleset {
             if list_first && table == Table::Nat {
                 out.push_str(LIST_FIRST);
             }
-            for c in chains.iter().filter(|c| include(table, c)).chain(gone.iter().copied()) {
+            for c in chains
+                .iter()
+                .filter(|c| include(table, c))
+                .chain(gone.iter().copied())
+            {
                 let _ = writeln!(out, ":{c} - [0:0]");
             }
-            for r in rules.iter().filter(|r| rule_chain(r).is_some_and(|c| include(table, c))) {
+            for r in rules
+                .iter()
+                .filter(|r| rule_chain(r).is_some_and(|c| include(table, c)))
+            {
                 out.push_str(r);
                 out.push('\n');
             }
@@ -422,7 +448,10 @@ impl Rendered {
             .iter()
             .filter_map(|(key, svc)| {
                 let eps = state.endpoints.get(key).map(|e| &**e);
-                Some((key.clone(), Arc::new(render_service(svc, eps, node, family, cfg)?)))
+                Some((
+                    key.clone(),
+                    Arc::new(render_service(svc, eps, node, family, cfg)?),
+                ))
             })
             .collect();
         Rendered {
@@ -528,7 +557,10 @@ impl Rendered {
 
     /// The whole ruleset.
     pub fn ruleset(&self) -> Ruleset {
-        let own = self.services.values().flat_map(|s| s.rules.nat_chains.iter().cloned());
+        let own = self
+            .services
+            .values()
+            .flat_map(|s| s.rules.nat_chains.iter().cloned());
         Ruleset {
             filter_chains: self.head.filter_chains.clone(),
             filter_rules: self.rules(Table::Filter).cloned().collect(),
@@ -575,8 +607,16 @@ impl Rendered {
         }
         let mut out = String::new();
         for table in [Table::Filter, Table::Nat] {
-            let gone: Vec<&String> = stale.iter().filter(|(t, _)| *t == table).map(|(_, c)| c).collect();
-            let fixed_here: BTreeSet<&str> = fixed.iter().filter(|(t, _)| *t == table).map(|(_, c)| *c).collect();
+            let gone: Vec<&String> = stale
+                .iter()
+                .filter(|(t, _)| *t == table)
+                .map(|(_, c)| c)
+                .collect();
+            let fixed_here: BTreeSet<&str> = fixed
+                .iter()
+                .filter(|(t, _)| *t == table)
+                .map(|(_, c)| *c)
+                .collect();
             let own_here: Vec<(&str, &Vec<&str>)> = match table {
                 Table::Nat => own.iter().map(|(c, r)| (*c, r)).collect(),
                 Table::Filter => Vec::new(),
@@ -585,7 +625,10 @@ impl Rendered {
             if list_first && table == Table::Nat {
                 out.push_str(LIST_FIRST);
             }
-            let declared = fixed_here.iter().copied().chain(own_here.iter().map(|(c, _)| *c));
+            let declared = fixed_here
+                .iter()
+                .copied()
+                .chain(own_here.iter().map(|(c, _)| *c));
             for c in declared.chain(gone.iter().map(|c| c.as_str())) {
                 let _ = writeln!(out, ":{c} - [0:0]");
             }
@@ -1014,12 +1057,16 @@ mod tests {
     }
 
     fn svc(name: &str, ip: &str) -> Service {
-        Service::cluster_ip(ServiceKey::new("ns1", name), vec![ip.parse().unwrap()], vec![ServicePort {
+        Service::cluster_ip(
+            ServiceKey::new("ns1", name),
+            vec![ip.parse().unwrap()],
+            vec![ServicePort {
                 name: "p80".into(),
                 port: 80,
                 protocol: Protocol::Tcp,
                 node_port: None,
-            }])
+            }],
+        )
     }
 
     fn eps(list: Vec<Endpoint>) -> EndpointSet {
@@ -1438,28 +1485,68 @@ mod tests {
     fn a_partial_restore_rewrites_only_the_chains_that_changed() {
         let two = |second: &str| {
             state(vec![
-                (svc("a", "198.19.0.1"), Some(eps(vec![ep("198.18.1.1", "node-a")]))),
-                (svc("b", "198.19.0.2"), Some(eps(vec![ep("198.18.1.1", "node-a"), ep(second, "node-a")]))),
+                (
+                    svc("a", "198.19.0.1"),
+                    Some(eps(vec![ep("198.18.1.1", "node-a")])),
+                ),
+                (
+                    svc("b", "198.19.0.2"),
+                    Some(eps(vec![ep("198.18.1.1", "node-a"), ep(second, "node-a")])),
+                ),
             ])
         };
         let before = v4(&two("198.18.1.2"));
-        assert_eq!(before.partial_restore_text(&before, &BTreeSet::new()), None, "nothing differs");
+        assert_eq!(
+            before.partial_restore_text(&before, &BTreeSet::new()),
+            None,
+            "nothing differs"
+        );
 
         // b's second endpoint moves: b's service chain and the two endpoint chains change.
         let after = v4(&two("198.18.1.3"));
-        let text = after.partial_restore_text(&before, &BTreeSet::new()).expect("b changed");
+        let text = after
+            .partial_restore_text(&before, &BTreeSet::new())
+            .expect("b changed");
         let declared: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix(':')).collect();
-        let rules_of = |c: &str| text.lines().filter(|l| l.starts_with(&format!("-A {c} "))).count();
+        let rules_of = |c: &str| {
+            text.lines()
+                .filter(|l| l.starts_with(&format!("-A {c} ")))
+                .count()
+        };
         let b_svc = after.nat_chains.iter().find(|c| {
-            c.starts_with("KUBE-SVC-") && after.nat_rules.iter().any(|r| r.starts_with(&format!("-A {c} ")) && r.contains("198.18.1.3"))
+            c.starts_with("KUBE-SVC-")
+                && after
+                    .nat_rules
+                    .iter()
+                    .any(|r| r.starts_with(&format!("-A {c} ")) && r.contains("198.18.1.3"))
         });
         let b_svc = b_svc.expect("b's service chain");
-        assert!(declared.iter().any(|d| d.starts_with(b_svc.as_str())), "{text}");
+        assert!(
+            declared.iter().any(|d| d.starts_with(b_svc.as_str())),
+            "{text}"
+        );
         assert_eq!(rules_of(b_svc), 2, "{text}");
-        assert!(!declared.iter().any(|d| d.starts_with("KUBE-SERVICES")), "the service jumps did not change: {text}");
+        assert!(
+            !declared.iter().any(|d| d.starts_with("KUBE-SERVICES")),
+            "the service jumps did not change: {text}"
+        );
         // One SVC chain and one new SEP chain; the old SEP chain is for the caller's `stale`.
-        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SVC-")).count(), 1, "{text}");
-        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SEP-")).count(), 1, "{text}");
+        assert_eq!(
+            declared
+                .iter()
+                .filter(|d| d.starts_with("KUBE-SVC-"))
+                .count(),
+            1,
+            "{text}"
+        );
+        assert_eq!(
+            declared
+                .iter()
+                .filter(|d| d.starts_with("KUBE-SEP-"))
+                .count(),
+            1,
+            "{text}"
+        );
     }
 
     #[test]
@@ -1488,8 +1575,14 @@ mod tests {
         let cfg = RenderConfig::default();
         let two = |second: &str| {
             state(vec![
-                (svc("a", "198.19.0.1"), Some(eps(vec![ep("198.18.1.1", "node-a")]))),
-                (svc("b", "198.19.0.2"), Some(eps(vec![ep("198.18.1.1", "node-a"), ep(second, "node-a")]))),
+                (
+                    svc("a", "198.19.0.1"),
+                    Some(eps(vec![ep("198.18.1.1", "node-a")])),
+                ),
+                (
+                    svc("b", "198.19.0.2"),
+                    Some(eps(vec![ep("198.18.1.1", "node-a"), ep(second, "node-a")])),
+                ),
             ])
         };
         let before = two("198.18.1.2");
@@ -1501,18 +1594,37 @@ mod tests {
         // Nothing changed: nothing replaced, nothing to restore.
         let replaced = rendered.rerender(&before, [&a, &b], &node(), Family::V4, &cfg);
         assert!(replaced.is_empty());
-        assert_eq!(rendered.partial_restore_text(&replaced, &BTreeSet::new(), false), None);
+        assert_eq!(
+            rendered.partial_restore_text(&replaced, &BTreeSet::new(), false),
+            None
+        );
 
         // b's second endpoint moves: b's service chain and its new endpoint chain only.
         let after = two("198.18.1.3");
         let replaced = rendered.rerender(&after, [&b], &node(), Family::V4, &cfg);
         assert_eq!(replaced.len(), 1);
         assert_eq!(rendered.ruleset(), v4(&after));
-        let text = rendered.partial_restore_text(&replaced, &BTreeSet::new(), false).unwrap();
+        let text = rendered
+            .partial_restore_text(&replaced, &BTreeSet::new(), false)
+            .unwrap();
         let declared: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix(':')).collect();
         assert_eq!(declared.len(), 2, "{text}");
-        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SVC-")).count(), 1, "{text}");
-        assert_eq!(declared.iter().filter(|d| d.starts_with("KUBE-SEP-")).count(), 1, "{text}");
+        assert_eq!(
+            declared
+                .iter()
+                .filter(|d| d.starts_with("KUBE-SVC-"))
+                .count(),
+            1,
+            "{text}"
+        );
+        assert_eq!(
+            declared
+                .iter()
+                .filter(|d| d.starts_with("KUBE-SEP-"))
+                .count(),
+            1,
+            "{text}"
+        );
         assert!(text.contains("198.18.1.3:80"), "{text}");
         assert!(!text.contains("198.19.0.1"), "a is untouched: {text}");
 
@@ -1522,22 +1634,40 @@ mod tests {
 
         // a goes: KUBE-SERVICES is written whole (without a's jump, with b's), and the old
         // chains the caller names stale are deleted after it.
-        let without_a = state(vec![(svc("b", "198.19.0.2"), Some(eps(vec![ep("198.18.1.1", "node-a"), ep("198.18.1.2", "node-a")])))]);
+        let without_a = state(vec![(
+            svc("b", "198.19.0.2"),
+            Some(eps(vec![
+                ep("198.18.1.1", "node-a"),
+                ep("198.18.1.2", "node-a"),
+            ])),
+        )]);
         let replaced = rendered.rerender(&without_a, [&a], &node(), Family::V4, &cfg);
         let old_a: Vec<String> = replaced[0].1.as_ref().unwrap().rules.nat_chains.clone();
         assert_eq!(old_a.len(), 2, "a's SVC and SEP chains");
-        let stale: BTreeSet<(Table, String)> = old_a.iter().map(|c| (Table::Nat, c.clone())).collect();
-        let text = rendered.partial_restore_text(&replaced, &stale, true).unwrap();
+        let stale: BTreeSet<(Table, String)> =
+            old_a.iter().map(|c| (Table::Nat, c.clone())).collect();
+        let text = rendered
+            .partial_restore_text(&replaced, &stale, true)
+            .unwrap();
         let nat = &text[text.find("*nat").unwrap()..];
         assert!(nat.starts_with(&format!("*nat\n{LIST_FIRST}")), "{nat}");
         assert!(nat.contains(":KUBE-SERVICES - [0:0]\n"), "{nat}");
-        let services: Vec<&str> = nat.lines().filter(|l| l.starts_with("-A KUBE-SERVICES ")).collect();
+        let services: Vec<&str> = nat
+            .lines()
+            .filter(|l| l.starts_with("-A KUBE-SERVICES "))
+            .collect();
         assert_eq!(services.len(), 2, "b's jump and the node-port rule: {nat}");
-        assert!(services[0].contains("198.19.0.2") && services[1].contains("KUBE-NODEPORTS"), "{nat}");
+        assert!(
+            services[0].contains("198.19.0.2") && services[1].contains("KUBE-NODEPORTS"),
+            "{nat}"
+        );
         for c in &old_a {
             assert!(nat.contains(&format!("-X {c}\n")), "{nat}");
         }
         assert_eq!(rendered.ruleset(), v4(&without_a));
-        assert!(!text[..text.find("*nat").unwrap()].contains(LIST_FIRST), "the filter table is not listed");
+        assert!(
+            !text[..text.find("*nat").unwrap()].contains(LIST_FIRST),
+            "the filter table is not listed"
+        );
     }
 }
