@@ -84,6 +84,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     // first sync is pending from the start: a proxy that never manages one turns unhealthy.
     let admin = AdminState::new(args.health_timeout());
     admin.queued();
+    admin.debug.set_context(admin::debug::DebugContext::from_args(&args));
     let admin_tasks = admin::start(&args, &admin, &stopped).await?;
     let mut health_checks = HealthCheckServers::new(args.healthcheck_bind_address, admin.clone());
 
@@ -172,6 +173,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
                     services_changed_total: tracker.services_changed_total(),
                     endpoints_changed_total: tracker.endpoints_changed_total(),
                 });
+                admin.debug.publish(&changes.state, &node);
                 let want = healthcheck::desired(&changes.state, &node);
                 for (key, port, err) in health_checks.update(&want) {
                     let note = format!("cannot open health check node port {port}: {err}");

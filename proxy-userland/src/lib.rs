@@ -14,6 +14,7 @@
 //! - [`admin`]: /healthz, /livez, /readyz, /metrics and the health check node ports.
 //! - [`node_setup`]: conntrack sysctls and the OOM score, as kube-proxy sets them (opt-in).
 //! - [`events`]: Kubernetes Events about objects that cannot be used or programmed.
+//! - [`inspect`]: `fastpath inspect` and `fastpath explain`, the operator's view.
 //! - [`daemon`]: wiring it all together, start to graceful shutdown.
 //! - [`shutdown`]: the signals that end the daemon.
 
@@ -22,6 +23,7 @@ pub mod config;
 pub mod daemon;
 pub mod dataplane;
 pub mod events;
+pub mod inspect;
 pub mod mode;
 pub mod model;
 pub mod node_setup;

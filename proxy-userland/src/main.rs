@@ -8,8 +8,18 @@ use proxy_userland::{
 };
 use tracing_subscriber::EnvFilter;
 
+fn main() -> std::process::ExitCode {
+    // `fastpath inspect|explain ...` are tools, not the daemon: dispatched before the
+    // daemon's flags are parsed, and without its runtime.
+    let first = std::env::args_os().nth(1);
+    if first.is_some_and(|a| proxy_userland::inspect::SUBCOMMANDS.iter().any(|s| a == *s)) {
+        return proxy_userland::inspect::main(std::env::args_os().collect());
+    }
+    daemon_main()
+}
+
 #[tokio::main]
-async fn main() -> std::process::ExitCode {
+async fn daemon_main() -> std::process::ExitCode {
     // Exits itself for --help, --version and malformed flags.
     let matches = Args::command().get_matches();
     let args = match Args::from_matches(&matches) {

@@ -11,6 +11,7 @@
 //! The sync loop writes an [`AdminState`] after each sync; the servers only read it, so a
 //! slow scrape never delays a sync.
 
+pub mod debug;
 pub mod health;
 pub mod healthcheck;
 pub mod http;
@@ -43,6 +44,7 @@ const REBIND_PERIOD: Duration = Duration::from_secs(5);
 pub struct AdminState {
     pub health: ProxierHealth,
     pub metrics: Metrics,
+    pub debug: debug::DebugState,
     proxy_mode: Mutex<&'static str>,
 }
 
@@ -79,6 +81,7 @@ impl AdminState {
         Arc::new(Self {
             health: ProxierHealth::new(health_timeout),
             metrics: Metrics::new(),
+            debug: Default::default(),
             proxy_mode: Mutex::new(""),
         })
     }
@@ -162,6 +165,7 @@ pub fn metrics_handler(state: Arc<AdminState>) -> Handler {
         }
         "/proxyMode" => Response::text(200, state.proxy_mode()),
         "/healthz" => Response::text(200, "ok"),
+        "/debug/model" => state.debug.response(state.proxy_mode()),
         _ => Response::not_found(),
     })
 }

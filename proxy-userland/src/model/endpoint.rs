@@ -5,7 +5,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 use super::service::Protocol;
 
 /// A port as an EndpointSlice lists it: every endpoint of that slice serves it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SlicePort {
     pub name: String,
     pub port: u16,
@@ -15,7 +15,7 @@ pub struct SlicePort {
 /// One endpoint address with its conditions, as kube-proxy reads them: a missing `ready`
 /// means ready, a missing `serving` means the value of `ready`, a missing `terminating`
 /// means false.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Endpoint {
     pub ip: IpAddr,
     pub ready: bool,
@@ -28,7 +28,7 @@ pub struct Endpoint {
 }
 
 /// One EndpointSlice, reduced to what routing needs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SliceInfo {
     pub ports: Vec<SlicePort>,
     pub endpoints: Vec<Endpoint>,
@@ -36,7 +36,7 @@ pub struct SliceInfo {
 
 /// Every slice of one service, by slice name. A service's endpoints may be split over
 /// several slices, and an address may appear in more than one.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EndpointSet {
     pub slices: BTreeMap<String, SliceInfo>,
 }

@@ -27,7 +27,7 @@ pub struct ProxyState {
 
 /// Facts about the node the proxy runs on, used to pick endpoints (topology, Local
 /// policies).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NodeInfo {
     pub name: String,
     pub zone: Option<String>,

@@ -3,7 +3,7 @@
 use std::{fmt, net::IpAddr};
 
 /// A Service's identity: namespace and name (kube-proxy's NamespacedName).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ServiceKey {
     pub namespace: String,
     pub name: String,
@@ -24,7 +24,8 @@ impl fmt::Display for ServiceKey {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -77,7 +78,7 @@ impl fmt::Display for Protocol {
 }
 
 /// One port of a service. `name` matches the EndpointSlice port of the same name.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ServicePort {
     /// May be empty for a single-port service.
     pub name: String,
@@ -88,7 +89,7 @@ pub struct ServicePort {
 
 /// A service this proxy serves. Headless, ExternalName and other proxies' services never
 /// become one of these.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Service {
     pub key: ServiceKey,
     /// spec.clusterIPs (dual-stack: up to one per family).

@@ -1,0 +1,425 @@
+//! `fastpath inspect` and `fastpath explain` against the real daemon, and against what real
+//! packets do: explain names a backend set X, and real connections land only within X (and
+//! reach all of it); a service it explains as refused refuses a real connect.
+
+mod common;
+mod nat_common;
+
+use std::{collections::BTreeSet, net::Ipv4Addr, process::Command};
+
+use common::*;
+use serde_json::Value;
+
+/// demo/web: pod-1 (here) and pod-2 (node-b) ready, pod-3 serving but terminating (stays
+/// out while ready ones exist); demo/local: internalTrafficPolicy Local over pod-1 and
+/// pod-2; demo/empty: no endpoints.
+const MANIFESTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: demo}
+spec:
+  clusterIP: 198.19.0.10
+  clusterIPs: [198.19.0.10]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: demo, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: node-a}
+- {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
+- {addresses: [198.18.1.13], conditions: {ready: false, serving: true, terminating: true}, nodeName: node-a}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: demo}
+spec:
+  clusterIP: 198.19.0.12
+  clusterIPs: [198.19.0.12]
+  internalTrafficPolicy: Local
+  ports:
+  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-1, namespace: demo, labels: {kubernetes.io/service-name: local}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: node-a}
+- {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: demo}
+spec:
+  clusterIP: 198.19.0.11
+  clusterIPs: [198.19.0.11]
+  ports:
+  - {name: http, port: 80, targetPort: 8080, protocol: TCP}
+"#;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `fastpath <args>` (a tool subcommand) and returns its stdout; fails the test on a
+/// non-zero exit.
+fn tool(args: &[&str]) -> String {
+    let out = Command::new(FASTPATH)
+        .args(args)
+        .output()
+        .expect("fastpath runs");
+    assert!(
+        out.status.success(),
+        "fastpath {args:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn explain(admin: &str, pins: &str, proto: &str, dst: &str) -> Value {
+    let out = tool(&[
+        "explain",
+        proto,
+        dst,
+        "--admin",
+        admin,
+        "--bpf-pin-dir",
+        pins,
+        "-o",
+        "json",
+    ]);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("explain printed no JSON ({e}):\n{out}"))
+}
+
+fn strings(v: &Value) -> BTreeSet<String> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The pod name (`pod-N`) serving at 198.18.1.(10+N):port.
+fn pod_names(addrs: &BTreeSet<String>) -> BTreeSet<String> {
+    addrs
+        .iter()
+        .map(|a| {
+            let ip: Ipv4Addr = a.split(':').next().unwrap().parse().unwrap();
+            format!("pod-{}", ip.octets()[3] - 10)
+        })
+        .collect()
+}
+
+/// Connects `count` times and checks every connection landed within `eligible` and every
+/// eligible backend was reached.
+fn assert_lands_within(
+    bed: &xtask::testbed::Testbed,
+    target: &str,
+    eligible: &BTreeSet<String>,
+    count: usize,
+) {
+    let outcomes = tcp(bed, target, count);
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{target}: {outcomes:?}");
+    assert_eq!(
+        reached(&outcomes),
+        pod_names(eligible),
+        "{target}: connections vs explain's set"
+    );
+}
+
+fn eligible_of(ex: &Value) -> BTreeSet<String> {
+    strings(&ex["eligible"])
+}
+
+#[test]
+fn explain_matches_real_connections_and_inspect_lists_the_maps() {
+    let (bed, _pods) = bed_with_pods("explain", 3);
+    std::fs::write(bed.dir().join("svc.yaml"), MANIFESTS).unwrap();
+    let bpffs = Bpffs::mount(bed.dir());
+    let pins = bpffs.0.join("fastpath");
+    let (pins, admin) = (pins.to_str().unwrap(), format!("127.0.0.1:{}", free_port()));
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            bed.dir().join("svc.yaml").to_str().unwrap(),
+            "--metrics-bind-address",
+            &admin,
+            "--bpf-pin-dir",
+            pins,
+            "--proxy-mode",
+            "ebpf",
+        ],
+    );
+    let synced = || {
+        Command::new(FASTPATH)
+            .args([
+                "explain",
+                "tcp",
+                "198.19.0.10:80",
+                "--admin",
+                &admin,
+                "-o",
+                "json",
+            ])
+            .output()
+            .ok()
+            .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
+            .is_some_and(|v| v["verdict"] == "translated")
+    };
+    assert!(
+        eventually(20, synced),
+        "explain never saw demo/web synced; log:\n{}",
+        daemon.log()
+    );
+
+    // Ready endpoints on both nodes; the serving-terminating one stays out, and says why.
+    let ex = explain(&admin, pins, "tcp", WEB);
+    let want: BTreeSet<String> = ["198.18.1.11:8080", "198.18.1.12:8080"]
+        .map(String::from)
+        .into();
+    assert_eq!(eligible_of(&ex), want, "{ex:#}");
+    assert_eq!(ex["matched"]["service"], "demo/web:http");
+    assert_eq!(ex["matched"]["kind"], "ClusterIP");
+    assert!(
+        ex["hook"].as_str().unwrap().contains("cgroup/connect4"),
+        "{ex:#}"
+    );
+    assert_eq!(
+        strings(&ex["programmed"]),
+        want,
+        "the maps hold the same set"
+    );
+    let pod3 = ex["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["address"] == "198.18.1.13:8080")
+        .unwrap();
+    assert_eq!(pod3["eligible"], false);
+    assert_eq!(pod3["state"], "serving-terminating");
+    assert!(
+        pod3["reason"]
+            .as_str()
+            .unwrap()
+            .contains("no ready endpoint"),
+        "{pod3}"
+    );
+    assert_lands_within(&bed, WEB, &want, 20);
+
+    // internalTrafficPolicy Local: only this node's pod.
+    let ex = explain(&admin, pins, "tcp", "198.19.0.12:80");
+    let want: BTreeSet<String> = ["198.18.1.11:8080".to_string()].into();
+    assert_eq!(eligible_of(&ex), want, "{ex:#}");
+    let remote = ex["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["address"] == "198.18.1.12:8080")
+        .unwrap();
+    assert!(
+        remote["reason"].as_str().unwrap().contains("Local policy"),
+        "{remote}"
+    );
+    assert_lands_within(&bed, "198.19.0.12:80", &want, 10);
+
+    // No endpoints: explain says refused, and a real connect is refused.
+    let ex = explain(&admin, pins, "tcp", "198.19.0.11:80");
+    assert_eq!(ex["verdict"], "refused", "{ex:#}");
+    assert!(ex["eligible"].as_array().unwrap().is_empty());
+    let outcomes = tcp(&bed, "198.19.0.11:80", 3);
+    assert!(
+        outcomes.iter().all(|o| o.errno() == Some("ECONNREFUSED")),
+        "{outcomes:?}"
+    );
+
+    // Not a service at all.
+    let ex = explain(&admin, pins, "udp", "198.19.0.10:80");
+    assert_eq!(ex["verdict"], "not-a-service", "{ex:#}");
+
+    // inspect services: the frontends with their names, from the maps and the daemon.
+    let rows: Value = serde_json::from_str(&tool(&[
+        "inspect",
+        "services",
+        "--admin",
+        &admin,
+        "--bpf-pin-dir",
+        pins,
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let row = |fe: &str| {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["frontend"] == fe)
+            .cloned()
+    };
+    let web = row("198.19.0.10:80/TCP").expect("demo/web's frontend is listed");
+    assert_eq!(web["service"], "demo/web:http");
+    assert_eq!(web["scope"], "socket");
+    assert_eq!(web["in_sync"], true);
+    let states: BTreeSet<(String, String)> = web["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["address"].as_str().unwrap().into(),
+                b["state"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [("198.18.1.11:8080", "ready"), ("198.18.1.12:8080", "ready")]
+            .map(|(a, s)| (a.to_string(), s.to_string()))
+            .into()
+    );
+    let empty = row("198.19.0.11:80/TCP").expect("demo/empty's frontend is listed");
+    assert_eq!(empty["no_backends"], "refused (ECONNREFUSED)");
+    let table = tool(&[
+        "inspect",
+        "services",
+        "--admin",
+        &admin,
+        "--bpf-pin-dir",
+        pins,
+    ]);
+    assert!(table.starts_with("FRONTEND"), "{table}");
+    assert!(
+        table.lines().any(|l| l.contains("198.19.0.12:80/TCP")
+            && l.contains("demo/local:http")
+            && l.contains("internal=Local")
+            && l.contains("198.18.1.11:8080")),
+        "{table}"
+    );
+
+    // Without the daemon the maps alone still answer, by address.
+    drop(daemon);
+    let out = Command::new(FASTPATH)
+        .args([
+            "inspect",
+            "services",
+            "--admin",
+            "127.0.0.1:1",
+            "--bpf-pin-dir",
+            pins,
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.contains("198.19.0.10:80/TCP") && l.contains('?')),
+        "{text}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("showing addresses only"));
+}
+
+#[test]
+fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
+    let (bed, _pods) = bed_with_pods("explainipt", 3);
+    nat_common::route_services(&bed);
+    std::fs::write(bed.dir().join("svc.yaml"), MANIFESTS).unwrap();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            bed.dir().join("svc.yaml").to_str().unwrap(),
+            "--metrics-bind-address",
+            &admin,
+            "--proxy-mode",
+            "iptables",
+            "--netns",
+            bed.node_netns(),
+            "--cleanup-on-exit",
+        ],
+    );
+    let synced = || {
+        Command::new(FASTPATH)
+            .args(["explain", "tcp", WEB, "--admin", &admin, "-o", "json"])
+            .output()
+            .ok()
+            .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
+            .is_some_and(|v| v["verdict"] == "translated" && v["mode"] == "iptables")
+    };
+    assert!(
+        eventually(30, synced),
+        "explain never saw demo/web synced; log:\n{}",
+        daemon.log()
+    );
+
+    let ex = explain(&admin, "/nonexistent", "tcp", WEB);
+    let want: BTreeSet<String> = ["198.18.1.11:8080", "198.18.1.12:8080"]
+        .map(String::from)
+        .into();
+    assert_eq!(eligible_of(&ex), want, "{ex:#}");
+    let hook = ex["hook"].as_str().unwrap();
+    assert!(hook.contains("KUBE-SERVICES -> KUBE-SVC-"), "{hook}");
+    // The chain explain names is the one iptables-save shows for the service.
+    let chain = hook
+        .split(" -> ")
+        .find(|c| c.starts_with("KUBE-SVC-"))
+        .unwrap();
+    let saved = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            bed.node_netns(),
+            "iptables-save",
+            "-t",
+            "nat",
+        ])
+        .output()
+        .unwrap();
+    let saved = String::from_utf8_lossy(&saved.stdout);
+    assert!(
+        saved
+            .lines()
+            .any(|l| l.contains("demo/web:http") && l.contains(&format!("-j {chain}"))),
+        "{chain} not in:\n{saved}"
+    );
+    assert_lands_within(&bed, WEB, &want, 20);
+
+    let ex = explain(&admin, "/nonexistent", "tcp", "198.19.0.11:80");
+    assert_eq!(ex["verdict"], "rejected", "{ex:#}");
+    let outcomes = tcp(&bed, "198.19.0.11:80", 3);
+    assert!(
+        outcomes.iter().all(|o| o.errno() == Some("ECONNREFUSED")),
+        "{outcomes:?}"
+    );
+
+    let rows: Value = serde_json::from_str(&tool(&[
+        "inspect", "services", "--admin", &admin, "-o", "json",
+    ]))
+    .unwrap();
+    let web = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["frontend"] == "198.19.0.10:80/TCP")
+        .unwrap();
+    assert_eq!(web["chain"], chain);
+    assert_eq!(web["backends"].as_array().unwrap().len(), 2);
+    daemon.stop();
+}
