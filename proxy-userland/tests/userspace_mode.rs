@@ -147,14 +147,14 @@ fn client_ip_affinity_and_endpoint_changes() {
     assert_eq!(after.len(), 1);
     assert!(!after.contains(&gone));
 
-    // No endpoints: the relay resets connections at once instead of letting them hang.
+    // No endpoints: connections are refused at once instead of letting them hang.
     dp.sync(
         &state_of(vec![(svc.clone(), None)]),
         &node(),
         Scope::Changed(&changed),
     );
     let refused = tcp(&bed, WEB, 1);
-    assert_eq!(refused[0].errno(), Some("ECONNRESET"), "{refused:?}");
+    assert_eq!(refused[0].errno(), Some("ECONNREFUSED"), "{refused:?}");
 
     // The service removed: its portals go, so the cluster IP is no longer answered.
     dp.sync(&state_of(vec![]), &node(), Scope::Full);
@@ -203,5 +203,162 @@ fn idle_udp_flows_are_forgotten() {
             &["udp", WEB_DNS, "--count", "1", "--timeout-ms", "2000"]
         )[0]
         .is_ok()
+    );
+}
+
+/// kube-proxy REJECTs a service without endpoints, so a client (or a health check that only
+/// connects) sees the connect fail. The relay used to accept and then reset.
+#[test]
+fn a_service_without_endpoints_refuses_the_connect() {
+    let (mut bed, _pods) = bed_with_pods("usnoeps", 1);
+    let ext = external_client(&mut bed);
+    let mut dp = proxier(&bed, Duration::from_secs(1));
+    let svc = web_service("web", WEB_IP);
+    let changed = BTreeSet::from([svc.key.clone()]);
+    let report = dp.sync(&state_of(vec![(svc.clone(), None)]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let refused_everywhere = |what: &str| {
+        let from_node = tcp(&bed, WEB, 2);
+        let from_pod = probe_from(
+            &ext.netns,
+            &["tcp", WEB, "--count", "2", "--timeout-ms", "1000"],
+        );
+        // From a pod: an ICMP port unreachable. (A UDP send from the node itself fails with
+        // EPERM instead, as with kube-proxy's REJECT in OUTPUT.)
+        let udp = probe_from(
+            &ext.netns,
+            &["udp", WEB_DNS, "--count", "1", "--timeout-ms", "1000", "--connected"],
+        );
+        for a in from_node.iter().chain(&from_pod).chain(&udp) {
+            assert_eq!(a.errno(), Some("ECONNREFUSED"), "{what}: {a:?}");
+        }
+    };
+    refused_everywhere("a new service without endpoints");
+
+    let eps = web_endpoints(vec![ready(pod_ip(1))]);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(eps))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
+    assert!(tcp(&bed, WEB, 2).iter().all(|a| a.reply() == Some("pod-1")));
+
+    dp.sync(
+        &state_of(vec![(svc.clone(), None)]),
+        &node(),
+        Scope::Changed(&changed),
+    );
+    refused_everywhere("after its last endpoint left");
+}
+
+/// The relays listen on every address (REDIRECT picks the address), but only traffic a
+/// portal redirected may reach them: a ClusterIP service is not a node port.
+#[test]
+fn relays_are_not_reachable_from_other_hosts() {
+    let (mut bed, _pods) = bed_with_pods("usguard", 1);
+    let ext = external_client(&mut bed);
+    let mut dp = proxier(&bed, Duration::from_secs(1));
+    let eps = web_endpoints(vec![ready(pod_ip(1))]);
+    dp.sync(
+        &state_of(vec![(web_service("web", WEB_IP), Some(eps))]),
+        &node(),
+        Scope::Full,
+    );
+    let tcp_port = dp
+        .relay_port(&Frontend::socket(WEB_IP.into(), 80, Protocol::Tcp))
+        .expect("TCP relay");
+    let udp_port = dp
+        .relay_port(&Frontend::socket(WEB_IP.into(), 53, Protocol::Udp))
+        .expect("UDP relay");
+
+    // Through the cluster IP it works from the other host...
+    let via_service = probe_from(
+        &ext.netns,
+        &["tcp", WEB, "--count", "2", "--timeout-ms", "2000"],
+    );
+    assert!(
+        via_service.iter().all(|a| a.reply() == Some("pod-1")),
+        "{via_service:?}"
+    );
+    // ...but not on the relay's port at the node's address.
+    let node = bed.node_ipv4();
+    let direct = probe_from(
+        &ext.netns,
+        &[
+            "tcp",
+            &format!("{node}:{tcp_port}"),
+            "--count",
+            "1",
+            "--timeout-ms",
+            "500",
+        ],
+    );
+    assert!(
+        !direct[0].is_ok(),
+        "the TCP relay answered another host: {direct:?}"
+    );
+    let direct_udp = probe_from(
+        &ext.netns,
+        &[
+            "udp",
+            &format!("{node}:{udp_port}"),
+            "--count",
+            "1",
+            "--timeout-ms",
+            "500",
+        ],
+    );
+    assert!(
+        !direct_udp[0].is_ok(),
+        "the UDP relay answered another host: {direct_udp:?}"
+    );
+}
+
+/// A UDP client that keeps sending from one socket must not stay on a backend that left
+/// the service (kube-proxy clears such conntrack entries); the relay used to keep the flow
+/// for as long as datagrams kept coming.
+#[test]
+fn a_udp_flow_moves_off_a_removed_backend() {
+    let (bed, _pods) = bed_with_pods("usudpmove", 2);
+    let mut dp = proxier(&bed, Duration::from_secs(1));
+    let svc = web_service("web", WEB_IP);
+    let changed = BTreeSet::from([svc.key.clone()]);
+    let one = web_endpoints(vec![ready(pod_ip(1))]);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(one))]),
+        &node(),
+        Scope::Full,
+    );
+
+    // One socket, a datagram every 100 ms for 3 s: never idle long enough to expire.
+    let mut cmd = bed.client(probe());
+    cmd.args([
+        "udp",
+        WEB_DNS,
+        "--count",
+        "30",
+        "--interval-ms",
+        "100",
+        "--timeout-ms",
+        "500",
+    ]);
+    let client = std::thread::spawn(move || xtask::cmd::output(&mut cmd));
+    std::thread::sleep(Duration::from_millis(1000));
+    let two = web_endpoints(vec![ready(pod_ip(2))]);
+    dp.sync(
+        &state_of(vec![(svc.clone(), Some(two))]),
+        &node(),
+        Scope::Changed(&changed),
+    );
+
+    let out = xtask::probe::parse(&client.join().unwrap().expect("probe runs"));
+    assert_eq!(out.len(), 30, "{out:?}");
+    assert_eq!(out[0].reply(), Some("pod-1"), "{out:?}");
+    assert!(
+        out[out.len() - 10..]
+            .iter()
+            .all(|a| a.reply() == Some("pod-2")),
+        "the flow moved to the remaining backend: {out:?}"
     );
 }

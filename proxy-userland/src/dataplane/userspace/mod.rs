@@ -219,6 +219,7 @@ impl Dataplane for UserspaceDataplane {
                 service: o.owner.to_string(),
                 frontend: *fe,
                 relay_port: o.port,
+                has_endpoints: !o.desired.backends.is_empty(),
             })
             .collect();
         let text = portals::render(&portals);

@@ -3,6 +3,14 @@
 //! hosts) and KUBE-PORTALS-HOST (from OUTPUT: the node's own processes), each REDIRECTing a
 //! frontend to its relay's port.
 //!
+//! A frontend without endpoints gets no portal but a REJECT in the filter table chain
+//! KUBE-PORTALS-FILTER (from INPUT, FORWARD and OUTPUT, as kube-proxy's filter
+//! KUBE-SERVICES), so a connect is refused at once instead of being accepted by a relay
+//! that has nowhere to send it. The same chain drops new traffic to a relay's port that no
+//! portal redirected (`! --ctstate DNAT`): the relays listen on every address, because
+//! REDIRECT picks the address (127.0.0.1 from OUTPUT, the receiving device's primary
+//! address from PREROUTING), but must only be reachable through a cluster IP.
+//!
 //! kube-proxy DNATed host traffic to a host address instead, because REDIRECT in OUTPUT
 //! sends it to 127.0.0.1 and UDP answers then came from the wrong address; our UDP relay
 //! answers from the address each datagram was redirected to, so REDIRECT works for both.
@@ -16,6 +24,7 @@ use crate::dataplane::{
 
 pub const PORTALS_CONTAINER: &str = "KUBE-PORTALS-CONTAINER";
 pub const PORTALS_HOST: &str = "KUBE-PORTALS-HOST";
+pub const PORTALS_FILTER: &str = "KUBE-PORTALS-FILTER";
 /// Chains older userspace proxies also made; removed as leftovers, never created.
 pub const LEGACY_CHAINS: [&str; 3] = [
     "KUBE-NODEPORT-CONTAINER",
@@ -38,6 +47,27 @@ pub const JUMPS: &[Jump] = &[
         comment: "handle ClusterIPs; NOTE: this must be before the NodePort rules",
         extra: &[],
     },
+    Jump {
+        table: Table::Filter,
+        from: "INPUT",
+        to: PORTALS_FILTER,
+        comment: "userspace service portals firewall",
+        extra: &["-m", "conntrack", "--ctstate", "NEW"],
+    },
+    Jump {
+        table: Table::Filter,
+        from: "FORWARD",
+        to: PORTALS_FILTER,
+        comment: "userspace service portals firewall",
+        extra: &["-m", "conntrack", "--ctstate", "NEW"],
+    },
+    Jump {
+        table: Table::Filter,
+        from: "OUTPUT",
+        to: PORTALS_FILTER,
+        comment: "userspace service portals firewall",
+        extra: &["-m", "conntrack", "--ctstate", "NEW"],
+    },
 ];
 
 /// True for the chains of the userspace mode (for leftovers cleanup).
@@ -48,7 +78,7 @@ pub fn is_userspace_chain(table: Table, chain: &str) -> bool {
                 || chain == PORTALS_HOST
                 || LEGACY_CHAINS[..2].contains(&chain)
         }
-        Table::Filter => chain == LEGACY_CHAINS[2],
+        Table::Filter => chain == PORTALS_FILTER || chain == LEGACY_CHAINS[2],
     }
 }
 
@@ -59,20 +89,22 @@ pub struct Portal {
     pub service: String,
     pub frontend: Frontend,
     pub relay_port: u16,
+    /// False: refuse the frontend's traffic (REJECT) instead of redirecting it.
+    pub has_endpoints: bool,
 }
 
-/// `iptables-restore --noflush` input that replaces both portal chains with `portals`.
+/// `iptables-restore --noflush` input that replaces the portal chains with `portals`.
 pub fn render(portals: &[Portal]) -> String {
     let mut out = String::from("*nat\n");
     let _ = writeln!(out, ":{PORTALS_CONTAINER} - [0:0]");
     let _ = writeln!(out, ":{PORTALS_HOST} - [0:0]");
     for chain in [PORTALS_CONTAINER, PORTALS_HOST] {
-        for p in portals {
+        for p in portals.iter().filter(|p| p.has_endpoints) {
             let proto = proto_lower(p.frontend.proto);
             let _ = writeln!(
                 out,
                 "-A {chain} -m comment --comment \"{} {}\" -m {proto} -p {proto} -d {} --dport {} -j REDIRECT --to-ports {}",
-                p.service.replace(['"', '\\'], ""),
+                comment(&p.service),
                 p.frontend,
                 p.frontend.ip,
                 p.frontend.port,
@@ -80,8 +112,35 @@ pub fn render(portals: &[Portal]) -> String {
             );
         }
     }
+    out.push_str("COMMIT\n*filter\n");
+    let _ = writeln!(out, ":{PORTALS_FILTER} - [0:0]");
+    for p in portals.iter().filter(|p| !p.has_endpoints) {
+        let proto = proto_lower(p.frontend.proto);
+        let _ = writeln!(
+            out,
+            "-A {PORTALS_FILTER} -m comment --comment \"{} {} has no endpoints\" -m {proto} -p {proto} -d {} --dport {} -j REJECT",
+            comment(&p.service),
+            p.frontend,
+            p.frontend.ip,
+            p.frontend.port,
+        );
+    }
+    for p in portals {
+        let proto = proto_lower(p.frontend.proto);
+        let _ = writeln!(
+            out,
+            "-A {PORTALS_FILTER} -m comment --comment \"{} {} relay, only through its portal\" -m addrtype --dst-type LOCAL -m {proto} -p {proto} --dport {} -m conntrack ! --ctstate DNAT -j DROP",
+            comment(&p.service),
+            p.frontend,
+            p.relay_port,
+        );
+    }
     out.push_str("COMMIT\n");
     out
+}
+
+fn comment(service: &str) -> String {
+    service.replace(['"', '\\'], "")
 }
 
 #[cfg(test)]
@@ -96,6 +155,7 @@ mod tests {
             service: "demo/web".into(),
             frontend: fe,
             relay_port: 40001,
+            has_endpoints: true,
         }]);
         for chain in [PORTALS_CONTAINER, PORTALS_HOST] {
             assert!(text.contains(&format!(
@@ -105,8 +165,28 @@ mod tests {
         assert!(
             text.starts_with("*nat\n:KUBE-PORTALS-CONTAINER - [0:0]\n:KUBE-PORTALS-HOST - [0:0]\n")
         );
+        // The relay's port is closed to traffic no portal redirected.
+        assert!(text.contains(
+            "-A KUBE-PORTALS-FILTER -m comment --comment \"demo/web 198.19.0.10:53/UDP relay, only through its portal\" -m addrtype --dst-type LOCAL -m udp -p udp --dport 40001 -m conntrack ! --ctstate DNAT -j DROP\n"
+        ), "{text}");
+        assert!(!text.contains("REJECT"), "{text}");
         assert!(text.ends_with("COMMIT\n"));
-        // No portals still declares (and so empties) both chains.
-        assert_eq!(render(&[]).lines().count(), 4);
+        // No portals still declares (and so empties) every chain.
+        assert_eq!(render(&[]).lines().count(), 7);
+    }
+
+    #[test]
+    fn a_frontend_without_endpoints_is_rejected_not_redirected() {
+        let fe = Frontend::socket("198.19.0.11".parse().unwrap(), 80, Protocol::Tcp);
+        let text = render(&[Portal {
+            service: "demo/empty".into(),
+            frontend: fe,
+            relay_port: 40002,
+            has_endpoints: false,
+        }]);
+        assert!(!text.contains("REDIRECT"), "{text}");
+        assert!(text.contains(
+            "-A KUBE-PORTALS-FILTER -m comment --comment \"demo/empty 198.19.0.11:80/TCP has no endpoints\" -m tcp -p tcp -d 198.19.0.11 --dport 80 -j REJECT\n"
+        ), "{text}");
     }
 }

@@ -113,6 +113,9 @@ type Flows = Arc<Mutex<HashMap<SocketAddrV4, Arc<Flow>>>>;
 
 struct Flow {
     upstream: UdpSocket,
+    backend: SocketAddr,
+    /// The task carrying replies back; aborted when the backend leaves the service.
+    replies: std::sync::OnceLock<tokio::task::AbortHandle>,
     /// Milliseconds since `epoch` of the last datagram either way.
     last: std::sync::atomic::AtomicU64,
 }
@@ -244,6 +247,18 @@ async fn serve(mut rx: mpsc::UnboundedReceiver<Cmd>, cfg: RelayConfig) {
                 affinity,
             } => {
                 if let Some(l) = listeners.get(&fe) {
+                    // A UDP flow whose backend left ends now, even if its client keeps
+                    // sending: its next datagram picks a backend that is still there (as
+                    // kube-proxy clears the conntrack entries of removed UDP endpoints).
+                    if let Some(flows) = &l.flows {
+                        lock(flows).retain(|_, f| {
+                            let keep = backends.contains(&f.backend);
+                            if !keep && let Some(task) = f.replies.get() {
+                                task.abort();
+                            }
+                            keep
+                        });
+                    }
                     lock(&l.balancer).update(backends, affinity);
                 }
             }
@@ -410,10 +425,12 @@ async fn udp_relay(
                 };
                 let flow = Arc::new(Flow {
                     upstream,
+                    backend,
+                    replies: Default::default(),
                     last: Default::default(),
                 });
                 lock(&flows).insert(client, flow.clone());
-                tokio::spawn(udp_flow(
+                let task = tokio::spawn(udp_flow(
                     socket.clone(),
                     flow.clone(),
                     flows.clone(),
@@ -422,6 +439,7 @@ async fn udp_relay(
                     epoch,
                     cfg.udp_idle_timeout,
                 ));
+                let _ = flow.replies.set(task.abort_handle());
                 flow
             }
         };
