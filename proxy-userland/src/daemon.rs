@@ -172,6 +172,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
                     services: changes.state.services.len(),
                     services_changed_total: tracker.services_changed_total(),
                     endpoints_changed_total: tracker.endpoints_changed_total(),
+                    udp_socket_resets: (report.udp_sockets_reset, report.udp_socket_resets_failed),
                 });
                 admin.debug.publish(&changes.state, &node);
                 let want = healthcheck::desired(&changes.state, &node);

@@ -219,11 +219,25 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `fastpath` on the bed's cgroup as node "node-a", with `args` naming the source.
     pub fn start(cgroup: &Path, args: &[&str]) -> Self {
+        Self::start_wrapped(&[], cgroup, args)
+    }
+
+    /// As [`Daemon::start`], run through `wrapper` (e.g. `setpriv` with its options) when
+    /// it is not empty.
+    pub fn start_wrapped(wrapper: &[&str], cgroup: &Path, args: &[&str]) -> Self {
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let log =
             std::env::temp_dir().join(format!("fastpath-test-{}-{n}.log", std::process::id()));
-        let child = Command::new(FASTPATH)
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut c = Command::new(program);
+                c.args(rest).arg(FASTPATH);
+                c
+            }
+            None => Command::new(FASTPATH),
+        };
+        let child = cmd
             .arg("--cgroup-path")
             .arg(cgroup)
             .args(["--hostname-override", "node-a"])

@@ -48,6 +48,7 @@ pub struct Metrics {
     pub service_failures: Counter,
     pub map_entries: Family<MapLabel, Gauge>,
     pub packets: Family<ResultLabel, Counter>,
+    pub udp_socket_resets: Family<ResultLabel, Counter>,
     pub services: Gauge,
     pub healthcheck_servers: Gauge,
 }
@@ -88,6 +89,7 @@ impl Metrics {
             service_failures: Counter::default(),
             map_entries: Family::default(),
             packets: Family::default(),
+            udp_socket_resets: Family::default(),
             services: Gauge::default(),
             healthcheck_servers: Gauge::default(),
             registry: Registry::default(),
@@ -155,6 +157,14 @@ impl Metrics {
              new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat; \
              xdp counts those XDP translated itself",
             m.packets.clone(),
+        );
+        registry.register(
+            "fastpath_udp_socket_resets",
+            "Connected UDP sockets pointed at a removed backend: done = destroyed so the \
+             client learns of it; failed = a reset that could not be done (the kernel refused \
+             one socket, or a client namespace could not be entered, counted once), each \
+             logged as a warning",
+            m.udp_socket_resets.clone(),
         );
         registry.register(
             "fastpath_services",

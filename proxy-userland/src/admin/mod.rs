@@ -63,6 +63,8 @@ pub struct SyncRecord {
     pub services: usize,
     pub services_changed_total: u64,
     pub endpoints_changed_total: u64,
+    /// Connected UDP sockets of removed backends reset, and resets that failed.
+    pub udp_socket_resets: (usize, usize),
 }
 
 /// Why an admin server did not start.
@@ -121,6 +123,15 @@ impl AdminState {
         }
         if let Some(s) = &r.packet_stats {
             m.set_packet_stats(s);
+        }
+        for (result, n) in [
+            ("done", r.udp_socket_resets.0),
+            ("failed", r.udp_socket_resets.1),
+        ] {
+            let counter = m
+                .udp_socket_resets
+                .get_or_create(&metrics::ResultLabel { result });
+            counter.inc_by(n as u64);
         }
         if let Some(since) = r.pending_since {
             m.network_programming.observe(since.elapsed().as_secs_f64());

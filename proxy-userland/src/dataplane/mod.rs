@@ -33,6 +33,8 @@ pub struct SyncReport {
     pub frontends_removed: usize,
     /// Connected UDP sockets destroyed because their backend left the service.
     pub udp_sockets_reset: usize,
+    /// Resets of such sockets that could not be done (see `bpf::program`), each logged.
+    pub udp_socket_resets_failed: usize,
     /// Services that could not be programmed; they keep their previous state and are retried.
     pub failed: Vec<(ServiceKey, String)>,
 }

@@ -121,8 +121,8 @@ pub struct Programmer {
     rev_nat_ids: IdPool,
     /// Where the programs are attached: whose sockets to reset.
     cgroup: Option<PathBuf>,
-    /// (frontend, backend) pairs a UDP frontend lost during the current sync.
-    departed_udp: BTreeSet<(SocketAddr, SocketAddr)>,
+    /// (frontend, backend) pairs a UDP frontend lost during the current sync, and whose.
+    departed_udp: BTreeMap<(SocketAddr, SocketAddr), ServiceKey>,
     /// Whether packet programs are attached, so node ports, external and load-balancer
     /// IPs get packet-scope frontends.
     packet_path: bool,
@@ -133,7 +133,7 @@ impl Programmer {
     pub fn new(maps: ServiceMaps, cgroup: Option<PathBuf>) -> Self {
         Self {
             cgroup,
-            departed_udp: BTreeSet::new(),
+            departed_udp: BTreeMap::new(),
             packet_path: false,
             maps,
             frontends: HashMap::new(),
@@ -217,7 +217,7 @@ impl Programmer {
                 }
             }
         }
-        report.udp_sockets_reset = self.reset_departed_udp();
+        (report.udp_sockets_reset, report.udp_socket_resets_failed) = self.reset_departed_udp();
         report
     }
 
@@ -294,45 +294,74 @@ impl Programmer {
         masters.len()
     }
 
-    fn note_departed(&mut self, fe: &Frontend, gone: impl IntoIterator<Item = BackendAddr>) {
+    fn note_departed(
+        &mut self,
+        owner: &ServiceKey,
+        fe: &Frontend,
+        gone: impl IntoIterator<Item = BackendAddr>,
+    ) {
         // Only sockets can be reset; the packet path re-picks for flows whose backend went.
         if fe.proto == Protocol::Udp && fe.scope == FrontendScope::Socket {
             let frontend = SocketAddr::new(fe.ip, fe.port);
             self.departed_udp.extend(
                 gone.into_iter()
-                    .map(|b| (frontend, SocketAddr::new(b.ip, b.port))),
+                    .map(|b| ((frontend, SocketAddr::new(b.ip, b.port)), owner.clone())),
             );
         }
     }
 
     /// Destroys connected UDP sockets our programs pointed at backends that just left their
-    /// frontend (see [`stale_sockets`]). Failures are logged: the sync itself succeeded.
-    fn reset_departed_udp(&mut self) -> usize {
+    /// frontend (see [`stale_sockets`]). Returns (destroyed, failed). A reset that cannot be
+    /// done leaves a client sending into the void, so each one is logged as a warning with
+    /// its services and counted (`fastpath_udp_socket_resets_total{result="failed"}`): a
+    /// socket the kernel refused counts once, and so does a client namespace that could not
+    /// be searched at all (its sockets are unknown). The sync itself succeeded either way.
+    fn reset_departed_udp(&mut self) -> (usize, usize) {
         let departed = std::mem::take(&mut self.departed_udp);
-        let Some(cgroup) = &self.cgroup else { return 0 };
+        let Some(cgroup) = &self.cgroup else {
+            return (0, 0);
+        };
         if departed.is_empty() {
-            return 0;
+            return (0, 0);
         }
-        let peers: BTreeSet<SocketAddr> = departed.iter().map(|(_, b)| *b).collect();
+        let peers: BTreeSet<SocketAddr> = departed.keys().map(|(_, b)| *b).collect();
         let maps = &self.maps;
         let ours = |cookie: u64, peer: SocketAddr| {
             maps.translated_from(cookie, peer)
-                .is_some_and(|fe| departed.contains(&(fe, peer)))
+                .is_some_and(|fe| departed.contains_key(&(fe, peer)))
         };
-        let mut reset = 0;
+        let services: BTreeSet<String> = departed.values().map(ToString::to_string).collect();
+        let services = services.into_iter().collect::<Vec<_>>().join(",");
+        let (mut done, mut failed) = (0, 0);
         for ns in stale_sockets::client_namespaces(cgroup) {
             match stale_sockets::destroy_in(&ns, &peers, &ours) {
-                Ok(n) => reset += n,
-                Err(e) => tracing::warn!("cannot reset UDP sockets of removed backends: {e}"),
+                Ok((r, err)) => {
+                    done += r.done;
+                    failed += r.failed;
+                    if let Some(e) = err {
+                        tracing::warn!(
+                            service = %services,
+                            sockets = r.failed,
+                            "cannot reset connected UDP sockets of removed backends; they keep \
+                             sending to a backend that is gone: {e}"
+                        );
+                    }
+                }
+                Err(e) => {
+                    failed += 1;
+                    tracing::warn!(
+                        service = %services,
+                        namespaces = 1,
+                        "cannot reset connected UDP sockets of removed backends in a client \
+                         namespace; any there keep sending to a backend that is gone: {e}"
+                    );
+                }
             }
         }
-        if reset > 0 {
-            tracing::info!(
-                sockets = reset,
-                "reset connected UDP sockets of removed backends"
-            );
+        if done > 0 {
+            tracing::info!(service = %services, sockets = done, "reset connected UDP sockets of removed backends");
         }
-        reset
+        (done, failed)
     }
 
     fn sync_service(
@@ -480,7 +509,7 @@ impl Programmer {
         let gone: Vec<BackendAddr> =
             // `want.backends` is sorted (see desired_frontends).
             old_backends.iter().filter(|b| want.backends.binary_search(b).is_err()).copied().collect();
-        self.note_departed(fe, gone);
+        self.note_departed(key, fe, gone);
         for b in &old_backends {
             self.release_backend(b);
         }
@@ -616,7 +645,7 @@ impl Programmer {
         }
         self.maps
             .del_source_ranges(st.rev_nat_index, &st.programmed.source_ranges);
-        self.note_departed(fe, st.programmed.backends.iter().copied());
+        self.note_departed(&st.owner, fe, st.programmed.backends.iter().copied());
         self.maps.purge_affinity(st.rev_nat_index, |_| true);
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         self.disown(&st.owner, fe);

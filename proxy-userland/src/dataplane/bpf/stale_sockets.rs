@@ -128,29 +128,49 @@ pub fn client_namespaces(cgroup: &Path) -> Vec<File> {
     out
 }
 
+/// What one namespace's reset came to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resets {
+    /// Sockets destroyed.
+    pub done: usize,
+    /// Sockets the kernel refused to destroy (EPERM without CAP_NET_ADMIN, EOPNOTSUPP on a
+    /// kernel without CONFIG_INET_DIAG_DESTROY): they keep sending into the void.
+    pub failed: usize,
+}
+
 /// Destroys, in namespace `ns`, each connected UDP socket whose peer is in `peers` and for
-/// which `ours(cookie, peer)` holds. Returns how many went.
+/// which `ours(cookie, peer)` holds. An error means the namespace could not be searched at
+/// all (not enterable without CAP_SYS_ADMIN, no sock_diag): how many of its sockets were
+/// left is then unknown. A socket that cannot be destroyed does not stop the others; the
+/// last such error comes with the counts.
 pub fn destroy_in(
     ns: &File,
     peers: &BTreeSet<SocketAddr>,
     ours: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
-) -> io::Result<usize> {
+) -> io::Result<(Resets, Option<io::Error>)> {
     std::thread::scope(|s| {
         s.spawn(|| {
+            // SAFETY: setns on a valid namespace fd changes only this (short-lived) thread.
             if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
                 return Err(io::Error::last_os_error());
             }
             let diag = DiagSocket::open()?;
-            let mut destroyed = 0;
+            let mut resets = Resets::default();
+            let mut last_error = None;
             for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
                 for sock in diag.connected_udp(family)? {
                     if peers.contains(&sock.peer) && ours(sock.cookie, sock.peer) {
-                        diag.destroy(&sock)?;
-                        destroyed += 1;
+                        match diag.destroy(&sock) {
+                            Ok(()) => resets.done += 1,
+                            Err(e) => {
+                                resets.failed += 1;
+                                last_error = Some(e);
+                            }
+                        }
                     }
                 }
             }
-            Ok(destroyed)
+            Ok((resets, last_error))
         })
         .join()
         .unwrap_or_else(|_| Err(io::Error::other("sock_diag thread panicked")))
