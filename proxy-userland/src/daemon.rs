@@ -1,37 +1,34 @@
-//! The daemon: a source feeding the change tracker, the bounded-frequency runner deciding
-//! when to sync, and the dataplane doing it. Returns when `shutdown` resolves, after the
-//! dataplane has been torn down.
+//! The daemon's wiring: a source feeding the sync engine (its own thread: change tracker,
+//! bounded-frequency runner, dataplane; see [`crate::sync::engine`]), the admin and health
+//! check servers, and what the engine reports going to them. Returns when `shutdown`
+//! resolves, after the dataplane has been torn down.
 
-use std::{collections::BTreeSet, future::Future, path::PathBuf, sync::Arc, time::Instant};
+use std::{future::Future, path::PathBuf, sync::Arc};
 
 use anyhow::Context as _;
 use tokio::sync::{mpsc, watch};
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
-    admin::{
-        self, AdminState, SyncRecord,
-        healthcheck::{self, HealthCheckServers},
-    },
+    admin::{self, AdminState, healthcheck::HealthCheckServers},
     config::Args,
-    dataplane::bpf::maps::Occupancy,
-    dataplane::{self, Dataplane, Proxier, Scope, StartOptions},
-    events::{self as k8s_events, EventRecorder},
-    model::{NodeInfo, ServiceKey, tracker::ChangeTracker},
+    dataplane::{self, Dataplane, StartOptions},
+    events::EventRecorder,
+    model::NodeInfo,
     node_setup,
     source::{
         SourceEvent,
         file::{self, Loaded},
         kube::{self, KubeConfig},
     },
-    sync::{BoundedFrequency, SyncPeriods, runner::Due},
+    sync::{Engine, EngineConfig, SyncPeriods, report::Reports},
 };
 
 pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     if args.cleanup {
         return cleanup(&args);
     }
-    let mut node = NodeInfo {
+    let node = NodeInfo {
         name: args.node_name(),
         zone: args.zone.clone(),
     };
@@ -42,7 +39,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     }
 
     // The source first: a bad kubeconfig should fail before anything touches the kernel.
-    let (events_tx, mut events) = mpsc::channel(1024);
+    let (events_tx, events) = mpsc::channel(1024);
     let (stop_tx, stop_rx) = watch::channel(());
     let stopped = move || {
         let mut rx = stop_rx.clone();
@@ -86,120 +83,46 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     admin.queued();
     admin.debug.set_context(admin::debug::DebugContext::from_args(&args));
     let admin_tasks = admin::start(&args, &admin, &stopped).await?;
-    let mut health_checks = HealthCheckServers::new(args.healthcheck_bind_address, admin.clone());
+    let health_checks = HealthCheckServers::new(args.healthcheck_bind_address, admin.clone());
 
     // The mode: --proxy-mode (or the config file's), else the best the node can run.
+    // Probing and loading block (bpf(), iptables), so not on the runtime.
     let start = StartOptions::from_args(&args)
         .map_err(anyhow::Error::msg)
         .context("cannot start the dataplane")?;
-    let (mut proxier, _mode) =
-        dataplane::select_and_start(args.proxy_mode.or(args.file_mode), &start)?;
+    let requested = args.proxy_mode.or(args.file_mode);
+    let (proxier, _mode) =
+        tokio::task::spawn_blocking(move || dataplane::select_and_start(requested, &start))
+            .await
+            .context("starting the dataplane")??;
     admin.set_proxy_mode(proxier.name());
 
+    // The sync loop runs on a thread of its own; we only pass it the source's events and
+    // apply what it reports.
     let periods = SyncPeriods {
         min: args.min_sync_period,
         max: args.sync_period,
         ..Default::default()
     };
-    let mut runner = BoundedFrequency::new(periods, Instant::now());
-    let mut tracker = ChangeTracker::new();
-    // Nothing is programmed until the source has delivered its first full lists, so a
-    // restart never briefly drops services that simply have not been read yet.
-    let mut listed = false;
-    let mut synced_once = false;
-    let mut full_pending = false;
-    let mut retry: BTreeSet<ServiceKey> = BTreeSet::new();
-    // When the oldest change not yet programmed arrived (network programming latency).
-    let mut pending_since: Option<Instant> = None;
+    let (engine, engine_events) = Engine::spawn(proxier, EngineConfig { periods, node }, events)
+        .context("cannot start the sync engine")?;
+    let reports = Reports {
+        admin: admin.clone(),
+        health_checks,
+        recorder,
+    };
+    let mut reports = tokio::spawn(reports.run(engine_events));
 
     tokio::pin!(shutdown);
-    loop {
-        let (at, due) = runner.next_run();
-        tokio::select! {
-            _ = &mut shutdown => break,
-            ev = events.recv() => {
-                let Some(ev) = ev else {
-                    warn!("the source stopped");
-                    break;
-                };
-                match ev {
-                    SourceEvent::Synced => listed = true,
-                    SourceEvent::Node(info) => {
-                        if info != node {
-                            info!(zone = ?info.zone, "node information changed; resyncing everything");
-                            node = info;
-                            full_pending = true;
-                        }
-                    }
-                    other => apply(&mut tracker, other),
-                }
-                if tracker.has_changes() || full_pending || (listed && !synced_once) {
-                    runner.trigger();
-                }
-                if tracker.has_changes() || full_pending {
-                    pending_since.get_or_insert_with(Instant::now);
-                    admin.queued();
-                }
-                admin.changes_seen(
-                    tracker.services_changed_total(),
-                    tracker.endpoints_changed_total(),
-                );
-            }
-            _ = tokio::time::sleep_until(at.into()), if listed => {
-                let started = Instant::now();
-                let changes = tracker.take_changes();
-                let mut keys = changes.changed;
-                keys.append(&mut retry);
-                let full = due == Due::Periodic || !synced_once || std::mem::take(&mut full_pending);
-                let scope = if full { Scope::Full } else { Scope::Changed(&keys) };
-                let report = proxier.sync(&changes.state, &node, scope);
-                for (key, err) in &report.failed {
-                    error!(service = %key, "cannot program service: {err}");
-                    let note = format!("cannot program the service: {err}; retrying");
-                    let regarding = EventRecorder::service_ref(key);
-                    recorder.warn(regarding, k8s_events::REASON_PROGRAM_FAILED, "Program", note);
-                    retry.insert(key.clone());
-                }
-                runner.ran(due, started, !report.failed.is_empty());
-                let took = started.elapsed();
-                admin.synced(&SyncRecord {
-                    took,
-                    full,
-                    failed: report.failed.len(),
-                    pending_since: pending_since.take(),
-                    occupancy: bpf_occupancy(&proxier),
-                    packet_stats: packet_stats(&proxier),
-                    services: changes.state.services.len(),
-                    services_changed_total: tracker.services_changed_total(),
-                    endpoints_changed_total: tracker.endpoints_changed_total(),
-                    udp_socket_resets: (report.udp_sockets_reset, report.udp_socket_resets_failed),
-                });
-                admin.debug.publish(&changes.state, &node);
-                let want = healthcheck::desired(&changes.state, &node);
-                for (key, port, err) in health_checks.update(&want) {
-                    let note = format!("cannot open health check node port {port}: {err}");
-                    let regarding = EventRecorder::service_ref(&key);
-                    let reason = k8s_events::REASON_PROGRAM_FAILED;
-                    recorder.warn(regarding, reason, "OpenHealthCheckNodePort", note);
-                }
-                if !synced_once {
-                    info!(
-                        services = changes.state.services.len(),
-                        frontends = report.frontends_written,
-                        ?took,
-                        "initial sync done; proxy is ready"
-                    );
-                    synced_once = true;
-                } else if report.frontends_written + report.frontends_removed > 0 {
-                    info!(written = report.frontends_written, removed = report.frontends_removed,
-                        ?took, "service frontends updated");
-                } else {
-                    debug!(?due, services = report.services_synced, ?took, "sync found nothing to change");
-                }
-            }
-        }
+    // The engine ends by itself only when the source stopped (or it failed).
+    tokio::select! {
+        _ = &mut shutdown => {}
+        _ = &mut reports => {}
     }
-
+    // Stops the engine (after a sync under way) and tears the dataplane down; then its
+    // reports channel closes and the health check servers come back to be closed.
+    let clean = engine.shutdown().await;
+    let health_checks = reports.await;
     let _ = stop_tx.send(());
     drop(health_checks);
     for task in admin_tasks {
@@ -208,27 +131,11 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     if let Err(e) = source.await {
         warn!("the source ended badly: {e}");
     }
-    let mode = proxier.name();
-    proxier.shutdown();
-    info!(mode, "dataplane stopped; bye");
+    if clean.is_err() {
+        anyhow::bail!("the sync engine failed; see the log above");
+    }
+    info!("bye");
     Ok(())
-}
-
-/// The packet path's counters, when the eBPF dataplane has it attached.
-fn packet_stats(proxier: &Proxier) -> Option<crate::dataplane::bpf::maps::PacketStats> {
-    match proxier {
-        Proxier::Bpf(d) if d.node_devices().is_some() => Some(d.programmer().maps().packet_stats()),
-        _ => None,
-    }
-}
-
-/// Map occupancy for the metrics, from the dataplanes that have BPF maps.
-fn bpf_occupancy(proxier: &Proxier) -> Option<Occupancy> {
-    match proxier {
-        Proxier::Bpf(d) => Some(d.programmer().occupancy()),
-        #[allow(unreachable_patterns)]
-        _ => None,
-    }
 }
 
 /// `--cleanup`: remove every mode's leftovers on this node (or in --netns), then exit.
@@ -246,28 +153,6 @@ fn cleanup(args: &Args) -> anyhow::Result<()> {
     }
     info!("clean-up done");
     Ok(())
-}
-
-fn apply(tracker: &mut ChangeTracker, ev: SourceEvent) {
-    match ev {
-        SourceEvent::ReplaceAll { services, slices } => tracker.replace_all(services, slices),
-        SourceEvent::ReplaceServices(services) => tracker.replace_services(services),
-        SourceEvent::ReplaceSlices(slices) => tracker.replace_slices(slices),
-        SourceEvent::Service { key, service } => tracker.apply_service(key, service),
-        SourceEvent::Slice {
-            owner: Some(owner),
-            name,
-            slice,
-            ..
-        } => tracker.apply_slice(owner, name, slice),
-        SourceEvent::Slice {
-            namespace,
-            owner: None,
-            name,
-            ..
-        } => tracker.forget_slice(&namespace, &name),
-        SourceEvent::Node(_) | SourceEvent::Synced => {}
-    }
 }
 
 /// The manifest source as events: every re-read is one full replacement, and the first one

@@ -20,6 +20,7 @@ pub mod userspace;
 
 use std::collections::BTreeSet;
 
+use self::bpf::maps::{Occupancy, PacketStats};
 pub use self::start::{StartError, StartOptions, select_and_start, start};
 use crate::model::{NodeInfo, ProxyState, ServiceKey};
 
@@ -56,6 +57,24 @@ pub trait Dataplane {
     /// Brings the kernel in line with `state` for the services in `scope`. Services that fail
     /// are listed in the report and left as they were; the rest are programmed.
     fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport;
+
+    /// Entries in the dataplane's BPF maps, for the metrics, if it has any. Called after
+    /// every sync, so it must be cheap: no walk over a map.
+    fn occupancy(&self) -> Option<Occupancy> {
+        None
+    }
+
+    /// The packet path's counters, if it is attached.
+    fn packet_stats(&self) -> Option<PacketStats> {
+        None
+    }
+
+    /// Stops the dataplane, when the sync engine stops.
+    fn teardown(self)
+    where
+        Self: Sized,
+    {
+    }
 }
 
 /// The dataplane chosen at start-up.
@@ -94,5 +113,25 @@ impl Dataplane for Proxier {
             Proxier::Iptables(d) => d.sync(state, node, scope),
             Proxier::Userspace(d) => d.sync(state, node, scope),
         }
+    }
+
+    fn occupancy(&self) -> Option<Occupancy> {
+        match self {
+            Proxier::Bpf(d) => Some(d.programmer().occupancy()),
+            _ => None,
+        }
+    }
+
+    fn packet_stats(&self) -> Option<PacketStats> {
+        match self {
+            Proxier::Bpf(d) if d.node_devices().is_some() => {
+                Some(d.programmer().maps().packet_stats())
+            }
+            _ => None,
+        }
+    }
+
+    fn teardown(self) {
+        self.shutdown()
     }
 }

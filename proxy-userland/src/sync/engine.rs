@@ -1,0 +1,350 @@
+//! The sync engine: the change tracker, the bounded-frequency runner, retries and the
+//! dataplane, on a thread of their own.
+//!
+//! A sync may block for seconds (iptables-restore, sock_diag, map writes on a busy node), so
+//! it never runs on the tokio runtime that serves health checks and watches the API server.
+//! The async side talks to the engine through channels only: [`SourceEvent`]s in (the same
+//! bounded channel the sources write to, so a busy engine slows the sources down instead of
+//! queueing without limit), [`EngineEvent`]s out (what the admin side, the health check
+//! servers and Events need; see [`super::report`]).
+//!
+//! The engine waits with a small current-thread tokio runtime of its own, only to select over
+//! the input channel, the stop signal and the next sync's deadline; the sync itself runs
+//! outside it.
+
+use std::{collections::BTreeSet, io, thread::JoinHandle, time::Instant};
+
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, error, info, warn};
+
+use super::{BoundedFrequency, SyncPeriods, runner::Due};
+use crate::{
+    admin::{SyncRecord, healthcheck},
+    dataplane::{Dataplane, Scope},
+    model::{NodeInfo, ProxyState, ServiceKey, tracker::ChangeTracker},
+    source::SourceEvent,
+};
+
+/// How many queued source events the engine applies before it looks at its schedule again,
+/// so a flood of events cannot postpone a due sync for long.
+const DRAIN_MAX: usize = 1024;
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub periods: SyncPeriods,
+    /// The node as known at start; [`SourceEvent::Node`] updates it.
+    pub node: NodeInfo,
+}
+
+/// What the engine tells the async side.
+#[derive(Debug)]
+pub enum EngineEvent {
+    /// Source events were applied. `pending`: they changed something a sync has yet to
+    /// program. The totals are the tracker's so far.
+    Received {
+        pending: bool,
+        services_changed_total: u64,
+        endpoints_changed_total: u64,
+    },
+    /// A sync ran.
+    Synced(Box<SyncOutcome>),
+}
+
+/// One sync, as the async side needs it.
+#[derive(Debug)]
+pub struct SyncOutcome {
+    /// For [`crate::admin::AdminState::synced`].
+    pub record: SyncRecord,
+    /// Services that could not be programmed, and why; they are retried.
+    pub failed: Vec<(ServiceKey, String)>,
+    /// The health check node ports this node should serve now.
+    pub health_checks: healthcheck::Desired,
+    /// The model this sync programmed, and the node it was programmed for.
+    pub state: ProxyState,
+    pub node: NodeInfo,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the sync engine panicked")]
+pub struct EnginePanicked;
+
+/// The engine's thread. Dropping the handle stops the engine without waiting for it.
+pub struct Engine {
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts the engine on its own thread, driving `dataplane` from `input`. The returned
+    /// receiver yields what it did; it closes when the engine has stopped and torn the
+    /// dataplane down (told to, or because `input` closed).
+    pub fn spawn<D>(
+        dataplane: D,
+        cfg: EngineConfig,
+        input: mpsc::Receiver<SourceEvent>,
+    ) -> io::Result<(Engine, mpsc::UnboundedReceiver<EngineEvent>)>
+    where
+        D: Dataplane + Send + 'static,
+    {
+        let (stop_tx, stop_rx) = oneshot::channel();
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()?;
+        let thread = std::thread::Builder::new()
+            .name("sync-engine".into())
+            .spawn(move || {
+                // Held until the dataplane is down: the channel closing says it is.
+                let out = out_tx.clone();
+                let mut dataplane = dataplane;
+                Loop::new(cfg, out_tx).run(&rt, &mut dataplane, input, stop_rx);
+                let mode = dataplane.name();
+                dataplane.teardown();
+                info!(mode, "dataplane stopped");
+                drop(out);
+            })?;
+        Ok((
+            Engine {
+                stop: Some(stop_tx),
+                thread: Some(thread),
+            },
+            out_rx,
+        ))
+    }
+
+    /// Tells the engine to stop and waits (blocking) until it has torn the dataplane down.
+    /// A sync under way finishes first. `Err` if the engine panicked.
+    pub fn stop(mut self) -> Result<(), EnginePanicked> {
+        self.signal();
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Err(_)) => {
+                error!("the sync engine panicked");
+                Err(EnginePanicked)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// [`stop`](Self::stop), waited for on a blocking thread so the runtime keeps serving.
+    pub async fn shutdown(self) -> Result<(), EnginePanicked> {
+        tokio::task::spawn_blocking(move || self.stop())
+            .await
+            .unwrap_or(Err(EnginePanicked))
+    }
+
+    fn signal(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.signal();
+    }
+}
+
+// Built once per wake-up and matched at once: boxing the event would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+enum Wake {
+    Stop,
+    Closed,
+    Event(SourceEvent),
+    Due(Due),
+}
+
+/// The engine's state between wake-ups.
+struct Loop {
+    tracker: ChangeTracker,
+    runner: BoundedFrequency,
+    node: NodeInfo,
+    out: mpsc::UnboundedSender<EngineEvent>,
+    /// Nothing is programmed until the source has delivered its first full lists, so a
+    /// restart never briefly drops services that simply have not been read yet.
+    listed: bool,
+    synced_once: bool,
+    full_pending: bool,
+    retry: BTreeSet<ServiceKey>,
+    /// When the oldest change not yet programmed arrived (network programming latency).
+    pending_since: Option<Instant>,
+}
+
+impl Loop {
+    fn new(cfg: EngineConfig, out: mpsc::UnboundedSender<EngineEvent>) -> Self {
+        Loop {
+            tracker: ChangeTracker::new(),
+            runner: BoundedFrequency::new(cfg.periods, Instant::now()),
+            node: cfg.node,
+            out,
+            listed: false,
+            synced_once: false,
+            full_pending: false,
+            retry: BTreeSet::new(),
+            pending_since: None,
+        }
+    }
+
+    fn run<D: Dataplane>(
+        mut self,
+        rt: &tokio::runtime::Runtime,
+        dp: &mut D,
+        mut input: mpsc::Receiver<SourceEvent>,
+        mut stop: oneshot::Receiver<()>,
+    ) {
+        loop {
+            let next = self.listed.then(|| self.runner.next_run());
+            let wake = rt.block_on(async {
+                let due = async {
+                    match next {
+                        Some((at, due)) => {
+                            tokio::time::sleep_until(at.into()).await;
+                            due
+                        }
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = &mut stop => Wake::Stop,
+                    ev = input.recv() => ev.map_or(Wake::Closed, Wake::Event),
+                    due = due => Wake::Due(due),
+                }
+            });
+            match wake {
+                Wake::Stop => break,
+                Wake::Closed => {
+                    warn!("the source stopped");
+                    break;
+                }
+                Wake::Event(ev) => {
+                    self.apply(ev);
+                    // Whatever else is queued joins the same sync.
+                    for _ in 0..DRAIN_MAX {
+                        match input.try_recv() {
+                            Ok(ev) => self.apply(ev),
+                            Err(_) => break,
+                        }
+                    }
+                    self.after_events();
+                }
+                Wake::Due(due) => self.sync(dp, due),
+            }
+        }
+    }
+
+    fn apply(&mut self, ev: SourceEvent) {
+        let t = &mut self.tracker;
+        match ev {
+            SourceEvent::Synced => self.listed = true,
+            SourceEvent::Node(info) => {
+                if info != self.node {
+                    info!(zone = ?info.zone, "node information changed; resyncing everything");
+                    self.node = info;
+                    self.full_pending = true;
+                }
+            }
+            SourceEvent::ReplaceAll { services, slices } => t.replace_all(services, slices),
+            SourceEvent::ReplaceServices(services) => t.replace_services(services),
+            SourceEvent::ReplaceSlices(slices) => t.replace_slices(slices),
+            SourceEvent::Service { key, service } => t.apply_service(key, service),
+            SourceEvent::Slice {
+                owner: Some(owner),
+                name,
+                slice,
+                ..
+            } => t.apply_slice(owner, name, slice),
+            SourceEvent::Slice {
+                namespace,
+                owner: None,
+                name,
+                ..
+            } => t.forget_slice(&namespace, &name),
+        }
+    }
+
+    fn after_events(&mut self) {
+        let changed = self.tracker.has_changes() || self.full_pending;
+        if changed || (self.listed && !self.synced_once) {
+            self.runner.trigger();
+        }
+        if changed {
+            self.pending_since.get_or_insert_with(Instant::now);
+        }
+        self.send(EngineEvent::Received {
+            pending: changed,
+            services_changed_total: self.tracker.services_changed_total(),
+            endpoints_changed_total: self.tracker.endpoints_changed_total(),
+        });
+    }
+
+    fn sync<D: Dataplane>(&mut self, dp: &mut D, due: Due) {
+        let started = Instant::now();
+        let changes = self.tracker.take_changes();
+        let mut keys = changes.changed;
+        keys.append(&mut self.retry);
+        let full =
+            due == Due::Periodic || !self.synced_once || std::mem::take(&mut self.full_pending);
+        let scope = if full {
+            Scope::Full
+        } else {
+            Scope::Changed(&keys)
+        };
+        let report = dp.sync(&changes.state, &self.node, scope);
+        for (key, err) in &report.failed {
+            error!(service = %key, "cannot program service: {err}");
+            self.retry.insert(key.clone());
+        }
+        self.runner.ran(due, started, !report.failed.is_empty());
+        let took = started.elapsed();
+        let services = changes.state.services.len();
+        let record = SyncRecord {
+            took,
+            full,
+            failed: report.failed.len(),
+            pending_since: self.pending_since.take(),
+            occupancy: dp.occupancy(),
+            packet_stats: dp.packet_stats(),
+            services,
+            services_changed_total: self.tracker.services_changed_total(),
+            endpoints_changed_total: self.tracker.endpoints_changed_total(),
+            udp_socket_resets: (report.udp_sockets_reset, report.udp_socket_resets_failed),
+        };
+        let health_checks = healthcheck::desired(&changes.state, &self.node);
+        if !self.synced_once {
+            info!(
+                services,
+                frontends = report.frontends_written,
+                ?took,
+                "initial sync done; proxy is ready"
+            );
+            self.synced_once = true;
+        } else if report.frontends_written + report.frontends_removed > 0 {
+            info!(
+                written = report.frontends_written,
+                removed = report.frontends_removed,
+                ?took,
+                "service frontends updated"
+            );
+        } else {
+            debug!(
+                ?due,
+                services = report.services_synced,
+                ?took,
+                "sync found nothing to change"
+            );
+        }
+        self.send(EngineEvent::Synced(Box::new(SyncOutcome {
+            record,
+            failed: report.failed,
+            health_checks,
+            state: changes.state,
+            node: self.node.clone(),
+        })));
+    }
+
+    fn send(&self, ev: EngineEvent) {
+        // Nobody listening means the daemon is going away; the stop signal follows.
+        let _ = self.out.send(ev);
+    }
+}
