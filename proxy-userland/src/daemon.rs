@@ -81,7 +81,9 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     // first sync is pending from the start: a proxy that never manages one turns unhealthy.
     let admin = AdminState::new(args.health_timeout());
     admin.queued();
-    admin.debug.set_context(admin::debug::DebugContext::from_args(&args));
+    admin
+        .debug
+        .set_context(admin::debug::DebugContext::from_args(&args));
     let admin_tasks = admin::start(&args, &admin, &stopped).await?;
     let health_checks = HealthCheckServers::new(args.healthcheck_bind_address, admin.clone());
 
