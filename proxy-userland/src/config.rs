@@ -6,6 +6,7 @@
 //! [`Args::from_matches`]: a bad one stops the daemon with a message naming the flag or field.
 
 pub mod file;
+pub mod values;
 
 use std::{
     fmt,
@@ -18,7 +19,9 @@ use std::{
 use clap::{ArgMatches, FromArgMatches, Parser, ValueEnum, parser::ValueSource};
 pub use file::KubeProxyConfiguration;
 
-use crate::{mode::Mode, model::convert::parse_cidr, node_setup::NodeSetup};
+pub use values::{Cidr, LogLevel, NodePortAddress};
+
+use crate::{mode::Mode, node_setup::NodeSetup};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -32,32 +35,32 @@ use crate::{mode::Mode, model::convert::parse_cidr, node_setup::NodeSetup};
 pub struct Args {
     /// A KubeProxyConfiguration (kubeproxy.config.k8s.io/v1alpha1) YAML or JSON file; flags
     /// given on the command line override it.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = values::path)]
     pub config: Option<PathBuf>,
 
     /// Read Services and EndpointSlices from this YAML/JSON file or folder instead of a
     /// cluster; it is re-read when it changes.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", value_parser = values::path)]
     pub manifests: Option<PathBuf>,
 
     /// Kubeconfig file for the API server; default: in-cluster config, then $KUBECONFIG or
     /// ~/.kube/config. Ignored with --manifests.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = values::path)]
     pub kubeconfig: Option<PathBuf>,
 
     /// The API server URL, overriding the kubeconfig's.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", value_parser = values::url)]
     pub master: Option<String>,
 
     /// The cgroup v2 whose processes get Service load-balancing. Default: the root of the
     /// cgroup2 mount (every process on the node).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", value_parser = values::path)]
     pub cgroup_path: Option<PathBuf>,
 
     /// Pin the eBPF maps and program links in this bpffs folder (e.g. /sys/fs/bpf/fastpath)
     /// so a restart or upgrade keeps Services working while no daemon runs; the next daemon
     /// adopts what is there. Without it, everything goes when the daemon exits.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", value_parser = values::path)]
     pub bpf_pin_dir: Option<PathBuf>,
 
     /// Entries of the eBPF service and backend maps (as Cilium's --bpf-lb-map-max); default:
@@ -72,34 +75,34 @@ pub struct Args {
     pub cleanup: bool,
 
     /// This node's name, used for Local traffic policies and topology; default: hostname.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = values::node_name)]
     pub hostname_override: Option<String>,
 
     /// This node's zone (topology.kubernetes.io/zone), for topology-aware routing when no
     /// Node object is available.
-    #[arg(long, value_name = "ZONE")]
+    #[arg(long, value_name = "ZONE", value_parser = values::label_value)]
     pub zone: Option<String>,
 
     /// Only serve services labelled service.kubernetes.io/service-proxy-name=NAME.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = values::label_value)]
     pub service_proxy_name: Option<String>,
 
     /// Shortest time between two syncs; changes within it are coalesced into one sync.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "0s")]
+    #[arg(long, value_parser = values::duration, default_value = "0s")]
     pub min_sync_period: Duration,
 
     /// Longest time between two syncs: a full resync runs at least this often. /healthz
     /// fails when pending changes wait longer than twice this.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "30s")]
+    #[arg(long, value_parser = values::duration, default_value = "30s")]
     pub sync_period: Duration,
 
     /// How often the manifest source checks its files for changes.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "500ms")]
+    #[arg(long, value_parser = values::duration, default_value = "500ms")]
     pub manifest_poll_period: Duration,
 
     /// Log filter (error, warn, info, debug, trace, or a tracing directive).
-    #[arg(long, default_value = "info")]
-    pub log_level: String,
+    #[arg(long, value_name = "LEVEL", default_value = "info")]
+    pub log_level: LogLevel,
 
     /// Log line format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
@@ -128,7 +131,7 @@ pub struct Args {
 
     /// The pods' CIDRs, comma-separated (for dataplanes that tell local traffic apart).
     #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', action = clap::ArgAction::Set)]
-    pub cluster_cidr: Vec<String>,
+    pub cluster_cidr: Vec<Cidr>,
 
     /// How local traffic is told apart: ClusterCIDR, NodeCIDR, BridgeInterface or
     /// InterfaceNamePrefix.
@@ -146,7 +149,8 @@ pub struct Args {
     pub iptables_backend: String,
 
     /// The fwmark bit (0-31) that marks packets to masquerade (NAT dataplanes only).
-    #[arg(long = "iptables-masquerade-bit", default_value_t = 14)]
+    #[arg(long = "iptables-masquerade-bit", default_value_t = 14,
+          value_parser = clap::value_parser!(u8).range(0..=31))]
     pub masquerade_bit: u8,
 
     /// Addresses node ports are served on: CIDRs, or "primary" (default: all).
@@ -156,7 +160,7 @@ pub struct Args {
         value_delimiter = ',',
         action = clap::ArgAction::Set
     )]
-    pub node_port_addresses: Vec<String>,
+    pub node_port_addresses: Vec<NodePortAddress>,
 
     /// eBPF mode: the devices whose traffic from other hosts gets node ports, external IPs
     /// and load-balancer IPs (tc programs on each): names, "auto" (the devices of the IPv4
@@ -166,6 +170,7 @@ pub struct Args {
         value_name = "DEV",
         value_delimiter = ',',
         default_value = "auto",
+        value_parser = values::device_name,
         // A later occurrence replaces the list, as for every other flag.
         action = clap::ArgAction::Set
     )]
@@ -195,15 +200,16 @@ pub struct Args {
     pub conntrack_min: u32,
 
     /// nf_conntrack_tcp_timeout_established; 0 leaves it alone.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
+    #[arg(long, value_parser = values::seconds, default_value = "24h")]
     pub conntrack_tcp_timeout_established: Duration,
 
     /// nf_conntrack_tcp_timeout_close_wait; 0 leaves it alone.
-    #[arg(long, value_parser = humantime::parse_duration, default_value = "1h")]
+    #[arg(long, value_parser = values::seconds, default_value = "1h")]
     pub conntrack_tcp_timeout_close_wait: Duration,
 
     /// The daemon's /proc/self/oom_score_adj, -1000..1000.
-    #[arg(long, default_value_t = -999, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = -999, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-1000..=1000))]
     pub oom_score_adj: i32,
 
     /// The dataplane: ebpf, iptables or userspace. Default: the best this node can run
@@ -215,7 +221,7 @@ pub struct Args {
     /// Run the iptables and userspace proxiers in the network namespace /run/netns/NAME
     /// instead of our own: for tests (a test bed's node namespace), and for proxying one
     /// namespace from outside it.
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = values::netns_name)]
     pub netns: Option<String>,
 
     /// Remove the iptables and userspace proxiers' rules when stopping. By default they stay,
@@ -331,17 +337,8 @@ impl Args {
                 .filter(|s| !s.is_empty())
                 .map(str::to_string)
         };
-        let duration = |field: &str, s: &Option<String>| -> Result<Option<Duration>, ConfigError> {
-            match set(s) {
-                None => Ok(None),
-                Some(s) => humantime::parse_duration(&s).map(Some).map_err(|e| {
-                    invalid(
-                        field,
-                        format!("{s:?} is not a duration ({e}); e.g. 30s, 1m, 24h"),
-                    )
-                }),
-            }
-        };
+        let duration = |field: &str, s: &Option<String>| typed(origin, field, s, values::duration);
+        let seconds = |field: &str, s: &Option<String>| typed(origin, field, s, values::seconds);
         let listen = |field: &str, s: &Option<String>| -> Result<Option<Listen>, ConfigError> {
             set(s)
                 .map(|s| s.parse::<Listen>().map_err(|e| invalid(field, e)))
@@ -376,7 +373,11 @@ impl Args {
             self.file_mode = Some(mode.parse::<Mode>().map_err(|e| invalid("mode", e))?);
         }
         if let (Some(s), false) = (set(&cfg.cluster_cidr), given("cluster_cidr")) {
-            self.cluster_cidr = s.split(',').map(|c| c.trim().to_string()).collect();
+            self.cluster_cidr = s
+                .split(',')
+                .map(str::parse)
+                .collect::<Result<_, _>>()
+                .map_err(|m| invalid("clusterCIDR", m))?;
             check_cidrs(&self.cluster_cidr).map_err(|m| invalid("clusterCIDR", m))?;
         }
         if let (Some(s), false) = (set(&cfg.detect_local_mode), given("detect_local_mode")) {
@@ -385,13 +386,15 @@ impl Args {
                 .map_err(|m| invalid("detectLocalMode", m))?;
         }
         if let (Some(list), false) = (&cfg.node_port_addresses, given("node_port_addresses")) {
-            self.node_port_addresses = list.clone();
-            check_node_port_addresses(list).map_err(|m| invalid("nodePortAddresses", m))?;
+            self.node_port_addresses = list
+                .iter()
+                .map(|a| a.parse())
+                .collect::<Result<_, _>>()
+                .map_err(|m| invalid("nodePortAddresses", m))?;
         }
         if let (Some(s), false) = (set(&cfg.hostname_override), given("hostname_override")) {
-            self.hostname_override = Some(s);
-            self.check_hostname()
-                .map_err(|m| invalid("hostnameOverride", m))?;
+            self.hostname_override =
+                Some(values::node_name(&s).map_err(|m| invalid("hostnameOverride", m))?);
         }
         if let (Some(v), false) = (cfg.oom_score_adj, given("oom_score_adj")) {
             check_oom(v).map_err(|m| invalid("oomScoreAdj", m))?;
@@ -437,7 +440,7 @@ impl Args {
             self.conntrack_min = count("conntrack.min", v)?;
         }
         if let (Some(d), false) = (
-            duration(
+            seconds(
                 "conntrack.tcpEstablishedTimeout",
                 &ct.tcp_established_timeout,
             )?,
@@ -446,16 +449,24 @@ impl Args {
             self.conntrack_tcp_timeout_established = d;
         }
         if let (Some(d), false) = (
-            duration("conntrack.tcpCloseWaitTimeout", &ct.tcp_close_wait_timeout)?,
+            seconds("conntrack.tcpCloseWaitTimeout", &ct.tcp_close_wait_timeout)?,
             given("conntrack_tcp_timeout_close_wait"),
         ) {
             self.conntrack_tcp_timeout_close_wait = d;
         }
 
         if let Some(cc) = &cfg.client_connection
-            && let (Some(path), None) = (set(&cc.kubeconfig), &self.kubeconfig)
+            && let (Some(path), None) = (
+                typed(
+                    origin,
+                    "clientConnection.kubeconfig",
+                    &cc.kubeconfig,
+                    values::path,
+                )?,
+                &self.kubeconfig,
+            )
         {
-            self.kubeconfig = Some(path.into());
+            self.kubeconfig = Some(path);
         }
         if let Some(log) = &cfg.logging {
             if let (Some(format), false) = (set(&log.format), given("log_format")) {
@@ -468,29 +479,24 @@ impl Args {
                     })?;
             }
             if let (Some(v), false) = (log.verbosity, given("log_level")) {
-                self.log_level = match v {
-                    0..=3 => "info",
-                    4 => "debug",
-                    _ => "trace",
-                }
-                .to_string();
+                self.log_level = LogLevel::from_verbosity(v);
             }
         }
 
         if let Some(fp) = &cfg.fastpath {
-            let path = |s: &Option<String>| set(s).map(PathBuf::from);
-            if self.manifests.is_none() {
-                self.manifests = path(&fp.manifests);
-            }
-            if self.cgroup_path.is_none() {
-                self.cgroup_path = path(&fp.cgroup_path);
-            }
-            if self.zone.is_none() {
-                self.zone = set(&fp.zone);
-            }
-            if self.service_proxy_name.is_none() {
-                self.service_proxy_name = set(&fp.service_proxy_name);
-            }
+            let manifests = typed(origin, "fastpath.manifests", &fp.manifests, values::path)?;
+            let cgroup_path = typed(origin, "fastpath.cgroupPath", &fp.cgroup_path, values::path)?;
+            let zone = typed(origin, "fastpath.zone", &fp.zone, values::label_value)?;
+            let proxy_name = typed(
+                origin,
+                "fastpath.serviceProxyName",
+                &fp.service_proxy_name,
+                values::label_value,
+            )?;
+            self.manifests = self.manifests.take().or(manifests);
+            self.cgroup_path = self.cgroup_path.take().or(cgroup_path);
+            self.zone = self.zone.take().or(zone);
+            self.service_proxy_name = self.service_proxy_name.take().or(proxy_name);
             if let (Some(d), false) = (
                 duration("fastpath.manifestPollPeriod", &fp.manifest_poll_period)?,
                 given("manifest_poll_period"),
@@ -511,8 +517,11 @@ impl Args {
             if let (Some(v), false) = (fp.node_setup, given("node_setup")) {
                 self.node_setup = v;
             }
-            if let (Some(s), false) = (set(&fp.log_level), given("log_level")) {
-                self.log_level = s;
+            if let (Some(level), false) = (
+                typed(origin, "fastpath.logLevel", &fp.log_level, |s| s.parse())?,
+                given("log_level"),
+            ) {
+                self.log_level = level;
             }
         }
 
@@ -534,10 +543,6 @@ impl Args {
         check_cidrs(&self.cluster_cidr).map_err(|m| invalid("--cluster-cidr", m))?;
         self.check_detect_local_mode()
             .map_err(|m| invalid("--detect-local-mode", m))?;
-        check_node_port_addresses(&self.node_port_addresses)
-            .map_err(|m| invalid("--nodeport-addresses", m))?;
-        self.check_hostname()
-            .map_err(|m| invalid("--hostname-override", m))?;
         check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
         if self.masquerade_bit > 31 {
             return Err(invalid(
@@ -590,15 +595,6 @@ impl Args {
         }
     }
 
-    fn check_hostname(&self) -> Result<(), String> {
-        match &self.hostname_override {
-            Some(name) if !is_dns_subdomain(&name.to_lowercase()) => Err(format!(
-                "{name:?} is not a valid node name (lowercase letters, digits, '-' and '.', at most 253)"
-            )),
-            _ => Ok(()),
-        }
-    }
-
     /// The node name: the override, else the kernel's hostname.
     pub fn node_name(&self) -> String {
         if let Some(name) = &self.hostname_override {
@@ -612,7 +608,7 @@ impl Args {
     /// How long pending changes may wait for a sync before /healthz fails (kube-proxy: twice
     /// the sync period).
     pub fn health_timeout(&self) -> Duration {
-        self.sync_period * 2
+        self.sync_period.saturating_mul(2)
     }
 
     /// What to change on the node, if anything (see [`crate::node_setup`]).
@@ -627,24 +623,34 @@ impl Args {
     }
 }
 
-fn check_cidrs(cidrs: &[String]) -> Result<(), String> {
-    if cidrs.len() > 2 {
-        return Err("at most two CIDRs (one per IP family)".into());
-    }
-    for c in cidrs {
-        parse_cidr(c).map_err(|why| format!("{c:?} is not a CIDR ({why})"))?;
-    }
-    Ok(())
+/// A file field through one of the [`values`] parsers; an empty string is unset, and an
+/// error gets the field's name.
+fn typed<T>(
+    origin: &str,
+    field: &str,
+    s: &Option<String>,
+    parse: fn(&str) -> Result<T, String>,
+) -> Result<Option<T>, ConfigError> {
+    let s = s.as_deref().map(str::trim).filter(|s| !s.is_empty());
+    s.map(|s| {
+        parse(s).map_err(|message| ConfigError::Invalid {
+            origin: origin.to_string(),
+            field: field.to_string(),
+            message,
+        })
+    })
+    .transpose()
 }
 
-fn check_node_port_addresses(list: &[String]) -> Result<(), String> {
-    for a in list {
-        if a != "primary" {
-            parse_cidr(a)
-                .map_err(|why| format!("{a:?} is neither a CIDR nor \"primary\" ({why})"))?;
-        }
+/// kube-proxy's rule for clusterCIDR: one CIDR, or two of different families.
+fn check_cidrs(cidrs: &[Cidr]) -> Result<(), String> {
+    match cidrs {
+        [_, _, _, ..] => Err("at most two CIDRs (one per IP family)".into()),
+        [a, b] if a.addr.is_ipv4() == b.addr.is_ipv4() => Err(format!(
+            "{a} and {b} are of one IP family; two CIDRs must be one IPv4 and one IPv6"
+        )),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 fn check_oom(v: i32) -> Result<(), String> {
@@ -653,21 +659,6 @@ fn check_oom(v: i32) -> Result<(), String> {
     } else {
         Err(format!("{v} is outside -1000..1000"))
     }
-}
-
-/// RFC 1123 subdomain, as the API server checks node names.
-fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// The cgroup2 mount point, from /proc/self/mounts.
@@ -849,7 +840,7 @@ mod tests {
             (
                 "nodePortAddresses: [everything]\n",
                 "nodePortAddresses",
-                "neither a CIDR",
+                "not a CIDR",
             ),
             (
                 "hostnameOverride: \"node_a!\"\n",

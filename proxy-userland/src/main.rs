@@ -29,10 +29,8 @@ async fn daemon_main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let filter = EnvFilter::try_new(&args.log_level).unwrap_or_else(|e| {
-        eprintln!("invalid --log-level {:?} ({e}); using info", args.log_level);
-        EnvFilter::new("info")
-    });
+    // Checked when parsed (config::LogLevel).
+    let filter = EnvFilter::new(args.log_level.as_str());
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false);

@@ -13,7 +13,6 @@ use k8s_openapi::{
     apimachinery::pkg::util::intstr::IntOrString,
 };
 use proxy_userland::config::{Args, KubeProxyConfiguration, Listen};
-use serde::Deserialize;
 
 fn deploy_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -40,16 +39,16 @@ fn load() -> Manifests {
     assert!(!files.is_empty(), "no manifests in deploy/");
     for path in files {
         let text = std::fs::read_to_string(&path).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let value = serde_yaml::Value::deserialize(doc)
-                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        for value in docs {
             if value.is_null() {
                 continue;
             }
             let kind = value["kind"].as_str().unwrap_or_default().to_string();
             let what = format!("{} ({kind})", path.display());
-            fn decode<T: serde::de::DeserializeOwned>(v: serde_yaml::Value, what: &str) -> T {
-                serde_yaml::from_value(v).unwrap_or_else(|e| panic!("{what}: {e}"))
+            fn decode<T: serde::de::DeserializeOwned>(v: serde_json::Value, what: &str) -> T {
+                serde_json::from_value(v).unwrap_or_else(|e| panic!("{what}: {e}"))
             }
             match kind.as_str() {
                 "DaemonSet" => m.daemonsets.push(decode(value, &what)),

@@ -8,13 +8,14 @@
 //! when they are merged into the flags (see [`super::Args::merge_file`]), where each error
 //! names its field.
 
-use std::path::Path;
+use std::{io::Read, path::Path};
 
-use serde::Deserialize;
-use serde_yaml::Value;
+use serde::{Deserialize, de::IgnoredAny as Value};
 
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 pub const KIND: &str = "KubeProxyConfiguration";
+/// A KubeProxyConfiguration is a few kilobytes; anything this large is not one.
+pub const MAX_BYTES: u64 = 1 << 20;
 
 #[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -130,8 +131,16 @@ pub enum FileError {
     #[error("config file {path}: {source}")]
     Parse {
         path: String,
-        source: serde_yaml::Error,
+        source: serde_saphyr::Error,
     },
+    #[error("config file {path}: {field}: {message}")]
+    Decode {
+        path: String,
+        field: String,
+        message: String,
+    },
+    #[error("config file {path}: larger than {MAX_BYTES} bytes; not a KubeProxyConfiguration")]
+    TooLarge { path: String },
     #[error("config file {path}: {field} must be {expected:?}, not {found:?}")]
     Header {
         path: String,
@@ -143,18 +152,38 @@ pub enum FileError {
 
 impl KubeProxyConfiguration {
     pub fn load(path: &Path) -> Result<Self, FileError> {
-        let text = std::fs::read_to_string(path).map_err(|source| FileError::Read {
-            path: path.display().to_string(),
+        let origin = path.display().to_string();
+        let read_error = |source| FileError::Read {
+            path: origin.clone(),
             source,
-        })?;
-        Self::parse(&text, &path.display().to_string())
+        };
+        // Bounded read: `--config /dev/zero` must fail, not fill memory.
+        let mut text = String::new();
+        std::fs::File::open(path)
+            .and_then(|f| f.take(MAX_BYTES + 1).read_to_string(&mut text))
+            .map_err(read_error)?;
+        if text.len() as u64 > MAX_BYTES {
+            return Err(FileError::TooLarge { path: origin });
+        }
+        Self::parse(&text, &origin)
     }
 
     /// Parses one document; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Self, FileError> {
-        let cfg: Self = serde_yaml::from_str(text).map_err(|source| FileError::Parse {
-            path: origin.to_string(),
-            source,
+        // YAML to a tree first (with the reader's budgets), then to the struct with the field
+        // path in any error: `conntrack.maxPerCore: invalid type ...`.
+        let tree: serde_json::Value = serde_saphyr::from_str_with_options(text, yaml_options())
+            .map_err(|source| FileError::Parse {
+                path: origin.to_string(),
+                source,
+            })?;
+        let cfg: Self = serde_path_to_error::deserialize(&tree).map_err(|e| {
+            let field = e.path().to_string();
+            FileError::Decode {
+                path: origin.to_string(),
+                field,
+                message: e.into_inner().to_string(),
+            }
         })?;
         for (field, expected, found) in [
             ("apiVersion", API_VERSION, &cfg.api_version),
@@ -236,5 +265,19 @@ impl KubeProxyConfiguration {
             .filter(|(_, set)| *set)
             .map(|(name, _)| name)
             .collect()
+    }
+}
+
+/// The YAML reader's limits for a config file: one small document, shallow.
+fn yaml_options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_documents: 1,
+            max_depth: 16,
+            max_nodes: 10_000,
+            max_events: 100_000,
+            max_total_scalar_bytes: MAX_BYTES as usize,
+        },
+        with_snippet: false,
     }
 }

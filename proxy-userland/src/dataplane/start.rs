@@ -145,20 +145,19 @@ pub fn select_and_start(
 impl StartOptions {
     /// The options the daemon's flags ask for.
     pub fn from_args(args: &crate::config::Args) -> Result<StartOptions, String> {
-        let mut cluster_cidrs = Vec::new();
-        for c in &args.cluster_cidr {
-            cluster_cidrs.push(
-                crate::model::convert::parse_cidr(c.trim())
-                    .map_err(|e| format!("--cluster-cidr {c:?}: {e}"))?,
-            );
-        }
-        let mut node_port_cidrs = Vec::new();
-        for a in args.node_port_addresses.iter().filter(|a| *a != "primary") {
-            node_port_cidrs.push(
-                crate::model::convert::parse_cidr(a.trim())
-                    .map_err(|e| format!("--nodeport-addresses {a:?}: {e}"))?,
-            );
-        }
+        let cluster_cidrs = args
+            .cluster_cidr
+            .iter()
+            .map(|c| (c.addr, c.prefix))
+            .collect();
+        let node_port_cidrs = args
+            .node_port_addresses
+            .iter()
+            .filter_map(|a| match a {
+                crate::config::NodePortAddress::Cidr(c) => Some((c.addr, c.prefix)),
+                crate::config::NodePortAddress::Primary => None,
+            })
+            .collect();
         let devices: Vec<String> = args
             .nodeport_devices
             .iter()

@@ -99,6 +99,16 @@ pub enum ConvertError {
         field: String,
         value: String,
     },
+
+    /// A value the API server would refuse (see [`super::validate`]).
+    #[error("{kind} {object}: {field} {value:?}: {reason}")]
+    Invalid {
+        kind: &'static str,
+        object: String,
+        field: String,
+        value: String,
+        reason: String,
+    },
 }
 
 impl ConvertError {
@@ -110,7 +120,8 @@ impl ConvertError {
             | Self::InvalidIp { kind, .. }
             | Self::WrongFamily { kind, .. }
             | Self::InvalidCidr { kind, .. }
-            | Self::UnsupportedProtocol { kind, .. } => kind,
+            | Self::UnsupportedProtocol { kind, .. }
+            | Self::Invalid { kind, .. } => kind,
         }
     }
 
@@ -122,7 +133,8 @@ impl ConvertError {
             | Self::InvalidIp { object, .. }
             | Self::WrongFamily { object, .. }
             | Self::InvalidCidr { object, .. }
-            | Self::UnsupportedProtocol { object, .. } => object,
+            | Self::UnsupportedProtocol { object, .. }
+            | Self::Invalid { object, .. } => object,
         }
     }
 
@@ -134,7 +146,8 @@ impl ConvertError {
             | Self::InvalidIp { field, .. }
             | Self::WrongFamily { field, .. }
             | Self::InvalidCidr { field, .. }
-            | Self::UnsupportedProtocol { field, .. } => field,
+            | Self::UnsupportedProtocol { field, .. }
+            | Self::Invalid { field, .. } => field,
         }
     }
 }
@@ -597,11 +610,11 @@ mod tests {
     use super::*;
 
     fn k8s_service(yaml: &str) -> core::Service {
-        serde_yaml::from_str(yaml).expect("test Service must decode")
+        serde_saphyr::from_str(yaml).expect("test Service must decode")
     }
 
     fn k8s_slice(yaml: &str) -> discovery::EndpointSlice {
-        serde_yaml::from_str(yaml).expect("test EndpointSlice must decode")
+        serde_saphyr::from_str(yaml).expect("test EndpointSlice must decode")
     }
 
     fn convert_ok(yaml: &str) -> super::super::Service {

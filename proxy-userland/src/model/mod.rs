@@ -10,6 +10,7 @@ pub mod endpoint;
 pub mod select;
 pub mod service;
 pub mod tracker;
+pub mod validate;
 
 use std::{collections::BTreeMap, sync::Arc};
 

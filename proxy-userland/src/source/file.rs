@@ -7,6 +7,11 @@
 //! discovery.k8s.io/v1 EndpointSlice are read; other kinds are ignored, so a folder of
 //! ordinary application manifests works as is.
 //!
+//! Every Service and EndpointSlice is checked as the API server would check it
+//! ([`crate::model::validate`]): a manifest cannot do what a cluster would refuse, such as a
+//! cluster IP of 127.0.0.1 or of the node's own address. YAML is read with depth, size and
+//! event budgets, so a hostile file (100,000 nested `[`) is refused in microseconds.
+//!
 //! Errors are per object: one malformed document is reported and the others still load.
 //! Refusing the whole file would take every service in it down because of one typo, and
 //! with a watched folder a half-saved file would do the same until the next save.
@@ -14,7 +19,8 @@
 use std::{
     fmt, fs,
     future::Future,
-    io,
+    io::{self, Read},
+    net::IpAddr,
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     sync::Arc,
@@ -22,14 +28,18 @@ use std::{
 };
 
 use k8s_openapi::api::{core::v1::Service as K8sService, discovery::v1::EndpointSlice};
-use serde_yaml::Value;
+use serde_json::Value;
 use tokio::{sync::watch, time::MissedTickBehavior};
 use tracing::{debug, error, info, warn};
 
 use crate::model::{
     Service, ServiceKey, SliceInfo,
     convert::{self, ConvertError},
+    validate,
 };
+
+/// A manifest file larger than this is refused unread (10,000 services are about 3 MiB).
+pub const MAX_FILE_BYTES: u64 = 64 << 20;
 
 /// Everything read from the path in one go.
 #[derive(Debug, Default)]
@@ -41,6 +51,8 @@ pub struct Loaded {
     /// Services and EndpointSlices that are well formed but not proxied (headless,
     /// ExternalName, another proxy's, FQDN slices, slices without a service).
     pub skipped: usize,
+    /// The node's addresses, refused as cluster IPs.
+    node_ips: Vec<IpAddr>,
 }
 
 /// Where in the input a problem is.
@@ -77,11 +89,12 @@ pub enum LoadError {
     #[error("{}: {source}", path.display())]
     Read { path: PathBuf, source: io::Error },
 
-    /// The document is not valid YAML (or JSON).
+    /// The document is not valid YAML (or JSON), or exceeds the reader's limits (nesting
+    /// depth, node count).
     #[error("{at}: invalid YAML: {source}")]
     Syntax {
         at: Location,
-        source: serde_yaml::Error,
+        source: serde_saphyr::Error,
     },
 
     /// The document is YAML but not a Kubernetes object.
@@ -89,11 +102,11 @@ pub enum LoadError {
     NotAnObject { at: Location, reason: &'static str },
 
     /// A Service or EndpointSlice whose fields do not have the right types.
-    #[error("{at}: {object}: {source}")]
+    #[error("{at}: {object}: {message}")]
     Decode {
         at: Location,
         object: String,
-        source: serde_yaml::Error,
+        message: String,
     },
 
     /// A Service or EndpointSlice whose values are invalid (out of range, not an IP, ...).
@@ -117,7 +130,15 @@ impl LoadError {
 /// Reads `path` (a manifest file or a folder of them). Never fails as a whole: problems are
 /// collected in [`Loaded::errors`] next to whatever did load.
 pub fn load(path: &Path) -> Loaded {
-    let mut loaded = Loaded::default();
+    load_for_node(path, &node_addresses())
+}
+
+/// [`load`], refusing `node_ips` as cluster IPs.
+pub fn load_for_node(path: &Path, node_ips: &[IpAddr]) -> Loaded {
+    let mut loaded = Loaded {
+        node_ips: node_ips.to_vec(),
+        ..Loaded::default()
+    };
     let files = if path.is_dir() {
         match manifest_files(path) {
             Ok(files) => files,
@@ -133,12 +154,81 @@ pub fn load(path: &Path) -> Loaded {
         vec![path.to_owned()]
     };
     for file in files {
-        match fs::read_to_string(&file) {
+        match read_bounded(&file) {
             Ok(text) => loaded.load_text(&file, &text),
             Err(source) => loaded.errors.push(LoadError::Read { path: file, source }),
         }
     }
     loaded
+}
+
+/// Reads a file of at most [`MAX_FILE_BYTES`].
+fn read_bounded(path: &Path) -> io::Result<String> {
+    let mut text = String::new();
+    fs::File::open(path)?
+        .take(MAX_FILE_BYTES + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("larger than {MAX_FILE_BYTES} bytes; not read"),
+        ));
+    }
+    Ok(text)
+}
+
+/// The reader's limits for one manifest document. Kubernetes objects nest about ten deep;
+/// the node and event budgets leave room for a List of 10,000 Services.
+fn yaml_options() -> serde_saphyr::Options {
+    serde_saphyr::options! {
+        budget: serde_saphyr::budget! {
+            max_depth: 64,
+            flow_nesting_limit: 64,
+            max_nodes: 5_000_000,
+            max_events: 10_000_000,
+            max_documents: 1,
+        },
+        with_snippet: false,
+    }
+}
+
+/// This node's interface addresses (every family, every interface), which no cluster IP
+/// may be. An error reads as "none": validation then only misses that one rule.
+fn node_addresses() -> Vec<IpAddr> {
+    let mut addrs = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list we free below, once.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return addrs;
+    }
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr is non-null and points at a sockaddr whose sa_family says
+            // which sockaddr_* it is; we read only that type.
+            unsafe {
+                match i32::from((*ifa.ifa_addr).sa_family) {
+                    libc::AF_INET => {
+                        let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                        addrs.push(IpAddr::from(
+                            u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                        ));
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                        addrs.push(IpAddr::from(sin6.sin6_addr.s6_addr));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: `head` came from getifaddrs and is freed once; nothing borrows it any more.
+    unsafe { libc::freeifaddrs(head) };
+    addrs
 }
 
 /// The manifests in `dir`, sorted so that later files override earlier ones predictably.
@@ -168,7 +258,7 @@ fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
 
 /// Splits a multi-document YAML text into (first line, text) per document.
 ///
-/// serde_yaml's own document iterator cannot be used for this: after a syntax error it
+/// A multi-document iterator cannot be used for this: after a syntax error one
 /// yields the same error forever and never reaches the next document, which would turn one
 /// typo into a lost file. A line starting with `---` is always a document marker (YAML
 /// forbids that line inside a scalar), so cutting there is exact. A leading chunk with no
@@ -199,7 +289,7 @@ fn has_content(text: &str) -> bool {
         .any(|l| !l.is_empty() && !l.starts_with('#'))
 }
 
-/// Pads `text` so that serde_yaml's "at line N" counts from the start of the file. Only
+/// Pads `text` so that the YAML reader's "line N" counts from the start of the file. Only
 /// done to re-parse for an error message, which keeps the common path linear.
 fn at_file_line(line: usize, text: &str) -> String {
     let mut padded = "\n".repeat(line - 1);
@@ -222,25 +312,15 @@ fn describe(kind: &str, value: &Value) -> String {
     )
 }
 
-/// Where an object's text is: a whole document is decoded from its text, for errors with
-/// field paths and line numbers; List items only exist as values.
-#[derive(Clone, Copy)]
-enum Source<'a> {
-    Document { line: usize, text: &'a str },
-    Item,
-}
-
-impl Source<'_> {
-    fn decode<T: serde::de::DeserializeOwned>(self, value: &Value) -> Result<T, serde_yaml::Error> {
-        match self {
-            Source::Document { line, text } => serde_yaml::from_str(text).map_err(|e| {
-                serde_yaml::from_str::<T>(&at_file_line(line, text))
-                    .err()
-                    .unwrap_or(e)
-            }),
-            Source::Item => T::deserialize(value),
+/// Decodes with the field path in the error (`spec.ports[0].port: invalid type ...`).
+fn decode_value<T: serde::de::DeserializeOwned>(value: &Value) -> Result<T, String> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        match path.as_str() {
+            "" | "." => e.into_inner().to_string(),
+            _ => format!("{path}: {}", e.into_inner()),
         }
-    }
+    })
 }
 
 impl Loaded {
@@ -255,33 +335,30 @@ impl Loaded {
                 line,
                 item: None,
             };
-            let value: Value = match serde_yaml::from_str(doc) {
+            let value: Value = match serde_saphyr::from_str_with_options(doc, yaml_options()) {
                 Ok(value) => value,
                 Err(e) => {
-                    let source = serde_yaml::from_str::<Value>(&at_file_line(line, doc))
-                        .err()
-                        .unwrap_or(e);
+                    let source = serde_saphyr::from_str_with_options::<Value>(
+                        &at_file_line(line, doc),
+                        yaml_options(),
+                    )
+                    .err()
+                    .unwrap_or(e);
                     self.errors.push(LoadError::Syntax { at, source });
                     continue;
                 }
             };
-            self.load_value(at, Source::Document { line, text: doc }, value, None);
+            self.load_value(at, value, None);
         }
     }
 
     /// Loads one object. `list` is the (apiVersion, kind) of the typed List (ServiceList)
     /// the value is an item of, since the API server leaves those out of the items.
-    fn load_value(
-        &mut self,
-        at: Location,
-        source: Source<'_>,
-        value: Value,
-        list: Option<(&str, &str)>,
-    ) {
+    fn load_value(&mut self, at: Location, value: Value, list: Option<(&str, &str)>) {
         if value.is_null() {
             return; // an empty document, e.g. after a trailing `---`
         }
-        if !value.is_mapping() {
+        if !value.is_object() {
             self.errors.push(LoadError::NotAnObject {
                 at,
                 reason: "not a mapping",
@@ -312,9 +389,13 @@ impl Loaded {
         }
         match (api_version.as_str(), kind.as_str()) {
             ("v1", "Service") => {
-                let Some(svc) = self.decode::<K8sService>(&at, "Service", source, &value) else {
+                let Some(svc) = self.decode::<K8sService>(&at, "Service", &value) else {
                     return;
                 };
+                if let Err(source) = validate::service(&svc, &self.node_ips) {
+                    self.errors.push(LoadError::Convert { at, source });
+                    return;
+                }
                 match convert::service(&svc, None) {
                     Ok(Some(svc)) => self.services.push(svc),
                     Ok(None) => self.skipped += 1,
@@ -322,11 +403,13 @@ impl Loaded {
                 }
             }
             ("discovery.k8s.io/v1", "EndpointSlice") => {
-                let Some(slice) =
-                    self.decode::<EndpointSlice>(&at, "EndpointSlice", source, &value)
-                else {
+                let Some(slice) = self.decode::<EndpointSlice>(&at, "EndpointSlice", &value) else {
                     return;
                 };
+                if let Err(source) = validate::endpoint_slice(&slice) {
+                    self.errors.push(LoadError::Convert { at, source });
+                    return;
+                }
                 match convert::endpoint_slice(&slice) {
                     Ok(Some(slice)) => self.slices.push(slice),
                     Ok(None) => self.skipped += 1,
@@ -349,7 +432,7 @@ impl Loaded {
         }
         let items = match value.get_mut("items").map(std::mem::take) {
             None | Some(Value::Null) => return,
-            Some(Value::Sequence(items)) => items,
+            Some(Value::Array(items)) => items,
             Some(_) => {
                 self.errors.push(LoadError::NotAnObject {
                     at,
@@ -368,7 +451,7 @@ impl Loaded {
                 item: Some(i),
                 ..at.clone()
             };
-            self.load_value(at, Source::Item, item, item_type);
+            self.load_value(at, item, item_type);
         }
     }
 
@@ -376,16 +459,15 @@ impl Loaded {
         &mut self,
         at: &Location,
         kind: &str,
-        source: Source<'_>,
         value: &Value,
     ) -> Option<T> {
-        match source.decode(value) {
+        match decode_value(value) {
             Ok(object) => Some(object),
-            Err(source) => {
+            Err(message) => {
                 self.errors.push(LoadError::Decode {
                     at: at.clone(),
                     object: describe(kind, value),
-                    source,
+                    message,
                 });
                 None
             }
@@ -638,23 +720,31 @@ mod tests {
             )
         );
         let p = path.display();
-        // Line numbers count from the start of the file, also inside serde_yaml's messages.
+        // Line numbers count from the start of the file.
         let want = [
             format!(
-                "{p}: document 2 (line 11): Service shop/bad-port: spec.ports[0].port 70000 is out of range 1-65535"
+                "{p}: document 2 (line 11): Service shop/bad-port: spec.ports[0].port \"70000\": must be between 1 and 65535, inclusive"
             ),
             format!(
-                "{p}: document 3 (line 22): Service shop/wrong-type: spec.ports[0].port: invalid type: string \"eighty\", expected i32 at line 32 column 11"
+                "{p}: document 3 (line 22): Service shop/wrong-type: spec.ports[0].port: invalid type: string \"eighty\", expected i32"
             ),
-            format!(
-                "{p}: document 4 (line 33): invalid YAML: did not find expected ',' or '}}' at line 37 column 5, while parsing a flow mapping at line 36 column 11"
-            ),
+            format!("{p}: document 4 (line 33): invalid YAML: "),
             format!("{p}: document 6 (line 49): not a Kubernetes object: not a mapping"),
             format!(
                 "{p}: document 7 (line 51): not a Kubernetes object: apiVersion or kind is missing"
             ),
         ];
-        assert_eq!(messages(&loaded), want);
+        let got = messages(&loaded);
+        assert_eq!(got.len(), want.len(), "{got:#?}");
+        for (got, want) in got.iter().zip(&want) {
+            assert!(got.starts_with(want.as_str()), "{got}\nwant {want}");
+        }
+        // The syntax error's line counts from the start of the file.
+        assert!(
+            got[2].contains("line 36") || got[2].contains("line 37"),
+            "{}",
+            got[2]
+        );
         assert!(matches!(loaded.errors[0], LoadError::Convert { .. }));
         assert!(matches!(loaded.errors[1], LoadError::Decode { .. }));
         assert!(matches!(loaded.errors[2], LoadError::Syntax { .. }));
@@ -712,13 +802,58 @@ items:
             messages(&loaded),
             [
                 format!(
-                    "{p}: document 1 (line 1), items[1]: Service shop/bad: spec.ports[0].protocol \"QUIC\" is not a supported protocol (TCP, UDP or SCTP)"
+                    "{p}: document 1 (line 1), items[1]: Service shop/bad: spec.ports[0].protocol \"QUIC\": supported values: TCP, UDP, SCTP"
                 ),
                 format!(
-                    "{p}: document 1 (line 1), items[3]: Service default/typo: invalid type: map, expected a sequence"
+                    "{p}: document 1 (line 1), items[3]: Service default/typo: spec.ports: invalid type: map, expected a sequence"
                 ),
             ]
         );
+    }
+
+    /// 100,000 nested `[` took a minute with the old reader, holding up every other file.
+    #[test]
+    fn deeply_nested_yaml_is_refused_fast_and_the_rest_loads() {
+        let dir = TempDir::new();
+        dir.write("a.yaml", &service_yaml("web", "198.19.0.1"));
+        dir.write("b.yaml", &"[".repeat(100_000));
+        dir.write("c.json", &format!("{}{}", "{\"a\":".repeat(100_000), "1"));
+        let block: String = (0..200)
+            .map(|i| format!("{}a:\n", "  ".repeat(i)))
+            .collect();
+        dir.write(
+            "d.yaml",
+            &format!("apiVersion: v1\nkind: List\nitems:\n{block}"),
+        );
+        let started = std::time::Instant::now();
+        let loaded = load_for_node(&dir.0, &[]);
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(1), "took {took:?}");
+        assert_eq!(names(&loaded).0, ["shop/web"]);
+        let got = messages(&loaded);
+        assert_eq!(got.len(), 3, "{got:#?}");
+        for (err, file) in loaded.errors.iter().zip(["b.yaml", "c.json", "d.yaml"]) {
+            assert!(matches!(err, LoadError::Syntax { .. }), "{err}");
+            assert!(err.path().ends_with(file), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_cluster_ip_of_the_node_is_refused() {
+        let dir = TempDir::new();
+        dir.write("a.yaml", &service_yaml("node", "198.18.0.5"));
+        dir.write("b.yaml", &service_yaml("web", "198.19.0.1"));
+        let loaded = load_for_node(&dir.0, &["198.18.0.5".parse().unwrap()]);
+        assert_eq!(names(&loaded).0, ["shop/web"]);
+        let got = messages(&loaded);
+        assert_eq!(got.len(), 1);
+        assert!(
+            got[0].ends_with("Service shop/node: spec.clusterIP \"198.18.0.5\": may not be an address of this node"),
+            "{}",
+            got[0]
+        );
+        // The node's own addresses, as read from the kernel, include loopback.
+        assert!(node_addresses().contains(&"127.0.0.1".parse().unwrap()));
     }
 
     #[test]
