@@ -12,6 +12,7 @@
 //! - [`affinity`]: which backend a client got last, for ClientIP session affinity.
 //! - [`nat`]: the packet path's connection tracking and source ranges (node ports,
 //!   external and load-balancer IPs).
+//! - [`sockcfg`]: what the socket hooks leave to the pods' devices (per-packet path).
 //! - [`maps`]: names and sizes of the maps, shared so the loader and programs cannot drift.
 #![no_std]
 
@@ -21,12 +22,14 @@ pub mod maps;
 pub mod nat;
 pub mod revnat;
 pub mod service;
+pub mod sockcfg;
 
 pub use affinity::{AffinityKey, AffinityValue};
 pub use backend::{Backend4, Backend6, BackendId};
 pub use nat::{Ct4Key, Ct4Value, SourceRange4};
 pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 pub use service::{Service4Key, Service6Key, ServiceValue};
+pub use sockcfg::SockConfig;
 
 /// IP protocol numbers as used in the maps (the same as `IPPROTO_*`).
 pub mod proto {
@@ -61,4 +64,5 @@ user_pod!(
     Ct4Key,
     Ct4Value,
     SourceRange4,
+    SockConfig,
 );

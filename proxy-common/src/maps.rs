@@ -16,6 +16,8 @@ pub const NODE_ADDRS4: &str = "FP_NODE_ADDR4";
 /// The address SNATed traffic leaves each device with (ifindex -> address).
 pub const DEVICE_ADDRS4: &str = "FP_DEV_ADDR4";
 pub const STATS: &str = "FP_STATS";
+/// One entry: what the socket hooks leave to the pods' devices (see `sockcfg`).
+pub const SOCK_CONFIG: &str = "FP_SOCK_CFG";
 
 /// Service entries: one master plus one per backend slot, for every frontend.
 pub const SERVICES_MAX: u32 = 262_144;
@@ -31,7 +33,7 @@ pub const SOURCE_RANGES_MAX: u32 = 16_384;
 pub const NODE_ADDRS_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 13] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -44,4 +46,5 @@ pub const ALL: [&str; 12] = [
     NODE_ADDRS4,
     DEVICE_ADDRS4,
     STATS,
+    SOCK_CONFIG,
 ];

@@ -9,9 +9,12 @@ use aya_ebpf::{
     },
     programs::SockAddrContext,
 };
-use proxy_common::{AffinityKey, AffinityValue, ServiceValue, proto, service::flags};
+use proxy_common::{AffinityKey, AffinityValue, ServiceValue, proto, service::flags, sockcfg};
 
-use crate::{PROCEED, REJECT, maps::AFFINITY};
+use crate::{
+    PROCEED, REJECT,
+    maps::{AFFINITY, SOCK_CONFIG},
+};
 
 const SOCK_STREAM: u32 = 1;
 const SOCK_DGRAM: u32 = 2;
@@ -33,6 +36,26 @@ pub fn socket_proto(sa: &bpf_sock_addr) -> Option<u8> {
         },
         _ => None,
     }
+}
+
+/// Whether this socket's traffic is the pods' devices' to translate (see
+/// `proxy_common::sockcfg`): a socket outside the host namespace, with the pod path told to
+/// take its UDP (the default with a pod path) or everything (host-namespace-only sockets).
+#[inline(always)]
+fn left_to_pod_path(ctx: &SockAddrContext, proto: u8) -> bool {
+    let Some(cfg) = SOCK_CONFIG.get(0) else {
+        return false;
+    };
+    let mut wanted = sockcfg::flags::POD_ALL_PER_PACKET;
+    if proto == proto::UDP {
+        wanted |= sockcfg::flags::POD_UDP_PER_PACKET;
+    }
+    if cfg.flags & wanted == 0 {
+        return false;
+    }
+    // SAFETY: a helper the sock_addr hooks may call with their own context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    netns != cfg.host_netns_cookie
 }
 
 /// A backend slot in `1..=count`, uniformly.
@@ -79,6 +102,9 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     let Some(proto) = socket_proto(unsafe { &*sa }) else {
         return Ok(PROCEED);
     };
+    if left_to_pod_path(ctx, proto) {
+        return Ok(PROCEED);
+    }
     let (user_addr, port) = F::read_user(sa);
     // `addr` is where the frontend is stored; the application keeps seeing `user_addr`.
     let (addr, master) = match F::service(user_addr, port, proto, 0) {

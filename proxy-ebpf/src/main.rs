@@ -5,6 +5,8 @@
 //! - [`sock6`]: the same for IPv6.
 //! - [`nodeport`]: tc (and XDP) programs on the node's devices: node ports, external and
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
+//!   The same per-packet translation on the pods' devices serves pods whose sockets the
+//!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
 //! - [`maps`]: the maps, laid out in `proxy-common`.
@@ -82,6 +84,19 @@ pub fn fp_nodeport_in(mut ctx: TcContext) -> i32 {
 /// tc egress on each node device: replies of local backends leaving for the client.
 #[classifier]
 pub fn fp_nodeport_out(mut ctx: TcContext) -> i32 {
+    nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+}
+
+/// tc ingress on a pod's device (host side): the pod's packets to Services, translated per
+/// packet (see [`nodeport::ingress_from_pod`]).
+#[classifier]
+pub fn fp_pod_in(mut ctx: TcContext) -> i32 {
+    nodeport::ingress_from_pod(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+}
+
+/// tc egress on a pod's device: replies to the pod come from the Service it addressed.
+#[classifier]
+pub fn fp_pod_out(mut ctx: TcContext) -> i32 {
     nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
 }
 

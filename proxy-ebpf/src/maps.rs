@@ -3,12 +3,12 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
-    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
-    SourceRange4,
+    Service6Key, ServiceValue, SockConfig, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
+    SockRevNat6Value, SourceRange4,
     maps::{
         AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX,
         SOURCE_RANGES_MAX,
@@ -57,6 +57,10 @@ pub static NODE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS
 
 #[map(name = "FP_DEV_ADDR4")]
 pub static DEVICE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
+
+/// What the socket hooks leave to the pods' devices; written by the daemon at start.
+#[map(name = "FP_SOCK_CFG")]
+pub static SOCK_CONFIG: Array<SockConfig> = Array::with_max_entries(1, 0);
 
 #[map(name = "FP_STATS")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);

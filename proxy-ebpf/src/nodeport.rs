@@ -247,22 +247,33 @@ fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
     Some((nat, snat))
 }
 
+/// Where a frontend's entries are stored: its address (0 for node ports) and scope.
+type FrontendAt = (u32, u8);
+
 /// The master entry of the frontend this packet is addressed to: its own address (external
-/// and load-balancer IPs), or any node address (node ports, stored with address 0).
+/// and load-balancer IPs), or any node address (node ports, stored with address 0). From a
+/// pod, first the frontends the node's own sockets see (ClusterIPs, internalTrafficPolicy),
+/// as kube-proxy's PREROUTING rules treat a pod's packets.
 #[inline(always)]
-fn frontend(f: &Flow) -> Option<(u32, ServiceValue)> {
+fn frontend(f: &Flow, from_pod: bool) -> Option<(FrontendAt, ServiceValue)> {
+    if from_pod {
+        let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::SOCKET);
+        if let Some(m) = unsafe { SERVICES4.get(&key) } {
+            return Some(((f.daddr, scope::SOCKET), *m));
+        }
+    }
     let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::PACKET);
     if let Some(m) = unsafe { SERVICES4.get(&key) } {
-        return Some((f.daddr, *m));
+        return Some(((f.daddr, scope::PACKET), *m));
     }
     unsafe { NODE_ADDRS4.get(&f.daddr) }?;
     let key = Service4Key::scoped(0, f.dport, f.proto, 0, scope::PACKET);
-    unsafe { SERVICES4.get(&key) }.map(|m| (0, *m))
+    unsafe { SERVICES4.get(&key) }.map(|m| ((0, scope::PACKET), *m))
 }
 
 #[inline(always)]
-fn slot_backend(fe_addr: u32, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
-    let key = Service4Key::scoped(fe_addr, f.dport, f.proto, slot, scope::PACKET);
+fn slot_backend(fe: FrontendAt, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
+    let key = Service4Key::scoped(fe.0, f.dport, f.proto, slot, fe.1);
     let id = unsafe { SERVICES4.get(&key) }?.backend_id;
     unsafe { BACKENDS4.get(&id) }.map(|b| (id, *b))
 }
@@ -271,13 +282,13 @@ fn slot_backend(fe_addr: u32, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
 /// there and within the timeout; else a uniform pick.
 #[inline(always)]
 fn choose_backend(
-    fe_addr: u32,
+    fe: FrontendAt,
     f: &Flow,
     master: &ServiceValue,
     now: u64,
 ) -> Option<(u32, Backend4)> {
     if master.flags & flags::AFFINITY == 0 {
-        return slot_backend(fe_addr, f, pick_slot(master.count));
+        return slot_backend(fe, f, pick_slot(master.count));
     }
     let key = AffinityKey {
         client: nat::AFFINITY_CLIENT_IP | u64::from(f.saddr),
@@ -294,7 +305,7 @@ fn choose_backend(
     }
     let chosen = match chosen {
         Some(c) => c,
-        None => slot_backend(fe_addr, f, pick_slot(master.count))?,
+        None => slot_backend(fe, f, pick_slot(master.count))?,
     };
     let value = AffinityValue {
         backend_id: chosen.0,
@@ -376,7 +387,7 @@ fn snat_address<P: Packet>(pkt: &P, f: &Flow, backend: u32) -> Option<u32> {
 fn new_flow<P: Packet>(
     pkt: &P,
     f: &Flow,
-    fe_addr: u32,
+    fe: FrontendAt,
     master: &ServiceValue,
     now: u64,
 ) -> Result<Ct4Value, i32> {
@@ -392,7 +403,7 @@ fn new_flow<P: Packet>(
     if master.count == 0 {
         return Err(drop_as(nat::stat::DROP_NO_BACKEND));
     }
-    let Some((backend_id, b)) = choose_backend(fe_addr, f, master, now) else {
+    let Some((backend_id, b)) = choose_backend(fe, f, master, now) else {
         return Err(drop_as(nat::stat::DROP_NO_BACKEND));
     };
     let snat = master.flags & flags::SNAT != 0 && b.flags & backend::flags::LOCAL == 0;
@@ -493,6 +504,21 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
 /// Ingress on a node device (tc, or XDP ahead of it).
 #[inline(always)]
 pub fn ingress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
+    translate_ingress(pkt, false)
+}
+
+/// tc ingress on a pod's device: what the pod sends to ClusterIPs (and to node ports,
+/// external and load-balancer IPs) is translated as the node's own sockets would be, with
+/// a flow entry per connection. A UDP flow keeps its backend while that backend lives and
+/// moves on by itself when it leaves (see [`known_flow`]); replies from a local backend are
+/// turned back here, at the backend's own device, the others at the client's (egress).
+#[inline(always)]
+pub fn ingress_from_pod<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
+    translate_ingress(pkt, true)
+}
+
+#[inline(always)]
+fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> {
     let Some(f) = parse(pkt) else {
         return Ok(P::PASS);
     };
@@ -505,12 +531,12 @@ pub fn ingress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
         apply(pkt, &f, &nat)?;
         return Ok(P::PASS);
     }
-    let Some((fe_addr, master)) = frontend(&f) else {
+    let Some((fe, master)) = frontend(&f, from_pod) else {
         return Ok(P::PASS);
     };
     let e = match known_flow(&f, now) {
         Some(e) => e,
-        None => match new_flow(pkt, &f, fe_addr, &master, now) {
+        None => match new_flow(pkt, &f, fe, &master, now) {
             Ok(e) => e,
             Err(verdict) => return Ok(verdict),
         },
@@ -527,7 +553,8 @@ pub fn ingress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
     Ok(P::PASS)
 }
 
-/// tc egress on a node device: replies of local backends leaving for the client.
+/// tc egress on a node device: replies of local backends leaving for the client. On a
+/// pod's device: replies to the pod, from wherever its backend is.
 #[inline(always)]
 pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
     if let Some(f) = parse(pkt) {

@@ -176,6 +176,21 @@ pub struct Args {
     )]
     pub nodeport_devices: Vec<String>,
 
+    /// The pods' devices (host side) start with this (kube-proxy's, for
+    /// --detect-local-mode=InterfaceNamePrefix). In eBPF mode it also turns on per-packet
+    /// Service translation on those devices (tc), found as pods come and go: pods' UDP is
+    /// translated there instead of at the socket (a connected UDP client moves on by itself
+    /// when its backend leaves), and with --bpf-socket-lb-host-namespace-only all of their
+    /// traffic. Comma-separated for several prefixes.
+    #[arg(long, value_name = "PREFIX", value_delimiter = ',', action = clap::ArgAction::Set)]
+    pub pod_interface_name_prefix: Vec<String>,
+
+    /// eBPF: socket load-balancing for the host's network namespace only (Cilium's
+    /// socketLB.hostNamespaceOnly); pods' sockets keep the ClusterIP they dialled and their
+    /// packets are translated on their devices (needs --pod-interface-name-prefix).
+    #[arg(long, default_value_t = false)]
+    pub bpf_socket_lb_host_namespace_only: bool,
+
     /// eBPF: "native" runs the node-port ingress work in XDP ahead of tc on devices whose
     /// driver supports native XDP (the others keep tc); "disabled" uses tc alone.
     #[arg(long = "nodeport-acceleration", value_name = "MODE", default_value = "disabled",
@@ -544,6 +559,14 @@ impl Args {
         self.check_detect_local_mode()
             .map_err(|m| invalid("--detect-local-mode", m))?;
         check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
+        if self.bpf_socket_lb_host_namespace_only && self.pod_interface_name_prefix.is_empty() {
+            // Pods would reach no Service at all.
+            return Err(invalid(
+                "--bpf-socket-lb-host-namespace-only",
+                "needs --pod-interface-name-prefix, whose devices then translate pods' traffic"
+                    .into(),
+            ));
+        }
         if self.masquerade_bit > 31 {
             return Err(invalid(
                 "--iptables-masquerade-bit",

@@ -340,3 +340,80 @@ impl Drop for Bpffs {
         let _ = std::fs::remove_dir(&self.0);
     }
 }
+
+/// Removes its folder on drop.
+pub struct RmDir(pub PathBuf);
+
+impl Drop for RmDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh scratch folder for manifests, removed on drop.
+pub fn manifest_dir(tag: &str) -> RmDir {
+    let dir = std::env::temp_dir().join(format!("fastpath-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    RmDir(dir)
+}
+
+/// A probe client whose lines arrive on a channel; killed on drop.
+pub struct Client {
+    child: Child,
+    /// Each line, with when it arrived.
+    pub lines: std::sync::mpsc::Receiver<(Instant, String)>,
+}
+
+impl Client {
+    pub fn spawn(mut cmd: std::process::Command) -> Self {
+        use std::io::BufRead as _;
+        let mut child = cmd.stdout(Stdio::piped()).spawn().expect("probe client");
+        let (tx, lines) = std::sync::mpsc::channel();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                let _ = tx.send((Instant::now(), line));
+            }
+        });
+        Client { child, lines }
+    }
+
+    pub fn next(&self) -> Option<String> {
+        self.lines
+            .recv_timeout(Duration::from_secs(5))
+            .ok()
+            .map(|(_, l)| l)
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `fastpath-probe --netns <pod> --cgroup <the bed's client cgroup>`: a client in a pod's
+/// own namespace that the socket hooks still see (pods live under the hooks' cgroup).
+pub fn pod_client(bed: &Testbed, pod: &Pod) -> Command {
+    let mut cmd = Command::new(probe());
+    cmd.arg("--netns")
+        .arg(&pod.netns)
+        .arg("--cgroup")
+        .arg(bed.cgroup_path());
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// Runs [`pod_client`] with `args` and parses its lines.
+pub fn pod_probe(bed: &Testbed, pod: &Pod, args: &[&str]) -> Vec<Outcome> {
+    let out = pod_client(bed, pod)
+        .args(args)
+        .output()
+        .expect("probe runs");
+    xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
+}

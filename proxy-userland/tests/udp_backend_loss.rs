@@ -4,30 +4,12 @@
 mod common;
 
 use std::{
-    io::{BufRead, BufReader, Read, Write},
+    io::{Read, Write},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
-    path::PathBuf,
-    process::{Child, Stdio},
-    sync::mpsc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use common::*;
-
-struct RmDir(PathBuf);
-
-impl Drop for RmDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn manifest_dir(tag: &str) -> RmDir {
-    let dir = std::env::temp_dir().join(format!("fastpath-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    RmDir(dir)
-}
 
 fn free_port() -> u16 {
     TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
@@ -74,37 +56,6 @@ fn strip_ansi(s: &str) -> String {
         }
     }
     out
-}
-
-/// A probe client whose lines arrive on a channel; killed on drop.
-struct Client {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Client {
-    fn spawn(mut cmd: std::process::Command) -> Self {
-        let mut child = cmd.stdout(Stdio::piped()).spawn().expect("probe client");
-        let (tx, lines) = mpsc::channel();
-        let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        Client { child, lines }
-    }
-
-    fn next(&self) -> Option<String> {
-        self.lines.recv_timeout(Duration::from_secs(5)).ok()
-    }
-}
-
-impl Drop for Client {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Cilium's and Calico's users meet this when the agent runs without CAP_SYS_ADMIN or the
@@ -191,4 +142,125 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
         warning.contains("namespaces=1"),
         "and how many namespaces it concerns: {warning}"
     );
+}
+
+/// What statsd clients and DNS stubs do: one connected UDP socket, never reconnected, send
+/// errors ignored. Its backend leaves the EndpointSlice (the pod still answers, so only the
+/// proxy can move the flow): within a second its datagrams reach the other pod, with no
+/// error on the way, replies still from the ClusterIP. And while a backend lives, the flow
+/// stays on it. The client is a pod, so its UDP goes per packet through its device.
+#[test]
+fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
+    let (mut bed, _pods) = bed_with_pods("udpmove", 2);
+    let client_pod = bed.add_pod("client", pod_ip(9), None).expect("client pod");
+    let dir = manifest_dir("udpmove");
+    std::fs::write(
+        dir.0.join("web.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "ebpf",
+            "--netns",
+            bed.node_netns(),
+            "--pod-interface-name-prefix",
+            "fpv",
+            "--manifests",
+            dir.0.to_str().unwrap(),
+            "--manifest-poll-period",
+            "100ms",
+        ],
+    );
+    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "300"];
+    assert!(
+        eventually(20, || pod_probe(&bed, &client_pod, &udp_once)[0].is_ok()),
+        "the ClusterIP never answered the pod; log:\n{}",
+        daemon.log()
+    );
+
+    let mut cmd = pod_client(&bed, &client_pod);
+    cmd.args(["udp", WEB_DNS, "--connected", "--count", "150"]);
+    cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
+    let client = Client::spawn(cmd);
+    let mut before = Vec::new();
+    for _ in 0..15 {
+        before.push(client.next().expect("a probe line"));
+    }
+    let outcomes: Vec<_> = before
+        .iter()
+        .filter_map(|l| xtask::probe::parse_line(l))
+        .collect();
+    assert_eq!(outcomes.len(), 15, "{before:?}");
+    let victim = outcomes[0]
+        .reply()
+        .unwrap_or_else(|| panic!("{before:?}"))
+        .to_string();
+    for o in &outcomes {
+        assert_eq!(
+            o.reply(),
+            Some(victim.as_str()),
+            "one flow, one backend: {before:?}"
+        );
+        assert_eq!(
+            from(o),
+            Some(WEB_DNS),
+            "replies come from the ClusterIP: {before:?}"
+        );
+        assert_eq!(
+            peer(o),
+            Some(WEB_DNS),
+            "the socket's peer is the ClusterIP: {before:?}"
+        );
+    }
+
+    let survivor = if victim == "pod-1" {
+        pod_ip(2)
+    } else {
+        pod_ip(1)
+    };
+    let removed_at = Instant::now();
+    std::fs::write(dir.0.join("web.yaml"), web_manifest(&[survivor])).unwrap();
+    let mut after = Vec::new();
+    while let Ok((at, line)) = client.lines.recv_timeout(Duration::from_secs(5)) {
+        after.push((at.duration_since(removed_at), line));
+        if after.len() == 30 {
+            break;
+        }
+    }
+    let parsed: Vec<_> = after
+        .iter()
+        .map(|(at, l)| (*at, xtask::probe::parse_line(l), l.clone()))
+        .collect();
+    let moved = parsed
+        .iter()
+        .position(|(_, o, _)| {
+            o.as_ref()
+                .is_some_and(|o| o.is_ok() && o.reply() != Some(victim.as_str()))
+        })
+        .unwrap_or_else(|| panic!("never reached the live pod after {victim} left: {after:?}"));
+    assert!(
+        parsed[moved].0 <= Duration::from_secs(1),
+        "the first datagram served by the live pod came {:?} after the removal: {after:?}",
+        parsed[moved].0
+    );
+    for (_, o, line) in &parsed {
+        let o = o.as_ref().unwrap_or_else(|| panic!("unparsed line {line}"));
+        // Timeouts are the only failure allowed (datagrams in flight while it moves); a
+        // socket error would mean the socket was torn down under the client.
+        assert!(
+            o.is_ok() || o.errno() == Some("ETIMEDOUT"),
+            "socket error: {after:?}"
+        );
+    }
+    for (_, o, _) in &parsed[moved..] {
+        let o = o.as_ref().unwrap();
+        assert!(
+            o.is_ok() && o.reply() != Some(victim.as_str()),
+            "back to {victim}: {after:?}"
+        );
+        assert_eq!(from(o), Some(WEB_DNS), "{after:?}");
+    }
 }

@@ -7,7 +7,7 @@ use tracing::info;
 
 use super::{
     Proxier,
-    bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig},
+    bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig, PodPathConfig},
     iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig, apply::Backend},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
@@ -27,6 +27,8 @@ pub struct StartOptions {
     pub packet_auto: bool,
     /// eBPF: entries of the service and backend maps; None: built-in sizes.
     pub bpf_lb_map_max: Option<u32>,
+    /// eBPF: per-packet Service translation on the pods' devices; None: off.
+    pub pods: Option<PodPathConfig>,
     /// iptables: which tools (the system's, legacy or nft).
     pub iptables_backend: Backend,
     /// iptables and userspace: run in this network namespace instead of our own.
@@ -71,6 +73,7 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 pin_dir: opts.bpf_pin_dir.clone(),
                 packet: opts.packet.clone(),
                 lb_map_max: opts.bpf_lb_map_max,
+                pods: opts.pods.clone(),
             };
             let attached = match BpfDataplane::attach_with(&cgroup, &attach) {
                 // Devices nobody named, or a kernel that refuses the packet programs: keep
@@ -177,6 +180,11 @@ impl StartOptions {
             packet,
             packet_auto,
             bpf_lb_map_max: args.bpf_lb_map_max,
+            pods: (!args.pod_interface_name_prefix.is_empty()).then(|| PodPathConfig {
+                netns: args.netns.clone(),
+                prefixes: args.pod_interface_name_prefix.clone(),
+                host_namespace_only: args.bpf_socket_lb_host_namespace_only,
+            }),
             iptables_backend: match args.iptables_backend.as_str() {
                 "legacy" => Backend::Legacy,
                 "nft" => Backend::Nft,

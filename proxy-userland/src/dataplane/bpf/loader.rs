@@ -27,6 +27,7 @@ use proxy_common::maps as map_names;
 use super::{
     AttachOptions,
     devices::{DeviceError, NodeDevices, in_netns},
+    pods::{self, PodDevices},
 };
 
 /// Maps of this layout live in `<pin dir>/maps-v<N>`: a daemon with another layout never
@@ -49,6 +50,9 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
 pub const NODEPORT_INGRESS: &str = "fp_nodeport_in";
 pub const NODEPORT_EGRESS: &str = "fp_nodeport_out";
 pub const NODEPORT_XDP: &str = "fp_nodeport_xdp";
+/// The pods' devices' programs (per-packet Service translation for pods), by function name.
+pub const POD_INGRESS: &str = "fp_pod_in";
+pub const POD_EGRESS: &str = "fp_pod_out";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -85,6 +89,8 @@ pub enum LoadError {
     },
     #[error(transparent)]
     Devices(#[from] DeviceError),
+    #[error("per-packet translation on the pods' devices: {0} (it needs tcx, kernel 6.6 or later)")]
+    PodDevices(io::Error),
 }
 
 impl LoadError {
@@ -108,6 +114,8 @@ pub struct Attached {
     ebpf: Ebpf,
     /// The packet path's devices and addresses, when it is attached.
     pub node_devices: Option<NodeDevices>,
+    /// The watcher that keeps the pods' devices' programs attached, when asked for.
+    pub pod_devices: Option<PodDevices>,
 }
 
 impl Attached {
@@ -320,6 +328,25 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         }
         node_devices = Some(devices);
     }
+    let pod_devices = match &opts.pods {
+        Some(cfg) => {
+            let mut fds = Vec::new();
+            for name in [POD_INGRESS, POD_EGRESS] {
+                let program = loaded!(name, SchedClassifier);
+                let fd = program
+                    .fd()
+                    .map_err(|source| LoadError::Program { name, source })?;
+                fds.push(fd.try_clone().map_err(LoadError::PodDevices)?);
+            }
+            let egress = fds.pop().expect("two programs");
+            let ingress = fds.pop().expect("two programs");
+            Some(PodDevices::start(cfg, ingress, egress).map_err(LoadError::PodDevices)?)
+        }
+        None => None,
+    };
+    // Only once the pods' devices translate may the socket hooks leave pods' traffic to
+    // them; without a pod path, a pinned map from an earlier run is set back to "all".
+    pods::write_sock_config(&mut ebpf, opts.pods.as_ref()).map_err(LoadError::PodDevices)?;
     // Ours are attached: only now let the previous generation go.
     if let Some(l) = &layout {
         let entries = std::fs::read_dir(&l.links).map_err(pin_err(&l.links))?;
@@ -334,7 +361,11 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
             }
         }
     }
-    Ok(Attached { ebpf, node_devices })
+    Ok(Attached {
+        ebpf,
+        node_devices,
+        pod_devices,
+    })
 }
 
 #[cfg(test)]

@@ -6,12 +6,14 @@
 //! - [`maps`]: typed access to the service, backend and reverse-NAT maps, written in the
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
+//! - [`pods`]: per-packet Service translation on the pods' devices, which come and go.
 //! - [`stale_sockets`]: connected UDP sockets of removed backends, destroyed so clients
 //!   reconnect instead of sending into the void.
 
 pub mod devices;
 pub mod loader;
 pub mod maps;
+pub mod pods;
 pub mod program;
 pub mod stale_sockets;
 
@@ -19,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 pub use devices::PacketPathConfig;
 pub use loader::LoadError;
+pub use pods::PodPathConfig;
 
 use self::{loader::Attached, maps::ServiceMaps, program::Programmer};
 use super::{Dataplane, Scope, SyncReport};
@@ -34,6 +37,8 @@ pub struct AttachOptions {
     /// Entries of the service and backend maps (Cilium's `--bpf-lb-map-max`); None: the
     /// built-in sizes. A full map fails the services that do not fit, not the daemon.
     pub lb_map_max: Option<u32>,
+    /// Per-packet Service translation on the pods' devices; None: off.
+    pub pods: Option<PodPathConfig>,
 }
 
 pub struct BpfDataplane {
@@ -148,6 +153,11 @@ impl BpfDataplane {
             }
             Err(e) => tracing::warn!("cannot update the node's addresses: {e}"),
         }
+    }
+
+    /// The watcher of the pods' devices, when per-packet translation for pods is on.
+    pub fn pod_devices(&self) -> Option<&pods::PodDevices> {
+        self._attached.pod_devices.as_ref()
     }
 
     /// The devices the node-port programs are attached to, if they are.

@@ -1,0 +1,285 @@
+//! Per-packet Service translation on the pods' devices (kube-proxy's
+//! `--detect-local-mode=InterfaceNamePrefix`): the host ends of the pods' veths, chosen by
+//! name prefix, get `fp_pod_in` on tc ingress (a pod's packets to a ClusterIP, translated
+//! with the flow table) and `fp_pod_out` on tc egress (replies, shown as from the ClusterIP).
+//!
+//! Pods come and go, and their devices with them, so a thread of its own (never the async
+//! runtime) looks at the namespace's devices twice a second: new matching devices get the
+//! programs through BPF links it holds, a device that went takes its links with it and its
+//! entry is forgotten. The links close when the watcher stops, i.e. with the daemon.
+
+use std::{
+    collections::BTreeMap,
+    ffi::CStr,
+    io,
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use aya::programs::ProgramFd;
+
+use crate::dataplane::netns;
+
+/// How often the devices are listed again.
+const RESCAN: Duration = Duration::from_millis(500);
+
+/// What the pod path is asked to cover.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodPathConfig {
+    /// The namespace of the pods' host-side devices (a name under /run/netns); None: ours.
+    pub netns: Option<String>,
+    /// Devices whose names start with one of these are pods' devices.
+    pub prefixes: Vec<String>,
+    /// Socket load-balancing for the host namespace only (Cilium's
+    /// socketLB.hostNamespaceOnly): pods' TCP is translated per packet too.
+    pub host_namespace_only: bool,
+}
+
+impl PodPathConfig {
+    fn matches(&self, name: &str) -> bool {
+        self.prefixes
+            .iter()
+            .any(|p| !p.is_empty() && name.starts_with(p.as_str()))
+    }
+}
+
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+
+/// `bpf_attr` for BPF_LINK_CREATE with the tcx member (linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct LinkCreateTcx {
+    prog_fd: u32,
+    target_ifindex: u32,
+    attach_type: u32,
+    flags: u32,
+    relative_fd: u32,
+    _pad: u32,
+    expected_revision: u64,
+}
+const _: () = assert!(std::mem::size_of::<LinkCreateTcx>() == 32);
+
+/// Attaches `prog` to `ifindex` through a TCX link (kernel >= 6.6), after any program
+/// already there; the link goes when the returned fd closes or the device does.
+fn tcx_attach(prog: &ProgramFd, ifindex: u32, attach_type: u32) -> io::Result<OwnedFd> {
+    let attr = LinkCreateTcx {
+        prog_fd: prog.as_fd().as_raw_fd() as u32,
+        target_ifindex: ifindex,
+        attach_type,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is a valid, fully initialised bpf_attr prefix of the size we pass; the
+    // kernel reads only that much.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_CREATE,
+            &attr as *const LinkCreateTcx,
+            std::mem::size_of::<LinkCreateTcx>() as u32,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new fd the kernel just returned, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// (ifindex, name) of every device in this thread's network namespace.
+fn devices_here() -> Vec<(u32, String)> {
+    // SAFETY: if_nameindex returns an array ending in a zero entry, freed below.
+    let head = unsafe { libc::if_nameindex() };
+    if head.is_null() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    // SAFETY: walks the array up to its terminating entry.
+    unsafe {
+        while (*cur).if_index != 0 && !(*cur).if_name.is_null() {
+            let name = CStr::from_ptr((*cur).if_name)
+                .to_string_lossy()
+                .into_owned();
+            out.push(((*cur).if_index, name));
+            cur = cur.add(1);
+        }
+        libc::if_freenameindex(head);
+    }
+    out
+}
+
+struct PodDevice {
+    name: String,
+    _links: [OwnedFd; 2],
+}
+
+/// The watcher thread; stops and detaches everything on drop.
+pub struct PodDevices {
+    stop: Arc<AtomicBool>,
+    attached: Arc<AtomicUsize>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PodDevices {
+    /// Attaches to the matching devices there are now (so the caller knows the programs
+    /// work here), then keeps watching from a thread.
+    pub fn start(cfg: &PodPathConfig, ingress: ProgramFd, egress: ProgramFd) -> io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let attached = Arc::new(AtomicUsize::new(0));
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = {
+            let (cfg, stop, attached) = (cfg.clone(), stop.clone(), attached.clone());
+            std::thread::Builder::new()
+                .name("fp-pod-devices".into())
+                .spawn(move || {
+                    if let Some(ns) = &cfg.netns
+                        && let Err(e) = netns::enter(ns)
+                    {
+                        let _ = ready_tx.send(Err(io::Error::other(e.to_string())));
+                        return;
+                    }
+                    let mut devices: BTreeMap<u32, PodDevice> = BTreeMap::new();
+                    let first = rescan(&cfg, &ingress, &egress, &mut devices);
+                    attached.store(devices.len(), Ordering::Relaxed);
+                    let _ = ready_tx.send(first);
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(RESCAN);
+                        if let Err(e) = rescan(&cfg, &ingress, &egress, &mut devices) {
+                            tracing::warn!("pod devices: {e}");
+                        }
+                        attached.store(devices.len(), Ordering::Relaxed);
+                    }
+                })?
+        };
+        let watcher = PodDevices {
+            stop,
+            attached,
+            thread: Some(thread),
+        };
+        match ready_rx.recv() {
+            Ok(Ok(())) => Ok(watcher),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(io::Error::other("the pod device watcher died")),
+        }
+    }
+
+    /// How many pod devices carry the programs now.
+    pub fn attached(&self) -> usize {
+        self.attached.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for PodDevices {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Brings the attachments in line with the devices there are. A device that cannot take
+/// the programs is reported (and tried again next time); the others still get them.
+fn rescan(
+    cfg: &PodPathConfig,
+    ingress: &ProgramFd,
+    egress: &ProgramFd,
+    devices: &mut BTreeMap<u32, PodDevice>,
+) -> io::Result<()> {
+    let now: BTreeMap<u32, String> = devices_here()
+        .into_iter()
+        .filter(|(_, name)| cfg.matches(name))
+        .collect();
+    // Gone, or the index now names another device: its links went with the old device.
+    devices.retain(|ifindex, d| now.get(ifindex) == Some(&d.name));
+    let mut last_error = None;
+    for (ifindex, name) in now {
+        if devices.contains_key(&ifindex) {
+            continue;
+        }
+        let links = tcx_attach(ingress, ifindex, BPF_TCX_INGRESS)
+            .and_then(|i| Ok([i, tcx_attach(egress, ifindex, BPF_TCX_EGRESS)?]));
+        match links {
+            Ok(links) => {
+                tracing::info!(device = %name, "pod device: per-packet Service translation attached");
+                devices.insert(
+                    ifindex,
+                    PodDevice {
+                        name,
+                        _links: links,
+                    },
+                );
+            }
+            // It may have gone between the listing and the attach.
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => {}
+            Err(e) => {
+                last_error = Some(io::Error::new(
+                    e.kind(),
+                    format!("attaching to {name}: {e}"),
+                ))
+            }
+        }
+    }
+    last_error.map_or(Ok(()), Err)
+}
+
+/// bpf_get_netns_cookie() of namespace `ns` (None: ours), as the socket hooks see it.
+pub fn netns_cookie(ns: Option<&str>) -> io::Result<u64> {
+    const SO_NETNS_COOKIE: libc::c_int = 71;
+    let read = || -> io::Result<u64> {
+        let sock = std::net::UdpSocket::bind((std::net::Ipv4Addr::LOCALHOST, 0))?;
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        // SAFETY: `cookie` and `len` are valid for writes of the sizes given.
+        let rc = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_NETNS_COOKIE,
+                (&mut cookie as *mut u64).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(cookie)
+    };
+    super::devices::in_netns(ns, read).map_err(|e| io::Error::other(e.to_string()))?
+}
+
+/// Tells the socket hooks what the pods' devices take over (see `proxy_common::sockcfg`):
+/// with a pod path, pods' UDP (and with `host_namespace_only`, everything of theirs);
+/// without one, nothing.
+pub fn write_sock_config(ebpf: &mut aya::Ebpf, pods: Option<&PodPathConfig>) -> io::Result<()> {
+    use proxy_common::{SockConfig, sockcfg::flags};
+    let value = match pods {
+        Some(cfg) => SockConfig {
+            host_netns_cookie: netns_cookie(cfg.netns.as_deref())?,
+            flags: flags::POD_UDP_PER_PACKET
+                | if cfg.host_namespace_only {
+                    flags::POD_ALL_PER_PACKET
+                } else {
+                    0
+                },
+            _pad: 0,
+        },
+        None => SockConfig::default(),
+    };
+    let name = proxy_common::maps::SOCK_CONFIG;
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| io::Error::other(format!("map {name} is missing")))?;
+    let mut config: aya::maps::Array<_, SockConfig> = aya::maps::Array::try_from(map)
+        .map_err(|e| io::Error::other(format!("map {name}: {e}")))?;
+    config
+        .set(0, value, 0)
+        .map_err(|e| io::Error::other(format!("writing {name}: {e}")))
+}

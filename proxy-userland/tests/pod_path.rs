@@ -1,0 +1,224 @@
+//! Per-packet Service translation on the pods' devices (`--pod-interface-name-prefix`),
+//! through the real daemon and manifests: pods the socket hooks never see reach ClusterIPs,
+//! and `--bpf-socket-lb-host-namespace-only` leaves pods' sockets to it.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    io::{Read, Write},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    time::Duration,
+};
+
+use common::*;
+
+fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `fastpath_packets_total{result="new_flow"}` from /metrics, 0 if not there yet.
+fn new_flows(port: u16) -> f64 {
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return 0.0;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(s, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines()
+        .find_map(|l| l.strip_prefix(r#"fastpath_packets_total{result="new_flow"} "#))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+struct Setup {
+    bed: xtask::testbed::Testbed,
+    client: xtask::testbed::Pod,
+    daemon: Daemon,
+    metrics: u16,
+    _dir: RmDir,
+}
+
+/// Two serving pods, a client pod (pod_ip(9)), and the daemon with the pod path on the
+/// bed's `fpv*` devices, plus `extra` flags.
+fn setup(tag: &str, extra: &[&str]) -> Setup {
+    let (mut bed, _pods) = bed_with_pods(tag, 2);
+    let client = bed.add_pod("client", pod_ip(9), None).expect("client pod");
+    let dir = manifest_dir(tag);
+    std::fs::write(
+        dir.0.join("web.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
+    let metrics = free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics}");
+    let mut args = vec![
+        "--proxy-mode",
+        "ebpf",
+        "--netns",
+        bed.node_netns(),
+        "--pod-interface-name-prefix",
+        "fpv",
+        "--manifests",
+        dir.0.to_str().unwrap(),
+        "--manifest-poll-period",
+        "100ms",
+        "--sync-period",
+        "1s",
+        "--metrics-bind-address",
+        &metrics_addr,
+    ];
+    args.extend_from_slice(extra);
+    let daemon = Daemon::start(bed.cgroup_path(), &args);
+    let tcp_once = ["tcp", WEB, "--count", "1", "--timeout-ms", "500"];
+    assert!(
+        eventually(20, || pod_probe(&bed, &client, &tcp_once)[0].is_ok()),
+        "the ClusterIP never answered the pod; log:\n{}",
+        daemon.log()
+    );
+    Setup {
+        bed,
+        client,
+        daemon,
+        metrics,
+        _dir: dir,
+    }
+}
+
+/// Runs the probe in the client pod but outside the hooks' cgroup.
+fn outside_cgroup(s: &Setup, args: &[&str]) -> Vec<xtask::probe::Outcome> {
+    let out = std::process::Command::new(probe())
+        .arg("--netns")
+        .arg(&s.client.netns)
+        .args(args)
+        .output()
+        .expect("probe runs");
+    xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// KubeVirt, Kata or gVisor pods: nothing of theirs passes the socket hooks. Their packets
+/// are translated on their device, TCP and UDP, and the replies come from the ClusterIP.
+#[test]
+fn a_pod_outside_the_socket_lb_cgroup_reaches_cluster_ips_over_tcp_and_udp() {
+    let s = setup("podout", &[]);
+    let tcp = outside_cgroup(&s, &["tcp", WEB, "--count", "20", "--timeout-ms", "1000"]);
+    assert!(
+        tcp.iter().all(|a| a.is_ok()),
+        "every connection succeeds: {tcp:?}\n{}",
+        s.daemon.log()
+    );
+    let both: BTreeSet<String> = ["pod-1", "pod-2"].map(String::from).into();
+    assert_eq!(
+        reached(&tcp),
+        both,
+        "20 connections reach both pods: {tcp:?}"
+    );
+    assert!(tcp.iter().all(|a| peer(a) == Some(WEB)), "{tcp:?}");
+
+    let udp = outside_cgroup(
+        &s,
+        &[
+            "udp",
+            WEB_DNS,
+            "--count",
+            "20",
+            "--fresh-socket",
+            "--timeout-ms",
+            "1000",
+        ],
+    );
+    assert!(
+        udp.iter().all(|a| a.is_ok()),
+        "every datagram is answered: {udp:?}"
+    );
+    assert_eq!(reached(&udp), both, "20 sockets reach both pods: {udp:?}");
+    assert!(
+        udp.iter().all(|a| from(a) == Some(WEB_DNS)),
+        "replies come from the ClusterIP: {udp:?}"
+    );
+
+    let connected = outside_cgroup(
+        &s,
+        &[
+            "udp",
+            WEB_DNS,
+            "--connected",
+            "--count",
+            "10",
+            "--timeout-ms",
+            "1000",
+        ],
+    );
+    assert!(
+        connected
+            .iter()
+            .all(|a| a.is_ok() && from(a) == Some(WEB_DNS)),
+        "{connected:?}"
+    );
+    assert_eq!(
+        reached(&connected).len(),
+        1,
+        "one socket, one flow, one backend: {connected:?}"
+    );
+}
+
+/// Cilium's socketLB.hostNamespaceOnly: with the flag, a pod's TCP inside the cgroup is
+/// left to its device (new flows counted there); without it, the socket hook takes it and
+/// the device sees no new flow. The host's own sockets keep socket load-balancing.
+#[test]
+fn host_namespace_only_leaves_pods_sockets_to_their_devices() {
+    let only = setup("hostonly", &["--bpf-socket-lb-host-namespace-only"]);
+    let before = new_flows(only.metrics);
+    let tcp = pod_probe(
+        &only.bed,
+        &only.client,
+        &["tcp", WEB, "--count", "10", "--timeout-ms", "1000"],
+    );
+    assert!(
+        tcp.iter().all(|a| a.is_ok() && peer(a) == Some(WEB)),
+        "{tcp:?}"
+    );
+    assert!(
+        eventually(5, || new_flows(only.metrics) >= before + 10.0),
+        "the pod's 10 connections were not translated on its device: {} new flows",
+        new_flows(only.metrics) - before
+    );
+    // The bed's node namespace is the host here: its sockets are still translated at
+    // connect(), so the device count does not move for them.
+    let settled = new_flows(only.metrics);
+    let host = tcp_n(&only, 10);
+    assert!(host.iter().all(|a| a.is_ok()), "{host:?}");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        new_flows(only.metrics),
+        settled,
+        "host connections went per packet"
+    );
+    drop(only);
+
+    let both = setup("podsock", &[]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = new_flows(both.metrics);
+    let tcp = pod_probe(
+        &both.bed,
+        &both.client,
+        &["tcp", WEB, "--count", "10", "--timeout-ms", "1000"],
+    );
+    assert!(tcp.iter().all(|a| a.is_ok()), "{tcp:?}");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        new_flows(both.metrics),
+        before,
+        "without the flag a pod's TCP is the socket hook's"
+    );
+}
+
+fn tcp_n(s: &Setup, n: usize) -> Vec<xtask::probe::Outcome> {
+    tcp(&s.bed, WEB, n)
+}
