@@ -309,3 +309,162 @@ fn dual_stack_services_are_programmed_in_both_families() {
         "{v6:?}"
     );
 }
+
+fn conntrack_udp(netns: &str) -> String {
+    let mut cmd = std::process::Command::new("ip");
+    cmd.args(["netns", "exec", netns, "conntrack", "-L", "-p", "udp"]);
+    // conntrack prints its summary on stderr; the entries on stdout.
+    xtask::cmd::output(&mut cmd).unwrap_or_default()
+}
+
+/// kube-proxy's e2e "should be able to preserve UDP traffic when server pod cycles for a
+/// ClusterIP service": a client keeps sending from one source port while its server pod is
+/// replaced; once the old pod is removed from the service, the client must reach the new
+/// one. Without deleting the conntrack entry, every datagram of the flow stays on the old
+/// pod for as long as the client keeps sending.
+#[test]
+fn should_be_able_to_preserve_udp_traffic_when_server_pod_cycles_for_a_cluster_ip_service() {
+    let (bed, _pods) = bed_with_pods("iptudpcyc", 2);
+    let mut dp = proxier(&bed);
+    let svc = web_service("web", WEB_IP);
+    let one = |i| {
+        state_of(vec![(
+            svc.clone(),
+            Some(web_endpoints(vec![ready(pod_ip(i))])),
+        )])
+    };
+    let report = dp.sync(&one(1), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    // One socket, so one source port, for the whole run: about 6 s of datagrams.
+    let ns = bed.node_netns().to_string();
+    let client = std::thread::spawn(move || {
+        probe_from(
+            &ns,
+            &[
+                "udp",
+                WEB_DNS,
+                "--count",
+                "40",
+                "--interval-ms",
+                "150",
+                "--timeout-ms",
+                "400",
+            ],
+        )
+    });
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // pod-1 is replaced by pod-2 (pod-1's server keeps answering, as a pod that is still
+    // terminating would).
+    let changed = BTreeSet::from([svc.key.clone()]);
+    let report = dp.sync(&one(2), &node(), Scope::Changed(&changed));
+    assert!(report.failed.is_empty(), "{report:?}");
+    let outcomes = client.join().expect("client thread");
+    let replies: Vec<Option<&str>> = outcomes.iter().map(|o| o.reply()).collect();
+    assert_eq!(replies.first(), Some(&Some("pod-1")), "{outcomes:?}");
+    assert!(
+        replies.iter().rev().take(10).all(|r| *r == Some("pod-2")),
+        "after the change the same flow reaches the new pod: {outcomes:?}"
+    );
+    let entries = conntrack_udp(bed.node_netns());
+    assert!(
+        !entries
+            .lines()
+            .any(|l| l.contains("dst=198.19.0.10") && l.contains(&format!("src={}", pod_ip(1)))),
+        "no entry to the old pod is left: {entries}"
+    );
+}
+
+/// Issue 11: a chain of ours flushed by hand (`iptables -t nat -F KUBE-SERVICES`) was never
+/// repaired, as the check compared chain names and jumps only. The next full sync (the
+/// daemon's periodic one) puts it back. A LoadBalancer with source ranges and no endpoints
+/// in the same ruleset no longer breaks the restore.
+#[test]
+fn a_chain_flushed_by_hand_is_repaired_by_the_next_full_sync() {
+    let (bed, _pods) = bed_with_pods("iptflush", 1);
+    let mut dp = proxier(&bed);
+    let mut lb = web_service("lb", Ipv4Addr::new(198, 19, 0, 30));
+    lb.load_balancer_ips = vec!["198.19.250.4".parse().unwrap()];
+    lb.load_balancer_source_ranges = vec![("198.19.240.0".parse().unwrap(), 25)];
+    let web = web_service("web", WEB_IP);
+    let state = state_of(vec![
+        (lb, None),
+        (web, Some(web_endpoints(vec![ready(pod_ip(1))]))),
+    ]);
+    let report = dp.sync(&state, &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert!(tcp(&bed, WEB, 2).iter().all(|a| a.is_ok()));
+
+    let mut flush = std::process::Command::new("ip");
+    flush.args([
+        "netns",
+        "exec",
+        bed.node_netns(),
+        "iptables",
+        "-t",
+        "nat",
+        "-F",
+        "KUBE-SERVICES",
+    ]);
+    xtask::cmd::output(&mut flush).unwrap();
+    assert!(
+        !tcp(&bed, WEB, 1)[0].is_ok(),
+        "flushed: the cluster IP leads nowhere"
+    );
+    let report = dp.sync(&state, &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert!(tcp(&bed, WEB, 4).iter().all(|a| a.is_ok()), "repaired");
+}
+
+/// Issue 11: where a load balancer's IP is a local address, the node's own connection to
+/// it has the LB IP as source; kube-proxy lets it through when the source ranges include
+/// the node (allowFromNode). And --nodeport-addresses: node ports answer on the node
+/// addresses in those networks only.
+#[test]
+fn node_reaches_a_local_lb_ip_through_source_ranges_and_node_ports_keep_to_their_addresses() {
+    let (bed, _pods) = bed_with_pods("iptlbnode", 1);
+    route_services(&bed);
+    let ns = bed.node_netns().to_string();
+    let node_ip = bed.node_ipv4();
+    for addr in ["198.19.250.4/32", "198.18.250.1/32"] {
+        xtask::cmd::ip(["-n", &ns, "addr", "add", addr, "dev", "lo"]).expect("local address");
+    }
+    let mut dp = IptablesDataplane::new(IptablesConfig {
+        netns: Some(ns.clone()),
+        families: vec![Family::V4],
+        cleanup_on_exit: true,
+        render: proxy_userland::dataplane::iptables::RenderConfig {
+            nodeport_addresses: vec![(IpAddr::V4(node_ip), 32)],
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .expect("proxier");
+    let mut lb = web_service("lb", WEB_IP);
+    lb.ports[0].node_port = Some(30080);
+    lb.load_balancer_ips = vec!["198.19.250.4".parse().unwrap()];
+    lb.load_balancer_source_ranges = vec![(IpAddr::V4(node_ip), 32)];
+    let report = dp.sync(
+        &state_of(vec![(lb, Some(web_endpoints(vec![ready(pod_ip(1))])))]),
+        &node(),
+        Scope::Full,
+    );
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let to_lb = tcp(&bed, "198.19.250.4:80", 3);
+    assert!(
+        to_lb.iter().all(|a| a.reply() == Some("pod-1")),
+        "{to_lb:?}"
+    );
+    let on_node_ip = tcp(&bed, &format!("{node_ip}:30080"), 2);
+    assert!(
+        on_node_ip.iter().all(|a| a.reply() == Some("pod-1")),
+        "{on_node_ip:?}"
+    );
+    let elsewhere = tcp(&bed, "198.18.250.1:30080", 1);
+    assert_eq!(
+        elsewhere[0].errno(),
+        Some("ECONNREFUSED"),
+        "not a node port address: {elsewhere:?}"
+    );
+}

@@ -171,7 +171,7 @@ impl StartOptions {
         let packet = (!devices.iter().any(|d| d == "none")).then(|| PacketPathConfig {
             netns: args.netns.clone(),
             devices: devices.iter().filter(|d| *d != "auto").cloned().collect(),
-            node_port_cidrs,
+            node_port_cidrs: node_port_cidrs.clone(),
             xdp: args.nodeport_acceleration == "native",
         });
         Ok(StartOptions {
@@ -196,6 +196,8 @@ impl StartOptions {
                 masquerade_all: args.masquerade_all,
                 cluster_cidrs,
                 masquerade_bit: args.masquerade_bit,
+                nodeport_addresses: node_port_cidrs,
+                ..RenderConfig::default()
             },
             relay: RelayConfig::default(),
         })

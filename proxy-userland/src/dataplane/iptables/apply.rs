@@ -8,11 +8,15 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     io::Write as _,
+    net::IpAddr,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
 
-use super::render::{Family, Table};
+use super::{
+    conntrack::{self, Flow},
+    render::{Family, Table},
+};
 use crate::dataplane::netns;
 
 /// How long iptables may wait for the xtables lock (legacy backend) before failing.
@@ -199,6 +203,104 @@ impl Runner {
         cmd.arg("--version");
         self.run(cmd, None).map(|s| s.trim().to_string())
     }
+
+    fn family_flag(&self) -> &'static str {
+        match self.family {
+            Family::V4 => "ipv4",
+            Family::V6 => "ipv6",
+        }
+    }
+}
+
+/// Everything the iptables proxier runs on the node: the iptables tools of one family, the
+/// conntrack tool and the address list. [`Runner`] runs the real tools; unit tests put a
+/// model of the tables in its place.
+pub trait Tools: Send {
+    fn family(&self) -> Family;
+    /// `iptables-restore --noflush`: all of `text` in one transaction, or none of it.
+    fn restore(&self, text: &str) -> Result<(), ApplyError>;
+    /// `iptables-save` of every table, parsed.
+    fn save(&self) -> Result<Saved, ApplyError>;
+    /// `iptables -t TABLE ARGS...`.
+    fn iptables(&self, table: Table, args: &[String]) -> Result<String, ApplyError>;
+    /// `iptables --version`.
+    fn version(&self) -> Result<String, ApplyError>;
+    /// The UDP entries of this family's conntrack table.
+    fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError>;
+    /// Deletes one UDP conntrack entry (gone already is no error).
+    fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError>;
+    /// The node's addresses of this family (loopback included).
+    fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError>;
+}
+
+impl Tools for Runner {
+    fn family(&self) -> Family {
+        self.family
+    }
+    fn restore(&self, text: &str) -> Result<(), ApplyError> {
+        Runner::restore(self, text)
+    }
+    fn save(&self) -> Result<Saved, ApplyError> {
+        Runner::save(self)
+    }
+    fn iptables(&self, table: Table, args: &[String]) -> Result<String, ApplyError> {
+        Runner::iptables(self, table, args)
+    }
+    fn version(&self) -> Result<String, ApplyError> {
+        Runner::version(self)
+    }
+    fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError> {
+        let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
+        cmd.args(["-L", "-p", "udp", "-f", self.family_flag()]);
+        self.run(cmd, None).map(|out| conntrack::parse_list(&out))
+    }
+    fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
+        let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
+        cmd.args(["-D", "-p", "udp", "-f", self.family_flag()]);
+        cmd.args(flow.filter_args());
+        match self.run(cmd, None) {
+            // conntrack exits 1 when nothing matched: the entry went by itself.
+            Err(ApplyError::Failed { stderr, .. }) if stderr.contains("0 flow entries") => Ok(()),
+            other => other.map(drop),
+        }
+    }
+    fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError> {
+        let mut cmd = netns::command(self.netns.as_deref(), "ip");
+        cmd.args(["-j", "addr", "show"]);
+        let out = self.run(cmd, None)?;
+        Ok(parse_ip_addr_json(&out)
+            .into_iter()
+            .filter(|ip| Family::of(ip) == self.family)
+            .collect())
+    }
+}
+
+/// The addresses in `ip -j addr show` output (unparseable output: none).
+fn parse_ip_addr_json(text: &str) -> Vec<IpAddr> {
+    let Ok(links) = serde_json::from_str::<Vec<serde_json::Value>>(text) else {
+        return Vec::new();
+    };
+    links
+        .iter()
+        .filter_map(|l| l.get("addr_info")?.as_array())
+        .flatten()
+        .filter_map(|a| a.get("local")?.as_str()?.parse().ok())
+        .collect()
+}
+
+/// Whether the iptables whose `--version` printed `version` knows MASQUERADE's
+/// `--random-fully` (1.6.2 and later), as kube-proxy's utiliptables decides it.
+pub fn has_random_fully(version: &str) -> bool {
+    let Some(v) = version.split_whitespace().find_map(|w| w.strip_prefix('v')) else {
+        return false;
+    };
+    let parts: Vec<u32> = v.split('.').map_while(|p| p.parse().ok()).collect();
+    let (major, minor, patch) = (
+        parts.first().copied().unwrap_or(0),
+        parts.get(1).copied().unwrap_or(0),
+        parts.get(2).copied().unwrap_or(0),
+    );
+    (major, minor, patch) >= (1, 6, 2)
 }
 
 /// `iptables-save` output: per table, its chains and their rules as saved (`-A ...` lines).
@@ -298,6 +400,20 @@ impl Jump {
         a
     }
 
+    /// The rule as an `iptables-restore` line inserting it at the top of its chain.
+    pub fn restore_line(&self) -> String {
+        let mut line = format!("-I {} 1", self.from);
+        for e in self.extra {
+            line.push(' ');
+            line.push_str(e);
+        }
+        line.push_str(&format!(
+            " -m comment --comment \"{}\" -j {}",
+            self.comment, self.to
+        ));
+        line
+    }
+
     /// Whether `saved` already has this jump (same chain, target and comment).
     pub fn present_in(&self, saved: &Saved) -> bool {
         let quoted = format!("--comment \"{}\"", self.comment);
@@ -315,7 +431,11 @@ impl Jump {
 /// Inserts the jumps `saved` lacks at the top of their built-in chains (kube-proxy
 /// prepends, so that a node firewall's later ACCEPTs cannot bypass the services). Returns
 /// how many were inserted. The target chains must exist.
-pub fn ensure_jumps(runner: &Runner, jumps: &[Jump], saved: &Saved) -> Result<usize, ApplyError> {
+pub fn ensure_jumps(
+    runner: &dyn Tools,
+    jumps: &[Jump],
+    saved: &Saved,
+) -> Result<usize, ApplyError> {
     let mut inserted = 0;
     for j in jumps.iter().filter(|j| !j.present_in(saved)) {
         let mut args = vec!["-I".to_string(), j.from.to_string(), "1".to_string()];
@@ -375,7 +495,7 @@ pub fn removal_text(
 /// Deletes our chains (as `ours` selects them) and the jumps into them. Returns how many
 /// chains went.
 pub fn remove_chains(
-    runner: &Runner,
+    runner: &dyn Tools,
     ours: impl Fn(Table, &str) -> bool,
 ) -> Result<usize, ApplyError> {
     let saved = runner.save()?;
@@ -416,6 +536,28 @@ COMMIT
 
     fn ours(t: Table, c: &str) -> bool {
         super::super::render::is_our_chain(t, c)
+    }
+
+    #[test]
+    fn random_fully_needs_iptables_1_6_2() {
+        assert!(has_random_fully("iptables v1.8.9 (nf_tables)"));
+        assert!(has_random_fully("iptables v1.6.2"));
+        assert!(!has_random_fully("iptables v1.6.1"));
+        assert!(!has_random_fully("iptables v1.4.21"));
+        assert!(!has_random_fully("garbage"));
+    }
+
+    #[test]
+    fn addresses_come_from_ip_json() {
+        let text = r#"[{"ifname":"lo","addr_info":[{"family":"inet","local":"127.0.0.1","prefixlen":8}]},
+            {"ifname":"eth0","addr_info":[{"family":"inet","local":"198.18.0.2","prefixlen":24},
+            {"family":"inet6","local":"2001:db8::2","prefixlen":64}]}]"#;
+        let ips: Vec<String> = parse_ip_addr_json(text)
+            .iter()
+            .map(|i| i.to_string())
+            .collect();
+        assert_eq!(ips, ["127.0.0.1", "198.18.0.2", "2001:db8::2"]);
+        assert!(parse_ip_addr_json("not json").is_empty());
     }
 
     #[test]

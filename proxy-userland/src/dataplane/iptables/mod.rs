@@ -3,39 +3,41 @@
 //!
 //! - [`names`]: kube-proxy's chain names (hashes of service port and endpoint).
 //! - [`render`]: the model as `iptables-restore` input, a pure function.
-//! - [`apply`]: running the tools (optionally in another network namespace), the jump
-//!   rules, and removing our chains.
+//! - [`apply`]: running the tools (optionally in another network namespace) behind the
+//!   [`apply::Tools`] interface, the jump rules, and removing our chains.
+//! - `sync`: partial and full restores, repairing tampered tables, conntrack clean-up.
+//! - [`conntrack`]: which UDP conntrack entries a change makes stale.
 //!
-//! Every sync renders the whole ruleset of each family (cheap) and restores only the chains
-//! whose rules differ from what was last written, as kube-proxy's partial syncs do: a sync
-//! that changes nothing runs no restore, and one endpoint change rewrites that service's
-//! chains in one atomic `iptables-restore --noflush`, whatever the number of services. The
-//! first sync, and any sync that finds our chains tampered with, restores everything.
-//!
-//! Full syncs also read the tables back: if someone flushed them or deleted a jump, the
-//! ruleset is rewritten and the jumps put back. Rules are kept when the proxy stops (as
-//! kube-proxy does: traffic keeps flowing through a restart) unless asked to remove them.
+//! Every sync renders the services it looks at and restores only the chains whose rules
+//! differ from what was last written, as kube-proxy's partial syncs do: a sync that changes
+//! nothing runs no restore, and one endpoint change rewrites that service's chains in one
+//! atomic `iptables-restore --noflush`, whatever the number of services. The first sync
+//! (chains and the jumps into them in one transaction), a sync after a failed restore, and
+//! a periodic sync that finds our rules changed by someone else, or an hour after the last
+//! one, rewrite everything. Rules are kept when the proxy stops (as kube-proxy does:
+//! traffic keeps flowing through a restart) unless asked to remove them.
 
 pub mod apply;
+pub mod conntrack;
 pub mod names;
 pub mod render;
+mod sync;
 
-use std::collections::{BTreeMap, BTreeSet};
+#[cfg(test)]
+mod kube_tests;
 
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 pub use self::render::{Family, RenderConfig, Rendered, Table};
 use self::{
-    apply::{ApplyError, Jump, Runner},
+    apply::{ApplyError, Jump, Runner, Tools},
     render::{
         KUBE_EXTERNAL_SERVICES, KUBE_FORWARD, KUBE_NODEPORTS, KUBE_POSTROUTING,
         KUBE_PROXY_FIREWALL, KUBE_SERVICES,
     },
+    sync::FamilyState,
 };
-use super::{
-    Dataplane, Scope, SyncReport,
-    frontends::{DesiredFrontend, Frontend, desired_frontends},
-};
+use super::{Dataplane, Scope, SyncReport};
 use crate::model::{NodeInfo, ProxyState, ServiceKey};
 
 const NEW: &[&str] = &["-m", "conntrack", "--ctstate", "NEW"];
@@ -149,18 +151,6 @@ pub struct IptablesConfig {
     pub backend: apply::Backend,
 }
 
-struct FamilyState {
-    runner: Runner,
-    /// The tools are iptables-nft (big restores start with [`render::LIST_FIRST`]).
-    nft: bool,
-    /// What the last successful restore left in the tables, per service.
-    last: Option<Rendered>,
-    /// Our chains in the tables as we last left them (or found them at start).
-    chains: BTreeSet<(Table, String)>,
-    /// Each service's frontends as last programmed.
-    frontends: BTreeMap<ServiceKey, BTreeMap<Frontend, DesiredFrontend>>,
-}
-
 pub struct IptablesDataplane {
     cfg: IptablesConfig,
     families: Vec<FamilyState>,
@@ -169,18 +159,6 @@ pub struct IptablesDataplane {
 
 fn is_ours(t: Table, c: &str) -> bool {
     render::is_our_chain(t, c)
-}
-
-fn our_chains_in(saved: &apply::Saved) -> BTreeSet<(Table, String)> {
-    [Table::Filter, Table::Nat]
-        .into_iter()
-        .flat_map(|t| {
-            saved
-                .chains_matching(t, is_ours)
-                .into_iter()
-                .map(move |c| (t, c))
-        })
-        .collect()
 }
 
 impl IptablesDataplane {
@@ -192,24 +170,12 @@ impl IptablesDataplane {
         } else {
             cfg.families.clone()
         };
-        let mut families = Vec::new();
+        let mut tools: Vec<Box<dyn Tools>> = Vec::new();
         let mut errors = Vec::new();
         for family in wanted {
             let runner = Runner::new(family, cfg.netns.clone()).with_backend(cfg.backend);
             match runner.save() {
-                Ok(saved) => families.push(FamilyState {
-                    chains: our_chains_in(&saved),
-                    nft: match cfg.backend {
-                        apply::Backend::Nft => true,
-                        apply::Backend::Legacy => false,
-                        apply::Backend::System => {
-                            runner.version().is_ok_and(|v| v.contains("nf_tables"))
-                        }
-                    },
-                    runner,
-                    last: None,
-                    frontends: BTreeMap::new(),
-                }),
+                Ok(_) => tools.push(Box::new(runner)),
                 Err(e) if cfg.families.is_empty() => {
                     warn!(?family, "not programming this family: {e}");
                     errors.push(e.to_string());
@@ -217,8 +183,39 @@ impl IptablesDataplane {
                 Err(e) => return Err(e.into()),
             }
         }
-        if families.is_empty() {
+        if tools.is_empty() {
             return Err(IptablesError::NoFamily(errors.join("; ")));
+        }
+        Self::with_tools(cfg, tools)
+    }
+
+    /// The proxier over the given tools, one per family: the real ones ([`new`](Self::new)),
+    /// or a model of the tables in unit tests.
+    pub fn with_tools(
+        cfg: IptablesConfig,
+        tools: Vec<Box<dyn Tools>>,
+    ) -> Result<Self, IptablesError> {
+        let mut families = Vec::new();
+        for tools in tools {
+            let saved = tools.save()?;
+            let version = tools.version().unwrap_or_default();
+            let nft = match cfg.backend {
+                apply::Backend::Nft => true,
+                apply::Backend::Legacy => false,
+                apply::Backend::System => version.contains("nf_tables"),
+            };
+            // Old nodes are where this mode runs: MASQUERADE --random-fully only where the
+            // tools know it, as kube-proxy decides.
+            let random_fully = apply::has_random_fully(&version);
+            if !random_fully {
+                info!(family = ?tools.family(), %version, "iptables too old for --random-fully; masquerading without it");
+            }
+            families.push(FamilyState::new(
+                tools,
+                nft,
+                random_fully,
+                sync::our_chains_in(&saved),
+            ));
         }
         Ok(IptablesDataplane {
             cfg,
@@ -233,7 +230,7 @@ impl IptablesDataplane {
     }
 
     pub fn families(&self) -> Vec<Family> {
-        self.families.iter().map(|f| f.runner.family).collect()
+        self.families.iter().map(|f| f.tools.family()).collect()
     }
 
     /// Stops the proxier: removes our chains and jumps if configured to, else leaves them
@@ -244,173 +241,12 @@ impl IptablesDataplane {
             return;
         }
         for f in &self.families {
-            match apply::remove_chains(&f.runner, is_ours) {
-                Ok(n) => {
-                    info!(family = ?f.runner.family, chains = n, "removed our iptables chains")
-                }
-                Err(e) => {
-                    warn!(family = ?f.runner.family, "cannot remove our iptables chains: {e}")
-                }
+            let family = f.tools.family();
+            match apply::remove_chains(f.tools.as_ref(), is_ours) {
+                Ok(n) => info!(?family, chains = n, "removed our iptables chains"),
+                Err(e) => warn!(?family, "cannot remove our iptables chains: {e}"),
             }
         }
-    }
-
-    /// One family's sync. A full sync (`changed` None) renders every service and reads the
-    /// tables back; otherwise only the `changed` services are rendered again. Either way
-    /// only the chains whose rules differ are restored, except on the first sync and after
-    /// tampering, which restore everything.
-    fn sync_family(
-        f: &mut FamilyState,
-        cfg: &IptablesConfig,
-        state: &ProxyState,
-        node: &NodeInfo,
-        changed: Option<&BTreeSet<ServiceKey>>,
-        restores: &mut u64,
-    ) -> Result<(usize, usize), ApplyError> {
-        let family = f.runner.family;
-        let mut force = f.last.is_none();
-        let mut saved = None;
-        if changed.is_none() {
-            let s = f.runner.save()?;
-            let present = our_chains_in(&s);
-            if f.last.is_some() && present != f.chains {
-                warn!(
-                    ?family,
-                    "our iptables chains were changed by someone else; rewriting them"
-                );
-                force = true;
-            }
-            // Chains a previous run left that we do not want any more are deleted below.
-            f.chains.extend(present);
-            if JUMPS.iter().any(|j| !j.present_in(&s)) {
-                force = true;
-            }
-            saved = Some(s);
-        }
-        // The services to look at: the changed ones, or on a full sync every one we
-        // know of, now or from before.
-        let keys: BTreeSet<ServiceKey> = match changed {
-            Some(set) => set.clone(),
-            None => {
-                let known = f.last.iter().flat_map(Rendered::keys);
-                state
-                    .services
-                    .keys()
-                    .chain(f.frontends.keys())
-                    .chain(known)
-                    .cloned()
-                    .collect()
-            }
-        };
-
-        let mut frontends = BTreeMap::new();
-        let (mut written, mut removed) = (0, 0);
-        for key in &keys {
-            let mut now = BTreeMap::new();
-            if let Some(svc) = state.services.get(key) {
-                let eps = state.endpoints.get(key).map(|e| &**e);
-                now.extend(
-                    desired_frontends(svc, eps, node)
-                        .into_iter()
-                        .filter(|(fe, _)| render::Family::of(&fe.ip) == family),
-                );
-            }
-            let before = f.frontends.get(key);
-            written += now
-                .iter()
-                .filter(|(fe, d)| before.and_then(|b| b.get(fe)) != Some(d))
-                .count();
-            removed += before.map_or(0, |b| b.keys().filter(|fe| !now.contains_key(fe)).count());
-            frontends.insert(key.clone(), now);
-        }
-
-        match f.last.as_mut() {
-            Some(last) if !force => {
-                let replaced = last.rerender(state, &keys, node, family, &cfg.render);
-                // Stale: on a full sync every chain of ours not wanted, else the chains the
-                // changed services no longer have.
-                let (stale, added) = match changed {
-                    None => {
-                        let wanted = last.chains();
-                        (
-                            f.chains.difference(&wanted).cloned().collect(),
-                            Some(wanted),
-                        )
-                    }
-                    Some(_) => {
-                        let mut stale = BTreeSet::new();
-                        for (key, old) in &replaced {
-                            let now: BTreeSet<&str> = last.own_chains(key).collect();
-                            for c in old.iter().flat_map(|o| &o.rules.nat_chains) {
-                                if !now.contains(c.as_str()) {
-                                    stale.insert((Table::Nat, c.clone()));
-                                }
-                            }
-                        }
-                        (stale, None)
-                    }
-                };
-                let declared: usize = replaced
-                    .iter()
-                    .map(|(k, _)| last.own_chains(k).count())
-                    .sum();
-                let listing =
-                    render::list_first(f.nft, declared + stale.len(), last.nat_rule_count());
-                if let Some(text) = last.partial_restore_text(&replaced, &stale, listing) {
-                    debug!(?family, bytes = text.len(), "iptables-restore (partial)");
-                    if let Err(e) = f.runner.restore(&text) {
-                        last.undo(replaced);
-                        return Err(e);
-                    }
-                    *restores += 1;
-                }
-                match added {
-                    Some(wanted) => f.chains = wanted,
-                    None => {
-                        for c in &stale {
-                            f.chains.remove(c);
-                        }
-                        for (key, _) in &replaced {
-                            f.chains
-                                .extend(last.own_chains(key).map(|c| (Table::Nat, c.to_string())));
-                        }
-                    }
-                }
-            }
-            _ => {
-                let rendered = Rendered::new(state, node, family, &cfg.render);
-                let ruleset = rendered.ruleset();
-                let wanted = rendered.chains();
-                let stale: BTreeSet<(Table, String)> =
-                    f.chains.difference(&wanted).cloned().collect();
-                // What the nat table holds now, for the choice of listing it first.
-                let present = saved
-                    .as_ref()
-                    .and_then(|s| s.table(Table::Nat))
-                    .map_or(0, |t| t.rules.len());
-                let listing = render::list_first(f.nft, wanted.len() + stale.len(), present);
-                let text = ruleset.restore_text_listing(&stale, listing);
-                debug!(?family, bytes = text.len(), "iptables-restore (full)");
-                f.runner.restore(&text)?;
-                *restores += 1;
-                f.last = Some(rendered);
-                f.chains = wanted;
-            }
-        }
-        f.frontends.extend(frontends);
-        f.frontends.retain(|_, fes| !fes.is_empty());
-        // After the restore, so the chains the jumps point at exist.
-        if let Some(saved) = saved {
-            let n = apply::ensure_jumps(&f.runner, JUMPS, &saved)?;
-            if n > 0 {
-                info!(
-                    ?family,
-                    jumps = n,
-                    "installed the jumps into our iptables chains"
-                );
-            }
-        }
-        Ok((written, removed))
     }
 }
 
@@ -431,14 +267,21 @@ impl Dataplane for IptablesDataplane {
             Scope::Changed(set) => Some(set),
         };
         for f in &mut self.families {
-            match Self::sync_family(f, &self.cfg, state, node, changed, &mut self.restores) {
+            match sync::sync_family(
+                f,
+                &self.cfg.render,
+                state,
+                node,
+                changed,
+                &mut self.restores,
+            ) {
                 Ok((w, r)) => {
                     report.frontends_written += w;
                     report.frontends_removed += r;
                 }
                 Err(e) => {
                     // One restore carries every service: they all stay as they were.
-                    let msg = format!("{:?}: {e}", f.runner.family);
+                    let msg = format!("{:?}: {e}", f.tools.family());
                     for k in &keys {
                         report.failed.push((k.clone(), msg.clone()));
                     }
