@@ -422,7 +422,7 @@ fn clean_udp_conntrack(
             f.udp.insert(key.clone(), now);
         }
     }
-    if !any_change && !(full && !f.udp.is_empty()) {
+    if !any_change && (!full || f.udp.is_empty()) {
         return;
     }
     let mut targets: UdpTargets = gone.into_iter().map(|t| (t, BTreeSet::new())).collect();

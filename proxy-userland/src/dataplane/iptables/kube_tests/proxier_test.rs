@@ -790,7 +790,9 @@ fn test_external_traffic_policy_cluster() {
 
 #[test]
 fn test_internal_traffic_policy() {
-    let cases: [(&str, bool, [(&str, &str); 3], &str); 4] = [
+    // (name, internalTrafficPolicy Local, endpoints as (address, node), output)
+    type Case<'a> = (&'a str, bool, [(&'a str, &'a str); 3], &'a str);
+    let cases: [Case<'_>; 4] = [
         (
             "internalTrafficPolicy is cluster",
             false,
@@ -1090,24 +1092,16 @@ fn expand_seps(text: &str) -> String {
     out
 }
 
+/// A table's chains created, and each chain's rules.
+type TableRules = (
+    std::collections::BTreeSet<String>,
+    BTreeMap<String, Vec<String>>,
+);
+
 /// Per table: the chains created, and each chain's rules in order; comments unquoted
 /// (iptables-restore reads `--comment ns1/svc1:p80` and `--comment "ns1/svc1:p80"` alike).
-fn by_chain(
-    text: &str,
-) -> BTreeMap<
-    String,
-    (
-        std::collections::BTreeSet<String>,
-        BTreeMap<String, Vec<String>>,
-    ),
-> {
-    let mut out: BTreeMap<
-        String,
-        (
-            std::collections::BTreeSet<String>,
-            BTreeMap<String, Vec<String>>,
-        ),
-    > = BTreeMap::new();
+fn by_chain(text: &str) -> BTreeMap<String, TableRules> {
+    let mut out: BTreeMap<String, TableRules> = BTreeMap::new();
     let mut table = String::new();
     for line in text.lines() {
         if let Some(t) = line.strip_prefix('*') {
