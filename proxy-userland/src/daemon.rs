@@ -47,6 +47,8 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
             let _ = rx.changed().await;
         }
     };
+    // The admin state first: the Kubernetes source reports the node's eligibility to it.
+    let admin = AdminState::new(args.health_timeout());
     let mut recorder = EventRecorder::disabled();
     let source = match &args.manifests {
         Some(path) => {
@@ -71,6 +73,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
                 node.name.clone(),
                 args.service_proxy_name.clone(),
                 recorder.clone(),
+                admin.clone(),
                 events_tx,
                 stopped(),
             ))
@@ -79,7 +82,6 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
 
     // Health is served before the dataplane loads, so probes see a slow start as such. The
     // first sync is pending from the start: a proxy that never manages one turns unhealthy.
-    let admin = AdminState::new(args.health_timeout());
     admin.queued();
     admin
         .debug

@@ -166,3 +166,247 @@ fn a_bad_kubeconfig_fails_clearly_and_touches_nothing() {
         "nothing was attached before the source was ready:\n{log}"
     );
 }
+
+/// Writes a kubeconfig for `api` and removes it on drop.
+struct Kubeconfig(std::path::PathBuf);
+
+impl Kubeconfig {
+    fn new(api: &ApiServer, tag: &str) -> Self {
+        let path =
+            std::env::temp_dir().join(format!("fastpath-kube-{tag}-{}.yaml", std::process::id()));
+        api.write_kubeconfig(&path).unwrap();
+        Kubeconfig(path)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for Kubeconfig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// One connection attempt with a short timeout: the pod that answered, if any.
+fn answer(bed: &xtask::testbed::Testbed, target: &str) -> Option<String> {
+    run_probe(bed, &["tcp", target, "--count", "1", "--timeout-ms", "300"])[0]
+        .reply()
+        .map(str::to_string)
+}
+
+/// The API server goes away for 30 s (a control-plane upgrade); meanwhile a service is
+/// deleted, another created, and the history compacted, so the proxy's watches come back
+/// to a 410 Gone. Everything, including a change made right after the return, must be in
+/// effect within 5 s of the server's return: the watchers retry at most 2 s apart and
+/// relist at once after the 410, instead of applying a backoff grown during the outage.
+#[test]
+fn changes_made_during_an_api_server_outage_apply_within_5s_of_its_return() {
+    let (bed, _pods) = bed_with_pods("kubeout", 3);
+    let api = ApiServer::start().expect("test API server");
+    api.create("nodes", node());
+    api.create("services", service("web", "198.19.0.10"));
+    api.create("endpointslices", slice("web-1", "web", &[POD1]));
+    api.create("services", service("old", "198.19.0.30"));
+    api.create("endpointslices", slice("old-1", "old", &[POD2]));
+    let kubeconfig = Kubeconfig::new(&api, "outage");
+    let mut daemon = Daemon::start(bed.cgroup_path(), &["--kubeconfig", kubeconfig.path()]);
+    assert!(
+        eventually(20, || answer(&bed, "198.19.0.10:80").as_deref()
+            == Some("pod-1")
+            && answer(&bed, "198.19.0.30:80").as_deref() == Some("pod-2")),
+        "web and old never answered; log:\n{}",
+        daemon.log()
+    );
+    assert!(
+        api.wait_for_watches(3, Duration::from_secs(10)),
+        "three watches open"
+    );
+
+    assert!(api.stop_listening(), "the API server's port closes");
+    let outage = std::time::Instant::now();
+    api.delete("services", Some("demo"), "old");
+    api.delete("endpointslices", Some("demo"), "old-1");
+    api.create("services", service("new", "198.19.0.20"));
+    api.create("endpointslices", slice("new-1", "new", &[POD3]));
+    api.compact();
+    // What was programmed keeps working while the server is away.
+    assert_eq!(answer(&bed, "198.19.0.10:80").as_deref(), Some("pod-1"));
+    std::thread::sleep(Duration::from_secs(30).saturating_sub(outage.elapsed()));
+
+    api.clear_requests();
+    assert!(api.start_listening(), "the API server's port opens again");
+    let back = std::time::Instant::now();
+    api.create("services", service("after", "198.19.0.40"));
+    api.create("endpointslices", slice("after-1", "after", &[POD1]));
+    let all_in_effect = || {
+        answer(&bed, "198.19.0.20:80").as_deref() == Some("pod-3")
+            && answer(&bed, "198.19.0.40:80").as_deref() == Some("pod-1")
+            && answer(&bed, "198.19.0.30:80").is_none()
+            && answer(&bed, "198.19.0.10:80").as_deref() == Some("pod-1")
+    };
+    let mut took = None;
+    while back.elapsed() < Duration::from_secs(20) {
+        if all_in_effect() {
+            took = Some(back.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("changes in effect {took:?} after the API server's return");
+    let took = took.unwrap_or_else(|| panic!("never in effect; log:\n{}", daemon.log()));
+    assert!(
+        took <= Duration::from_secs(5),
+        "in effect {took:?} after the return, over 5 s; requests: {:?}\nlog:\n{}",
+        api.requests(),
+        daemon.log()
+    );
+    // The way back was a relist (the history was compacted).
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.starts_with("GET /api/v1/services") && !r.contains("watch=true")),
+        "{:?}",
+        api.requests()
+    );
+    assert!(daemon.stop().success(), "{}", daemon.log());
+}
+
+/// curl http://127.0.0.1:port/path: (status, JSON body).
+fn curl_json(port: u16, path: &str) -> Option<(u16, Value)> {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "-m",
+            "2",
+            "-w",
+            "\n%{http_code}",
+            &format!("http://127.0.0.1:{port}{path}"),
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n')?;
+    Some((code.trim().parse().ok()?, serde_json::from_str(body).ok()?))
+}
+
+/// kubectl patch, as an operator or the cluster autoscaler would: a merge patch of the Node.
+fn patch_node(api: &ApiServer, patch: Value) {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "-m",
+            "5",
+            "-X",
+            "PATCH",
+            "-H",
+            "Content-Type: application/merge-patch+json",
+        ])
+        .args([
+            "--data",
+            &patch.to_string(),
+            &format!("{}/api/v1/nodes/node-a", api.url()),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// kube-proxy's node eligibility through the real daemon: the cluster autoscaler's
+/// ToBeDeletedByClusterAutoscaler taint, and then a deletionTimestamp, turn /healthz to 503
+/// with `nodeEligible: false` so that load balancers drain the node, while /livez stays
+/// 200 (restarting the proxy would not help).
+#[test]
+fn healthz_reports_a_node_being_deleted_as_not_eligible() {
+    let (bed, _pods) = bed_with_pods("kubenode", 1);
+    let api = ApiServer::start().expect("test API server");
+    api.create("nodes", node());
+    api.create("services", service("web", "198.19.0.10"));
+    api.create("endpointslices", slice("web-1", "web", &[POD1]));
+    let kubeconfig = Kubeconfig::new(&api, "node");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let bind = format!("127.0.0.1:{port}");
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--kubeconfig",
+            kubeconfig.path(),
+            "--healthz-bind-address",
+            &bind,
+        ],
+    );
+    let healthz = |code: u16, eligible: bool| {
+        curl_json(port, "/healthz").is_some_and(|(c, v)| c == code && v["nodeEligible"] == eligible)
+    };
+    let livez_ok = || curl_json(port, "/livez").is_some_and(|(c, _)| c == 200);
+    assert!(
+        eventually(20, || answer(&bed, "198.19.0.10:80").as_deref()
+            == Some("pod-1")),
+        "web never answered; log:\n{}",
+        daemon.log()
+    );
+    assert!(
+        eventually(10, || healthz(200, true) && livez_ok()),
+        "/healthz never 200 with nodeEligible true: {:?}\nlog:\n{}",
+        curl_json(port, "/healthz"),
+        daemon.log()
+    );
+
+    let taint = json!({"spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "value": "1700000000", "effect": "NoSchedule"}]}});
+    patch_node(&api, taint);
+    assert!(
+        eventually(10, || healthz(503, false)),
+        "tainted: /healthz {:?}\nlog:\n{}",
+        curl_json(port, "/healthz"),
+        daemon.log()
+    );
+    assert!(
+        livez_ok(),
+        "/livez stays 200: {:?}",
+        curl_json(port, "/livez")
+    );
+
+    // Another taint is no reason to drain the node.
+    patch_node(
+        &api,
+        json!({"spec": {"taints": [{"key": "example.com/other", "effect": "NoSchedule"}]}}),
+    );
+    assert!(
+        eventually(10, || healthz(200, true)),
+        "{:?}",
+        curl_json(port, "/healthz")
+    );
+
+    patch_node(
+        &api,
+        json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}),
+    );
+    assert!(
+        eventually(10, || healthz(503, false)),
+        "being deleted: /healthz {:?}\nlog:\n{}",
+        curl_json(port, "/healthz"),
+        daemon.log()
+    );
+    assert!(
+        livez_ok(),
+        "/livez stays 200: {:?}",
+        curl_json(port, "/livez")
+    );
+    // Services keep working on a node that is being drained.
+    assert!(
+        eventually(5, || answer(&bed, "198.19.0.10:80").as_deref()
+            == Some("pod-1")),
+        "web stopped answering; log:\n{}",
+        daemon.log()
+    );
+    assert!(daemon.stop().success(), "{}", daemon.log());
+}

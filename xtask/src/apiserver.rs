@@ -85,6 +85,10 @@ struct Inner {
     threads: Mutex<Vec<JoinHandle<()>>>,
     requests: Mutex<Vec<String>>,
     addr: SocketAddr,
+    /// Asked for by [`ApiServer::stop_listening`]: the port is closed until cleared.
+    outage: AtomicBool,
+    /// The accept loop's answer: the port is closed now.
+    closed: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -133,6 +137,8 @@ impl ApiServer {
             threads: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
             addr,
+            outage: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
         });
         let accept = {
             let inner = inner.clone();
@@ -257,6 +263,24 @@ impl ApiServer {
         }
     }
 
+    /// An outage, as when the API server restarts: the port is closed (connections are
+    /// refused) and every client connection is dropped, until [`ApiServer::start_listening`].
+    /// The objects stay, and so does the history unless [`ApiServer::compact`] is called
+    /// meanwhile. Returns once the port is closed (false if that took over 2 s).
+    pub fn stop_listening(&self) -> bool {
+        self.inner.outage.store(true, Ordering::SeqCst);
+        let closed = wait_until(|| self.inner.closed.load(Ordering::SeqCst));
+        self.drop_connections();
+        closed
+    }
+
+    /// Ends an outage: the same port takes connections again. Returns once it does (false
+    /// if the port could not be bound again within 2 s).
+    pub fn start_listening(&self) -> bool {
+        self.inner.outage.store(false, Ordering::SeqCst);
+        wait_until(|| !self.inner.closed.load(Ordering::SeqCst))
+    }
+
     /// Closes every client connection, idle keep-alive ones included.
     pub fn drop_connections(&self) {
         self.drop_watches();
@@ -344,9 +368,39 @@ impl Drop for ApiServer {
 // ---------------------------------------------------------------------------------------------
 // Connections
 
+/// Polls `f` every few milliseconds for up to 2 s.
+fn wait_until(f: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !f() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
 fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
+    let mut listener = Some(listener);
     while !inner.stopping() {
-        match listener.accept() {
+        if inner.outage.load(Ordering::SeqCst) {
+            listener = None; // closes the port
+            inner.closed.store(true, Ordering::SeqCst);
+            thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        let Some(l) = &listener else {
+            // std sets SO_REUSEADDR, so the port can be bound again at once.
+            match TcpListener::bind(inner.addr).and_then(|l| l.set_nonblocking(true).map(|()| l)) {
+                Ok(l) => {
+                    listener = Some(l);
+                    inner.closed.store(false, Ordering::SeqCst);
+                }
+                Err(_) => thread::sleep(Duration::from_millis(20)),
+            }
+            continue;
+        };
+        match l.accept() {
             Ok((stream, _)) => {
                 let id = inner.next_conn.fetch_add(1, Ordering::SeqCst);
                 let setup = stream

@@ -24,6 +24,8 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     ("ipset", "ipset"),
     ("conntrack", "conntrack"),
     ("ip", "iproute2"),
+    // promtool: the admin tests check /metrics with `promtool check metrics`.
+    ("promtool", "prometheus"),
 ];
 
 const STAMP: &str = "bpf-linker.stamp";

@@ -4,6 +4,9 @@
 //! queued, a sync must complete within the timeout (twice the sync period). A node with no
 //! pending change is healthy however long ago it last synced, since there was nothing to do.
 //! "Ready" is separate and simpler: the first sync has run, so Services work on this node.
+//!
+//! The node's eligibility (proxy_health.go SyncNode) is kept here too: a Node being deleted
+//! or tainted `ToBeDeletedByClusterAutoscaler` turns /healthz (not /livez) to 503.
 
 use std::{
     sync::Mutex,
@@ -21,25 +24,37 @@ struct State {
     last_updated: Option<SystemTime>,
     oldest_pending: Option<SystemTime>,
     ready: bool,
+    /// The Node says it is going away. Eligible until a Node event says otherwise, as
+    /// kube-proxy (and always, without a Node to watch).
+    node_ineligible: bool,
 }
 
 /// One answer of /healthz.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Status {
+    /// The proxy keeps up with changes (what /livez reports).
     pub healthy: bool,
     pub last_updated: Option<SystemTime>,
     pub current_time: SystemTime,
+    pub node_eligible: bool,
 }
 
 impl Status {
     /// The body kube-proxy's /healthz answers with.
-    pub fn json(&self) -> String {
+    pub fn healthz_json(&self) -> String {
         serde_json::json!({
             "lastUpdated": self.last_updated.map_or_else(|| GO_ZERO_TIME.to_string(), rfc3339),
             "currentTime": rfc3339(self.current_time),
-            // kube-proxy also fails this when the node is being deleted or tainted for it;
-            // fastpath does not watch for that, so the node is always eligible.
-            "nodeEligible": true,
+            "nodeEligible": self.node_eligible,
+        })
+        .to_string()
+    }
+
+    /// The body of /livez: the same without the node's eligibility, which it ignores.
+    pub fn livez_json(&self) -> String {
+        serde_json::json!({
+            "lastUpdated": self.last_updated.map_or_else(|| GO_ZERO_TIME.to_string(), rfc3339),
+            "currentTime": rfc3339(self.current_time),
         })
         .to_string()
     }
@@ -88,6 +103,14 @@ impl ProxierHealth {
         self.state().ready
     }
 
+    /// Records the node's eligibility; true if it changed.
+    pub fn set_node_eligible(&self, eligible: bool) -> bool {
+        let mut s = self.state();
+        let changed = s.node_ineligible == eligible;
+        s.node_ineligible = !eligible;
+        changed
+    }
+
     pub fn status(&self, now: SystemTime) -> Status {
         let s = *self.state();
         let healthy = match s.oldest_pending {
@@ -99,9 +122,12 @@ impl ProxierHealth {
             healthy,
             last_updated: s.last_updated,
             current_time: now,
+            node_eligible: !s.node_ineligible,
         }
     }
 
+    /// Whether the proxy keeps up (kube-proxy's IsHealthy: the node's state is ignored;
+    /// health check node ports report this as serviceProxyHealthy).
     pub fn is_healthy(&self) -> bool {
         self.status(SystemTime::now()).healthy
     }
@@ -150,15 +176,17 @@ mod tests {
 
     #[test]
     fn the_body_has_kube_proxys_fields() {
-        let body = Status {
+        let status = Status {
             healthy: false,
             last_updated: None,
             current_time: at(0),
-        }
-        .json();
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            node_eligible: false,
+        };
+        let v: serde_json::Value = serde_json::from_str(&status.healthz_json()).unwrap();
         assert_eq!(v["lastUpdated"], GO_ZERO_TIME);
         assert_eq!(v["currentTime"], "2023-11-14T22:13:20.000Z");
-        assert_eq!(v["nodeEligible"], true);
+        assert_eq!(v["nodeEligible"], false);
+        let v: serde_json::Value = serde_json::from_str(&status.livez_json()).unwrap();
+        assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
     }
 }

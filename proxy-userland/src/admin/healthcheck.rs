@@ -61,6 +61,45 @@ pub fn desired(state: &ProxyState, node: &NodeInfo) -> Desired {
     out
 }
 
+/// Service ports whose Local traffic policy finds no endpoint on this node although the
+/// service has endpoints elsewhere (kube-proxy's
+/// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`): their traffic under that policy
+/// is dropped here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NoLocalEndpoints {
+    /// `internalTrafficPolicy: Local`.
+    pub internal: usize,
+    /// `externalTrafficPolicy: Local` on a service reachable from outside.
+    pub external: usize,
+}
+
+/// Counts [`NoLocalEndpoints`] in `state`, per service port as kube-proxy does.
+pub fn no_local_endpoints(state: &ProxyState, node: &NodeInfo) -> NoLocalEndpoints {
+    let mut out = NoLocalEndpoints::default();
+    for (key, svc) in &state.services {
+        let externally_accessible = svc.ports.iter().any(|p| p.node_port.is_some())
+            || !svc.load_balancer_ips.is_empty()
+            || !svc.external_ips.is_empty();
+        let external_local = svc.external_policy_local && externally_accessible;
+        if !svc.internal_policy_local && !external_local {
+            continue;
+        }
+        let Some(set) = state.endpoints.get(key) else {
+            continue;
+        };
+        for sp in &svc.ports {
+            let eps = select::endpoints_for_port(set, sp);
+            let c = select::categorize(svc, &eps, node);
+            if !c.has_any_endpoints || !c.local.is_empty() {
+                continue;
+            }
+            out.internal += usize::from(svc.internal_policy_local);
+            out.external += usize::from(external_local);
+        }
+    }
+    out
+}
+
 /// The open health check servers.
 pub struct HealthCheckServers {
     bind: IpAddr,
@@ -296,6 +335,43 @@ mod tests {
             vec![ep("198.18.1.13", "node-a", false)],
         );
         assert_eq!(desired(&st, &node)[&ServiceKey::new("demo", "local")].1, 0);
+    }
+
+    #[test]
+    fn counts_local_policy_ports_without_local_endpoints() {
+        let node = NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        };
+        let mut internal = lb("internal", false, None);
+        internal.internal_policy_local = true;
+        let st = state(
+            vec![
+                lb("local", true, Some(32000)),
+                lb("cluster", false, None),
+                internal,
+            ],
+            vec![ep("198.18.1.14", "node-b", true)],
+        );
+        // Two ports each: both of "local" (external), both of "internal"; "cluster" none.
+        assert_eq!(
+            no_local_endpoints(&st, &node),
+            NoLocalEndpoints {
+                internal: 2,
+                external: 2
+            }
+        );
+        let here = NodeInfo {
+            name: "node-b".into(),
+            zone: None,
+        };
+        assert_eq!(no_local_endpoints(&st, &here), NoLocalEndpoints::default());
+        let empty = state(vec![lb("local", true, Some(32000))], vec![]);
+        assert_eq!(
+            no_local_endpoints(&empty, &node),
+            NoLocalEndpoints::default(),
+            "no endpoints at all is not 'no local endpoints'"
+        );
     }
 
     #[tokio::test]

@@ -2,7 +2,9 @@
 //! (pkg/proxy/metrics), so existing dashboards and alerts keep working; fastpath's own are
 //! prefixed `fastpath_`.
 //!
-//! Exposed in the OpenMetrics text format, which Prometheus scrapes natively.
+//! Served as kube-proxy serves them: the Prometheus text format 0.0.4, unless the scraper's
+//! Accept header prefers OpenMetrics ([`Format::negotiate`]). The registry encodes
+//! OpenMetrics; [`to_text_format`] rewrites that into the text format.
 
 use std::{
     sync::atomic::AtomicU64,
@@ -10,8 +12,9 @@ use std::{
 };
 
 use prometheus_client::{
-    encoding::EncodeLabelSet,
+    encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder},
     metrics::{
+        MetricType, TypedMetric,
         counter::Counter,
         family::Family,
         gauge::Gauge,
@@ -22,7 +25,67 @@ use prometheus_client::{
 
 use crate::dataplane::bpf::maps::{Occupancy, PacketStats};
 
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The two exposition formats /metrics speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// Prometheus text format 0.0.4: what kube-proxy answers unless asked otherwise.
+    Text,
+    OpenMetrics,
+}
+
+impl Format {
+    /// The format for an Accept header, as Prometheus' expfmt negotiates it: the acceptable
+    /// media ranges by falling quality (ties in the header's order); the first that is
+    /// OpenMetrics (version 1.0.0, 0.0.1 or none) or the text format (0.0.4 or none)
+    /// wins; anything else (`*/*`, protobuf, no header) gets the text format.
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let Some(accept) = accept else {
+            return Format::Text;
+        };
+        let mut ranges: Vec<(f32, usize, &str, Option<&str>)> = Vec::new();
+        for (i, part) in accept.split(',').enumerate() {
+            let mut params = part.split(';').map(str::trim);
+            let media = params.next().unwrap_or_default();
+            let (mut q, mut version) = (1.0f32, None);
+            for p in params {
+                match p
+                    .split_once('=')
+                    .map(|(k, v)| (k.trim(), v.trim().trim_matches('"')))
+                {
+                    Some(("q", v)) => q = v.parse().unwrap_or(0.0),
+                    Some(("version", v)) => version = Some(v),
+                    _ => {}
+                }
+            }
+            if q > 0.0 {
+                ranges.push((q, i, media, version));
+            }
+        }
+        ranges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for (_, _, media, version) in ranges {
+            if media.eq_ignore_ascii_case("application/openmetrics-text")
+                && matches!(version, None | Some("1.0.0") | Some("0.0.1"))
+            {
+                return Format::OpenMetrics;
+            }
+            if media.eq_ignore_ascii_case("text/plain") && matches!(version, None | Some("0.0.4")) {
+                return Format::Text;
+            }
+        }
+        Format::Text
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Text => TEXT_CONTENT_TYPE,
+            Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
+        }
+    }
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MapLabel {
@@ -32,6 +95,47 @@ pub struct MapLabel {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabel {
     pub result: &'static str,
+}
+
+/// An HTTP status code, as kube-proxy labels its healthz and livez counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CodeLabel {
+    pub code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TrafficPolicyLabel {
+    pub traffic_policy: &'static str,
+}
+
+/// A gauge family declared untyped. kube-proxy's
+/// `kubeproxy_sync_proxy_rules_no_local_endpoints_total` is a gauge with a counter's
+/// `_total` suffix, which `promtool check metrics` rejects ("non-counter metrics should not
+/// have _total suffix"). Declaring it untyped keeps kube-proxy's name and values (Prometheus
+/// stores both kinds alike, so queries and dashboards work unchanged) and passes the lint.
+#[derive(Clone, Debug)]
+pub struct UntypedGauges<S: Clone + std::hash::Hash + Eq>(pub Family<S, Gauge>);
+
+impl<S: Clone + std::hash::Hash + Eq> Default for UntypedGauges<S> {
+    fn default() -> Self {
+        Self(Family::default())
+    }
+}
+
+impl<S: Clone + std::hash::Hash + Eq + EncodeLabelSet + std::fmt::Debug + Send + Sync> EncodeMetric
+    for UntypedGauges<S>
+{
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Unknown
+    }
+}
+
+impl<S: Clone + std::hash::Hash + Eq> TypedMetric for UntypedGauges<S> {
+    const TYPE: MetricType = MetricType::Unknown;
 }
 
 pub struct Metrics {
@@ -44,6 +148,11 @@ pub struct Metrics {
     pub last_queued_timestamp: Gauge<f64, AtomicU64>,
     pub service_changes: Counter,
     pub endpoint_changes: Counter,
+    pub service_changes_pending: Gauge,
+    pub endpoint_changes_pending: Gauge,
+    pub no_local_endpoints: UntypedGauges<TrafficPolicyLabel>,
+    pub healthz_answers: Family<CodeLabel, Counter>,
+    pub livez_answers: Family<CodeLabel, Counter>,
     pub sync_failures: Counter,
     pub service_failures: Counter,
     pub map_entries: Family<MapLabel, Gauge>,
@@ -85,6 +194,11 @@ impl Metrics {
             last_queued_timestamp: Gauge::default(),
             service_changes: Counter::default(),
             endpoint_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            endpoint_changes_pending: Gauge::default(),
+            no_local_endpoints: UntypedGauges::default(),
+            healthz_answers: Family::default(),
+            livez_answers: Family::default(),
             sync_failures: Counter::default(),
             service_failures: Counter::default(),
             map_entries: Family::default(),
@@ -135,6 +249,32 @@ impl Metrics {
             "kubeproxy_sync_proxy_rules_endpoint_changes",
             "Cumulative proxy rules Endpoint changes",
             m.endpoint_changes.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_changes_pending.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            m.endpoint_changes_pending.clone(),
+        );
+        registry.register(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints (a gauge, as in \
+             kube-proxy; declared untyped because of its _total suffix)",
+            m.no_local_endpoints.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            m.healthz_answers.clone(),
+        );
+        registry.register(
+            "kubeproxy_proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            m.livez_answers.clone(),
         );
         registry.register(
             "fastpath_sync_failures",
@@ -228,6 +368,16 @@ impl Metrics {
         }
     }
 
+    /// The services with a Local traffic policy and no local endpoint, as of the last sync.
+    pub fn set_no_local_endpoints(&self, internal: usize, external: usize) {
+        for (traffic_policy, n) in [("internal", internal), ("external", external)] {
+            self.no_local_endpoints
+                .0
+                .get_or_create(&TrafficPolicyLabel { traffic_policy })
+                .set(n as i64);
+        }
+    }
+
     /// The exposition, in OpenMetrics text.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -235,6 +385,60 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+
+    /// The exposition in `format`.
+    pub fn encode_as(&self, format: Format) -> String {
+        match format {
+            Format::OpenMetrics => self.encode(),
+            Format::Text => to_text_format(&self.encode()),
+        }
+    }
+}
+
+/// Rewrites an OpenMetrics exposition (as prometheus-client writes it) into the Prometheus
+/// text format 0.0.4: a counter family `x` becomes `x_total` in its HELP and TYPE lines (its
+/// samples already carry the suffix), `unknown` becomes `untyped`, and what the old format
+/// lacks goes (`# UNIT`, `_created` samples, `# EOF`).
+pub fn to_text_format(openmetrics: &str) -> String {
+    let mut out = String::with_capacity(openmetrics.len());
+    // HELP comes before TYPE; it is held until TYPE tells whether the name changes.
+    let mut help: Option<(&str, &str)> = None;
+    let mut counter: Option<String> = None;
+    for line in openmetrics.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
+            help = Some((name, text));
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let (name, kind) = match kind {
+                "counter" => {
+                    counter = Some(name.to_string());
+                    (format!("{name}_total"), "counter")
+                }
+                "unknown" => (name.to_string(), "untyped"),
+                other => (name.to_string(), other),
+            };
+            if kind != "counter" {
+                counter = None;
+            }
+            if let Some((_, text)) = help.take() {
+                out.push_str(&format!("# HELP {name} {text}\n"));
+            }
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+        } else if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        } else if let Some(family) = &counter
+            && line
+                .strip_prefix(family.as_str())
+                .is_some_and(|rest| rest.starts_with("_created"))
+        {
+            continue;
+        } else {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 pub fn unix_seconds(t: SystemTime) -> f64 {
@@ -296,6 +500,101 @@ mod tests {
             );
         }
         assert!(text.trim_end().ends_with("# EOF"));
+    }
+
+    #[test]
+    fn negotiates_as_expfmt_does() {
+        use Format::*;
+        for (accept, want) in [
+            (None, Text),
+            (Some(""), Text),
+            (Some("*/*"), Text),
+            (Some("text/plain;version=0.0.4"), Text),
+            (Some("application/openmetrics-text"), OpenMetrics),
+            (
+                Some("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                OpenMetrics,
+            ),
+            // Prometheus' own scrape header: OpenMetrics first.
+            (
+                Some(
+                    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+                ),
+                OpenMetrics,
+            ),
+            // Quality wins over order.
+            (
+                Some("application/openmetrics-text;q=0.2,text/plain;version=0.0.4"),
+                Text,
+            ),
+            (
+                Some("text/plain;q=0.2, application/openmetrics-text"),
+                OpenMetrics,
+            ),
+            // Versions we do not speak are skipped.
+            (Some("application/openmetrics-text;version=2.0.0"), Text),
+            (
+                Some(
+                    "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited",
+                ),
+                Text,
+            ),
+            (Some("application/openmetrics-text;q=0"), Text),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "{accept:?}");
+        }
+    }
+
+    #[test]
+    fn text_format_has_help_and_type_under_the_sample_names() {
+        let m = Metrics::new();
+        Metrics::catch_up(&m.service_changes, 2);
+        m.set_no_local_endpoints(1, 0);
+        m.healthz_answers
+            .get_or_create(&CodeLabel { code: "200" })
+            .inc();
+        m.observe_sync(Duration::from_millis(3), true);
+        let text = m.encode_as(Format::Text);
+        for line in [
+            "# HELP kubeproxy_sync_proxy_rules_service_changes_total Cumulative proxy rules Service changes.",
+            "# TYPE kubeproxy_sync_proxy_rules_service_changes_total counter",
+            "kubeproxy_sync_proxy_rules_service_changes_total 2",
+            "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total untyped",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"} 0",
+            "# TYPE kubeproxy_proxy_healthz_total counter",
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+            "# TYPE kubeproxy_sync_proxy_rules_service_changes_pending gauge",
+            "# TYPE kubeproxy_sync_full_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in:\n{text}"
+            );
+        }
+        assert!(!text.contains("# EOF") && !text.contains("# UNIT") && !text.contains("_created"));
+        // Every sample's family has HELP and TYPE.
+        let typed: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        for sample in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = sample.split(['{', ' ']).next().unwrap();
+            assert!(
+                typed.iter().any(|t| name == *t
+                    || name
+                        .strip_prefix(t)
+                        .is_some_and(|r| ["_bucket", "_sum", "_count"].contains(&r))),
+                "{name} has no TYPE:\n{text}"
+            );
+            let family = typed.iter().find(|t| name.starts_with(**t)).unwrap();
+            assert!(
+                text.contains(&format!("# HELP {family} ")),
+                "{family} has no HELP"
+            );
+        }
     }
 
     #[test]

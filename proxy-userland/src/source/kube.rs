@@ -2,26 +2,32 @@
 //! EndpointSlices and this node's Node, turned into [`SourceEvent`]s.
 //!
 //! The watchers list, then watch from the list's resourceVersion, re-watch after a dropped
-//! connection and relist after 410 Gone, with kube-rs's default backoff on errors. A relist
+//! connection and relist at once after 410 Gone; other errors wait as [`super::backoff`]
+//! says (at most 2 s, reset by any success), so a change made while the API server was
+//! away is programmed within seconds of its return. A relist
 //! arrives as Init, InitApply..., InitDone; we buffer it and hand the tracker one full
 //! replacement, so objects deleted while we were not watching disappear too. Nothing is
 //! programmed until Services and EndpointSlices have both finished their first list
 //! (kube-proxy's OnServiceSynced / OnEndpointSlicesSynced).
+//!
+//! The Node watch also decides whether this node should still get load-balancer traffic
+//! (kube-proxy's node eligibility, [`node_eligible`]), which /healthz reports.
 
-use std::{future::Future, path::PathBuf};
+use std::{future::Future, path::PathBuf, sync::Arc};
 
 use futures::StreamExt;
 use k8s_openapi::api::{core::v1, discovery::v1::EndpointSlice};
 use kube::{
     Api, Client, Config, Resource, ResourceExt,
     config::{KubeConfigOptions, Kubeconfig},
-    runtime::{WatchStreamExt, watcher},
+    runtime::watcher,
 };
 use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
-use super::SourceEvent;
+use super::{SourceEvent, backoff::with_backoff};
 use crate::{
+    admin::AdminState,
     events::{self, EventRecorder},
     model::{NodeInfo, ServiceKey, convert},
 };
@@ -30,6 +36,20 @@ use crate::{
 const SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 const HEADLESS: &str = "service.kubernetes.io/headless";
 const ZONE: &str = "topology.kubernetes.io/zone";
+/// The taint the cluster autoscaler puts on a node it is about to delete.
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// kube-proxy's node eligibility (proxy_health.go SyncNode): a node being deleted, or
+/// tainted for deletion by the cluster autoscaler, should be drained from load balancers.
+pub fn node_eligible(node: &v1::Node) -> bool {
+    let deleting = node.metadata.deletion_timestamp.is_some();
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT));
+    !deleting && !tainted
+}
 
 #[derive(Clone, Debug, Default)]
 pub struct KubeConfig {
@@ -72,30 +92,36 @@ pub fn label_selector(proxy_name: Option<&str>) -> String {
 }
 
 /// Runs the three watchers until `shutdown` resolves or the receiver goes away. Objects
-/// that cannot be converted get a Warning Event through `events`.
+/// that cannot be converted get a Warning Event through `events`; the node's eligibility
+/// goes straight to `admin` (it changes what /healthz answers, not what is programmed).
 pub async fn run(
     client: Client,
     node_name: String,
     proxy_name: Option<String>,
     events: EventRecorder,
+    admin: Arc<AdminState>,
     tx: mpsc::Sender<SourceEvent>,
     shutdown: impl Future<Output = ()>,
 ) {
     let selector = label_selector(proxy_name.as_deref());
     let config = watcher::Config::default().labels(&selector);
-    let services =
-        watcher(Api::<v1::Service>::all(client.clone()), config.clone()).default_backoff();
-    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), config).default_backoff();
-    let nodes = watcher(
+    let services = with_backoff(watcher(
+        Api::<v1::Service>::all(client.clone()),
+        config.clone(),
+    ));
+    let slices = with_backoff(watcher(Api::<EndpointSlice>::all(client.clone()), config));
+    let nodes = with_backoff(watcher(
         Api::<v1::Node>::all(client),
         watcher::Config::default().fields(&format!("metadata.name={node_name}")),
-    )
-    .default_backoff();
+    ));
     let mut pump = Pump {
         tx,
         proxy_name,
         node_name,
         events,
+        admin,
+        node_seen: false,
+        node_listed: false,
         service_buf: None,
         slice_buf: None,
         services_listed: false,
@@ -123,6 +149,10 @@ struct Pump {
     proxy_name: Option<String>,
     node_name: String,
     events: EventRecorder,
+    admin: Arc<AdminState>,
+    /// The Node has been seen (ever), and in the list being received.
+    node_seen: bool,
+    node_listed: bool,
     service_buf: Option<Vec<crate::model::Service>>,
     slice_buf: Option<Vec<(ServiceKey, String, crate::model::SliceInfo)>>,
     services_listed: bool,
@@ -282,6 +312,9 @@ impl Pump {
     async fn node(&mut self, ev: Result<watcher::Event<v1::Node>, watcher::Error>) -> bool {
         match ev {
             Ok(watcher::Event::Apply(node) | watcher::Event::InitApply(node)) => {
+                self.node_seen = true;
+                self.node_listed = true;
+                self.set_eligible(node_eligible(&node));
                 let zone = node.labels().get(ZONE).cloned();
                 let info = NodeInfo {
                     name: self.node_name.clone(),
@@ -289,13 +322,37 @@ impl Pump {
                 };
                 self.send(SourceEvent::Node(info)).await
             }
-            Ok(_) => true,
+            Ok(watcher::Event::Delete(_)) => {
+                self.set_eligible(false);
+                true
+            }
+            Ok(watcher::Event::Init) => {
+                self.node_listed = false;
+                true
+            }
+            // A relist without our Node: it was deleted while we were not watching.
+            Ok(watcher::Event::InitDone) => {
+                if self.node_seen && !self.node_listed {
+                    self.set_eligible(false);
+                }
+                true
+            }
             Err(e) => {
                 warn!(
                     "watching Node {}: {e}; retrying with backoff",
                     self.node_name
                 );
                 true
+            }
+        }
+    }
+
+    fn set_eligible(&self, eligible: bool) {
+        if self.admin.health.set_node_eligible(eligible) {
+            if eligible {
+                info!(node = %self.node_name, "the node is eligible for load-balancer traffic again");
+            } else {
+                warn!(node = %self.node_name, "the node is being deleted or tainted {TO_BE_DELETED_TAINT}: /healthz answers 503 so load balancers drain it");
             }
         }
     }

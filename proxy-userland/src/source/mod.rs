@@ -7,6 +7,7 @@
 //! Both convert objects with [`crate::model::convert`]; the daemon applies the events to the
 //! [`ChangeTracker`](crate::model::tracker::ChangeTracker).
 
+pub mod backoff;
 pub mod file;
 pub mod kube;
 

@@ -309,6 +309,7 @@ impl Loop {
             services_changed_total: self.tracker.services_changed_total(),
             endpoints_changed_total: self.tracker.endpoints_changed_total(),
             udp_socket_resets: (report.udp_sockets_reset, report.udp_socket_resets_failed),
+            no_local_endpoints: healthcheck::no_local_endpoints(&changes.state, &self.node),
         };
         let health_checks = healthcheck::desired(&changes.state, &self.node);
         if !self.synced_once {
