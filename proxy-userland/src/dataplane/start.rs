@@ -153,7 +153,7 @@ impl StartOptions {
             .iter()
             .map(|c| (c.addr, c.prefix))
             .collect();
-        let node_port_cidrs = args
+        let node_port_cidrs: Vec<(std::net::IpAddr, u8)> = args
             .node_port_addresses
             .iter()
             .filter_map(|a| match a {
