@@ -96,6 +96,10 @@ enum Command {
         /// as long-lived UDP clients (statsd, DNS forwarders) do.
         #[arg(long)]
         reconnect_on_error: bool,
+        /// Send from this local port (with --fresh-socket: every new socket binds it again,
+        /// as `nc -u -p PORT` in a loop does).
+        #[arg(long, value_name = "PORT")]
+        source_port: Option<u16>,
     },
 }
 
@@ -151,10 +155,11 @@ fn main() -> ExitCode {
             connected,
             fresh_socket,
             reconnect_on_error,
+            source_port,
         } => {
             let mut shared = None;
             each_attempt(&attempts, |timeout| {
-                let line = udp_attempt(addr, timeout, connected, &mut shared);
+                let line = udp_attempt(addr, timeout, connected, source_port, &mut shared);
                 let socket_error = line.starts_with("err") && !line.starts_with("err ETIMEDOUT");
                 if fresh_socket || (reconnect_on_error && socket_error) {
                     shared = None;
@@ -257,13 +262,15 @@ fn udp_attempt(
     addr: SocketAddr,
     timeout: Duration,
     connected: bool,
+    source_port: Option<u16>,
     shared: &mut Option<UdpSocket>,
 ) -> String {
     if shared.is_none() {
+        let port = source_port.unwrap_or(0);
         let local: SocketAddr = if addr.is_ipv4() {
-            (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+            (std::net::Ipv4Addr::UNSPECIFIED, port).into()
         } else {
-            (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+            (std::net::Ipv6Addr::UNSPECIFIED, port).into()
         };
         let socket = match UdpSocket::bind(local) {
             Ok(s) => s,
