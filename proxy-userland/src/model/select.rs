@@ -262,6 +262,10 @@ pub fn external_backends(
 }
 
 #[cfg(test)]
+#[path = "select_kube_tests.rs"]
+mod kube_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::{Protocol, ServiceKey, SliceInfo, SlicePort};
