@@ -636,7 +636,7 @@ impl Args {
 
     /// What to change on the node, if anything (see [`crate::node_setup`]).
     pub fn node_setup(&self) -> Option<NodeSetup> {
-        (self.node_setup && !self.skip_node_setup).then(|| NodeSetup {
+        (self.node_setup && !self.skip_node_setup).then_some(NodeSetup {
             conntrack_max_per_core: self.conntrack_max_per_core,
             conntrack_min: self.conntrack_min,
             tcp_timeout_established: self.conntrack_tcp_timeout_established,

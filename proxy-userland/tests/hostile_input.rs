@@ -224,7 +224,7 @@ fn hostile_config_files_exit_2_naming_the_field() {
             .map(|l| format!("  {l}\n"))
             .collect::<String>()
     );
-    let cases: Vec<(String, &str)> = vec![
+    let cases: &[(String, &str)] = &[
         ("syncPeriod: 300000000000y\n".into(), "syncPeriod"),
         (
             "iptables: {syncPeriod: 300000000000y}\n".into(),

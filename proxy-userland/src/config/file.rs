@@ -131,7 +131,8 @@ pub enum FileError {
     #[error("config file {path}: {source}")]
     Parse {
         path: String,
-        source: serde_saphyr::Error,
+        // Boxed: the reader's error is large, and every config Result carries it.
+        source: Box<serde_saphyr::Error>,
     },
     #[error("config file {path}: {field}: {message}")]
     Decode {
@@ -175,7 +176,7 @@ impl KubeProxyConfiguration {
         let tree: serde_json::Value = serde_saphyr::from_str_with_options(text, yaml_options())
             .map_err(|source| FileError::Parse {
                 path: origin.to_string(),
-                source,
+                source: Box::new(source),
             })?;
         let cfg: Self = serde_path_to_error::deserialize(&tree).map_err(|e| {
             let field = e.path().to_string();

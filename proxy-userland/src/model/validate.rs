@@ -76,9 +76,10 @@ impl Check {
 
     /// ValidateNonSpecialIP: what may not be an endpoint or external IP.
     fn non_special_ip(&self, field: impl ToString, value: &str) -> Result<IpAddr, ConvertError> {
+        let field = field.to_string();
         let ip: IpAddr = value
             .parse()
-            .map_err(|_| self.invalid(&field.to_string(), value, "must be a valid IP address"))?;
+            .map_err(|_| self.invalid(&field, value, "must be a valid IP address"))?;
         match special_ip(ip) {
             Some(reason) => Err(self.invalid(field, value, reason)),
             None => Ok(ip),
