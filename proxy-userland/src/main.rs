@@ -12,16 +12,23 @@ fn main() -> std::process::ExitCode {
     // `fastpath inspect|explain ...` are tools, not the daemon: dispatched before the
     // daemon's flags are parsed, and without its runtime.
     let first = std::env::args_os().nth(1);
-    if first.is_some_and(|a| proxy_userland::inspect::SUBCOMMANDS.iter().any(|s| a == *s)) {
+    if first.as_ref().is_some_and(|a| proxy_userland::inspect::SUBCOMMANDS.iter().any(|s| a == *s)) {
         return proxy_userland::inspect::main(std::env::args_os().collect());
     }
-    daemon_main()
+    // `fastpath node-setup FLAGS...`: only the node set-up (conntrack sysctls, as the
+    // DaemonSet's privileged init container runs it), with the daemon's flags and config.
+    let setup_only = first.is_some_and(|a| a == "node-setup");
+    daemon_main(setup_only)
 }
 
 #[tokio::main]
-async fn daemon_main() -> std::process::ExitCode {
+async fn daemon_main(setup_only: bool) -> std::process::ExitCode {
+    let argv = std::env::args_os()
+        .enumerate()
+        .filter(|(i, _)| !(setup_only && *i == 1))
+        .map(|(_, a)| a);
     // Exits itself for --help, --version and malformed flags.
-    let matches = Args::command().get_matches();
+    let matches = Args::command().get_matches_from(argv);
     let args = match Args::from_matches(&matches) {
         Ok(args) => args,
         Err(e) => {
@@ -40,6 +47,13 @@ async fn daemon_main() -> std::process::ExitCode {
     }
     for warning in &args.config_warnings {
         tracing::warn!("{warning}");
+    }
+    if setup_only {
+        match args.node_setup() {
+            Some(setup) => proxy_userland::node_setup::apply_to_node(&setup),
+            None => tracing::warn!("node set-up is off: --node-setup or fastpath.nodeSetup turn it on"),
+        }
+        return std::process::ExitCode::SUCCESS;
     }
     match daemon::run(args, shutdown::signal_received()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,

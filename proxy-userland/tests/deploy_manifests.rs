@@ -228,19 +228,7 @@ fn the_daemonset_runs_as_a_node_proxy_with_probes_on_the_health_port() {
     assert_eq!(probe_port(&c.liveness_probe, "/livez"), health_port);
     assert_eq!(probe_port(&c.readiness_probe, "/readyz"), health_port);
 
-    let sc = c.security_context.as_ref().expect("securityContext");
-    let caps: Vec<String> = sc
-        .capabilities
-        .as_ref()
-        .and_then(|c| c.add.clone())
-        .unwrap_or_default();
-    assert!(
-        sc.privileged == Some(true)
-            || ["BPF", "NET_ADMIN", "SYS_ADMIN"]
-                .iter()
-                .all(|n| caps.iter().any(|c| c == n)),
-        "needs privileged or CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN"
-    );
+    check_least_privilege(pod);
 
     // The host paths the daemon needs, and the config file where --config looks.
     let volumes = pod.volumes.as_ref().unwrap();
@@ -292,4 +280,83 @@ fn the_daemonset_runs_as_a_node_proxy_with_probes_on_the_health_port() {
             .map(|a| a.replace("$(NODE_NAME)", "node-a")),
     );
     Args::try_from_iter(argv).expect("the DaemonSet's flags parse");
+}
+
+/// The capabilities the daemon's container may have: the ones measured for eBPF mode (BPF,
+/// NET_ADMIN, PERFMON), SYS_ADMIN for the cross-namespace UDP socket reset, NET_RAW for
+/// iptables-legacy. tests/least_privilege.rs runs the binary with exactly the DaemonSet's.
+const ALLOWED_CAPS: [&str; 5] = ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "NET_RAW"];
+
+/// Not privileged, the measured capabilities and no others, a read-only root, limits, and
+/// a Localhost seccomp profile shipped in deploy/seccomp/ that lets bpf(2) through; node
+/// set-up in a privileged init container that installs that profile.
+fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
+    let c = &pod.containers[0];
+    let sc = c.security_context.as_ref().expect("securityContext");
+    assert_ne!(sc.privileged, Some(true), "the daemon's container is not privileged");
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    assert_eq!(sc.read_only_root_filesystem, Some(true));
+    let caps = sc.capabilities.as_ref().expect("capabilities");
+    assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_string()][..]));
+    let add = caps.add.clone().unwrap_or_default();
+    for need in ["BPF", "NET_ADMIN", "PERFMON"] {
+        assert!(add.iter().any(|c| c == need), "{need} missing from {add:?}");
+    }
+    for cap in &add {
+        assert!(ALLOWED_CAPS.contains(&cap.as_str()), "{cap} was not measured as needed");
+    }
+    let args = c.args.clone().unwrap_or_default();
+    assert!(args.iter().any(|a| a == "--skip-node-setup"), "node set-up is the init container's: {args:?}");
+
+    let res = c.resources.as_ref().expect("resources");
+    for (what, list) in [("requests", &res.requests), ("limits", &res.limits)] {
+        let list = list.as_ref().unwrap_or_else(|| panic!("resource {what}"));
+        assert!(list.contains_key("cpu") && list.contains_key("memory"), "{what}: {list:?}");
+    }
+    assert!(
+        c.volume_mounts.as_ref().unwrap().iter().any(|m| m.mount_path == "/tmp"),
+        "a writable /tmp beside the read-only root"
+    );
+
+    // Seccomp: a Localhost profile from deploy/seccomp/ that allows what the daemon calls.
+    let seccomp = sc.seccomp_profile.as_ref().expect("seccompProfile");
+    assert_eq!(seccomp.type_, "Localhost");
+    let name = seccomp.localhost_profile.as_deref().expect("localhostProfile");
+    let profile: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(deploy_dir().join("seccomp").join(name))
+            .unwrap_or_else(|e| panic!("deploy/seccomp/{name}: {e}")),
+    )
+    .expect("the profile is JSON");
+    assert_eq!(profile["defaultAction"], "SCMP_ACT_ALLOW", "{profile}");
+    let denied: Vec<&str> = profile["syscalls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["action"] != "SCMP_ACT_ALLOW")
+        .flat_map(|r| r["names"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()))
+        .collect();
+    for needed in ["bpf", "perf_event_open", "setns", "socket", "sendmsg", "mount", "statfs"] {
+        assert!(!denied.contains(&needed), "the profile refuses {needed}");
+    }
+
+    // The init container: node set-up, privileged (sysctls), installs the profile under
+    // the kubelet's seccomp root as the name the daemon's container asks for.
+    let inits = pod.init_containers.as_ref().expect("init containers");
+    assert_eq!(inits.len(), 1);
+    let init = &inits[0];
+    assert_eq!(init.security_context.as_ref().and_then(|s| s.privileged), Some(true));
+    let script = init.command.clone().unwrap_or_default().join(" ");
+    assert!(script.contains("fastpath node-setup --config="), "{script}");
+    assert!(script.contains(&format!("/host/seccomp/{name}")), "{script}");
+    let volumes = pod.volumes.as_ref().unwrap();
+    let seccomp_volume = init
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.mount_path == "/host/seccomp")
+        .expect("the seccomp root is mounted");
+    let host = volumes.iter().find(|v| v.name == seccomp_volume.name).unwrap();
+    assert_eq!(host.host_path.as_ref().unwrap().path, "/var/lib/kubelet/seccomp");
+    assert!(init.resources.as_ref().is_some_and(|r| r.limits.is_some()));
 }

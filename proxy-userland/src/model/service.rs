@@ -3,7 +3,9 @@
 use std::{fmt, net::IpAddr};
 
 /// A Service's identity: namespace and name (kube-proxy's NamespacedName).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct ServiceKey {
     pub namespace: String,
     pub name: String,
@@ -24,7 +26,9 @@ impl fmt::Display for ServiceKey {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Protocol {
     Tcp,
