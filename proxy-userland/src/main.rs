@@ -12,7 +12,10 @@ fn main() -> std::process::ExitCode {
     // `fastpath inspect|explain ...` are tools, not the daemon: dispatched before the
     // daemon's flags are parsed, and without its runtime.
     let first = std::env::args_os().nth(1);
-    if first.as_ref().is_some_and(|a| proxy_userland::inspect::SUBCOMMANDS.iter().any(|s| a == *s)) {
+    if first
+        .as_ref()
+        .is_some_and(|a| proxy_userland::inspect::SUBCOMMANDS.iter().any(|s| a == *s))
+    {
         return proxy_userland::inspect::main(std::env::args_os().collect());
     }
     // `fastpath node-setup FLAGS...`: only the node set-up (conntrack sysctls, as the
@@ -51,7 +54,9 @@ async fn daemon_main(setup_only: bool) -> std::process::ExitCode {
     if setup_only {
         match args.node_setup() {
             Some(setup) => proxy_userland::node_setup::apply_to_node(&setup),
-            None => tracing::warn!("node set-up is off: --node-setup or fastpath.nodeSetup turn it on"),
+            None => {
+                tracing::warn!("node set-up is off: --node-setup or fastpath.nodeSetup turn it on")
+            }
         }
         return std::process::ExitCode::SUCCESS;
     }

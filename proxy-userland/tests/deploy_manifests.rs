@@ -293,7 +293,11 @@ const ALLOWED_CAPS: [&str; 5] = ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "NE
 fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
     let c = &pod.containers[0];
     let sc = c.security_context.as_ref().expect("securityContext");
-    assert_ne!(sc.privileged, Some(true), "the daemon's container is not privileged");
+    assert_ne!(
+        sc.privileged,
+        Some(true),
+        "the daemon's container is not privileged"
+    );
     assert_eq!(sc.allow_privilege_escalation, Some(false));
     assert_eq!(sc.read_only_root_filesystem, Some(true));
     let caps = sc.capabilities.as_ref().expect("capabilities");
@@ -303,25 +307,41 @@ fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
         assert!(add.iter().any(|c| c == need), "{need} missing from {add:?}");
     }
     for cap in &add {
-        assert!(ALLOWED_CAPS.contains(&cap.as_str()), "{cap} was not measured as needed");
+        assert!(
+            ALLOWED_CAPS.contains(&cap.as_str()),
+            "{cap} was not measured as needed"
+        );
     }
     let args = c.args.clone().unwrap_or_default();
-    assert!(args.iter().any(|a| a == "--skip-node-setup"), "node set-up is the init container's: {args:?}");
+    assert!(
+        args.iter().any(|a| a == "--skip-node-setup"),
+        "node set-up is the init container's: {args:?}"
+    );
 
     let res = c.resources.as_ref().expect("resources");
     for (what, list) in [("requests", &res.requests), ("limits", &res.limits)] {
         let list = list.as_ref().unwrap_or_else(|| panic!("resource {what}"));
-        assert!(list.contains_key("cpu") && list.contains_key("memory"), "{what}: {list:?}");
+        assert!(
+            list.contains_key("cpu") && list.contains_key("memory"),
+            "{what}: {list:?}"
+        );
     }
     assert!(
-        c.volume_mounts.as_ref().unwrap().iter().any(|m| m.mount_path == "/tmp"),
+        c.volume_mounts
+            .as_ref()
+            .unwrap()
+            .iter()
+            .any(|m| m.mount_path == "/tmp"),
         "a writable /tmp beside the read-only root"
     );
 
     // Seccomp: a Localhost profile from deploy/seccomp/ that allows what the daemon calls.
     let seccomp = sc.seccomp_profile.as_ref().expect("seccompProfile");
     assert_eq!(seccomp.type_, "Localhost");
-    let name = seccomp.localhost_profile.as_deref().expect("localhostProfile");
+    let name = seccomp
+        .localhost_profile
+        .as_deref()
+        .expect("localhostProfile");
     let profile: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(deploy_dir().join("seccomp").join(name))
             .unwrap_or_else(|e| panic!("deploy/seccomp/{name}: {e}")),
@@ -333,9 +353,23 @@ fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
         .unwrap()
         .iter()
         .filter(|r| r["action"] != "SCMP_ACT_ALLOW")
-        .flat_map(|r| r["names"].as_array().unwrap().iter().map(|n| n.as_str().unwrap()))
+        .flat_map(|r| {
+            r["names"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| n.as_str().unwrap())
+        })
         .collect();
-    for needed in ["bpf", "perf_event_open", "setns", "socket", "sendmsg", "mount", "statfs"] {
+    for needed in [
+        "bpf",
+        "perf_event_open",
+        "setns",
+        "socket",
+        "sendmsg",
+        "mount",
+        "statfs",
+    ] {
         assert!(!denied.contains(&needed), "the profile refuses {needed}");
     }
 
@@ -344,10 +378,16 @@ fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
     let inits = pod.init_containers.as_ref().expect("init containers");
     assert_eq!(inits.len(), 1);
     let init = &inits[0];
-    assert_eq!(init.security_context.as_ref().and_then(|s| s.privileged), Some(true));
+    assert_eq!(
+        init.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true)
+    );
     let script = init.command.clone().unwrap_or_default().join(" ");
     assert!(script.contains("fastpath node-setup --config="), "{script}");
-    assert!(script.contains(&format!("/host/seccomp/{name}")), "{script}");
+    assert!(
+        script.contains(&format!("/host/seccomp/{name}")),
+        "{script}"
+    );
     let volumes = pod.volumes.as_ref().unwrap();
     let seccomp_volume = init
         .volume_mounts
@@ -356,7 +396,13 @@ fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
         .iter()
         .find(|m| m.mount_path == "/host/seccomp")
         .expect("the seccomp root is mounted");
-    let host = volumes.iter().find(|v| v.name == seccomp_volume.name).unwrap();
-    assert_eq!(host.host_path.as_ref().unwrap().path, "/var/lib/kubelet/seccomp");
+    let host = volumes
+        .iter()
+        .find(|v| v.name == seccomp_volume.name)
+        .unwrap();
+    assert_eq!(
+        host.host_path.as_ref().unwrap().path,
+        "/var/lib/kubelet/seccomp"
+    );
     assert!(init.resources.as_ref().is_some_and(|r| r.limits.is_some()));
 }

@@ -300,6 +300,21 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
         pins,
     ]);
     assert!(table.starts_with("FRONTEND"), "{table}");
+    // What an operator sees (and the README shows).
+    eprintln!("$ fastpath inspect services\n{table}");
+    let text = tool(&[
+        "explain",
+        "tcp",
+        WEB,
+        "--admin",
+        &admin,
+        "--bpf-pin-dir",
+        pins,
+    ]);
+    eprintln!("$ fastpath explain tcp {WEB}\n{text}");
+    assert!(text.contains("verdict:  translated"), "{text}");
+    let text = tool(&["explain", "tcp", "198.19.0.11:80", "--admin", &admin]);
+    eprintln!("$ fastpath explain tcp 198.19.0.11:80\n{text}");
     assert!(
         table.lines().any(|l| l.contains("198.19.0.12:80/TCP")
             && l.contains("demo/local:http")
@@ -422,4 +437,152 @@ fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
     assert_eq!(web["chain"], chain);
     assert_eq!(web["backends"].as_array().unwrap().len(), 2);
     daemon.stop();
+}
+
+/// A NodePort from another host: explain names the packet path and its backends, real
+/// connections land within them, and `inspect flows` lists those connections' flows.
+#[test]
+fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
+    let (mut bed, _pods) = bed_with_pods("explainnp", 2);
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
+        .expect("client");
+    let manifest = web_manifest(&[pod_ip(1), pod_ip(2)])
+        .replace(
+            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP}",
+            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}",
+        )
+        .replace("spec:\n", "spec:\n  type: NodePort\n")
+        .replace(
+            "  conditions: {ready: true}",
+            "  conditions: {ready: true}\n  nodeName: node-a",
+        );
+    std::fs::write(bed.dir().join("web.yaml"), manifest).unwrap();
+    let bpffs = Bpffs::mount(bed.dir());
+    let pins = bpffs.0.join("fastpath");
+    let (pins, admin) = (pins.to_str().unwrap(), format!("127.0.0.1:{}", free_port()));
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            bed.dir().join("web.yaml").to_str().unwrap(),
+            "--netns",
+            bed.node_netns(),
+            "--nodeport-devices",
+            &ext.node_veth,
+            "--metrics-bind-address",
+            &admin,
+            "--bpf-pin-dir",
+            pins,
+        ],
+    );
+    let target = format!("{}:30080", bed.node_ipv4());
+    let from_ext = |count: usize| {
+        let mut cmd = Command::new(PROBE);
+        cmd.args([
+            "--netns",
+            &ext.netns,
+            "tcp",
+            &target,
+            "--count",
+            &count.to_string(),
+            "--timeout-ms",
+            "1000",
+        ]);
+        xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
+    };
+    assert!(
+        eventually(20, || from_ext(1)[0].is_ok()),
+        "the NodePort never answered; log:\n{}",
+        daemon.log()
+    );
+
+    let ex: Value = serde_json::from_str(&tool(&[
+        "explain",
+        "tcp",
+        &target,
+        "--from",
+        "198.18.2.1",
+        "--admin",
+        &admin,
+        "--bpf-pin-dir",
+        pins,
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    assert_eq!(ex["client"], "another host");
+    assert_eq!(ex["matched"]["kind"], "NodePort");
+    assert_eq!(ex["matched"]["frontend"], "<node>:30080/TCP (external)");
+    assert!(
+        ex["hook"].as_str().unwrap().contains("tc ingress"),
+        "{ex:#}"
+    );
+    let want: BTreeSet<String> = ["198.18.1.11:8080", "198.18.1.12:8080"]
+        .map(String::from)
+        .into();
+    assert_eq!(eligible_of(&ex), want, "{ex:#}");
+    let attempts = from_ext(20);
+    assert!(attempts.iter().all(|o| o.is_ok()), "{attempts:?}");
+    assert_eq!(reached(&attempts), pod_names(&want));
+
+    // The ClusterIP is the client's own node's business in eBPF mode.
+    let ex = explain(&admin, pins, "tcp", WEB);
+    assert_eq!(ex["verdict"], "translated");
+    let out = tool(&[
+        "explain",
+        "tcp",
+        WEB,
+        "--from",
+        "198.18.2.1",
+        "--admin",
+        &admin,
+        "-o",
+        "json",
+    ]);
+    let ex: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(ex["verdict"], "not-translated-here", "{ex:#}");
+
+    // The flows of those connections: from the client, to the node port, on a pod.
+    let flows: Value = serde_json::from_str(&tool(&[
+        "inspect",
+        "flows",
+        "--admin",
+        &admin,
+        "--bpf-pin-dir",
+        pins,
+        "-o",
+        "json",
+    ]))
+    .unwrap();
+    let ours: Vec<&Value> = flows
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["client"].as_str().unwrap().starts_with("198.18.2.1:"))
+        .collect();
+    assert!(ours.len() >= 20, "{flows:#}");
+    for f in &ours {
+        assert_eq!(f["frontend"], target.as_str(), "{f}");
+        assert_eq!(f["service"], "demo/web:http", "{f}");
+        assert!(want.contains(f["backend"].as_str().unwrap()), "{f}");
+        assert!(f["snat"].is_null(), "local backends see the client: {f}");
+    }
+    let table = tool(&["inspect", "flows", "--admin", &admin, "--bpf-pin-dir", pins]);
+    eprintln!(
+        "$ fastpath inspect flows\n{}",
+        table.lines().take(4).collect::<Vec<_>>().join("\n")
+    );
+    let text = tool(&[
+        "explain",
+        "tcp",
+        &target,
+        "--from",
+        "198.18.2.1",
+        "--admin",
+        &admin,
+        "--bpf-pin-dir",
+        pins,
+    ]);
+    eprintln!("$ fastpath explain tcp {target} --from 198.18.2.1\n{text}");
 }

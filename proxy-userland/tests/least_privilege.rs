@@ -17,8 +17,10 @@ use common::*;
 /// `capabilities.add` of the DaemonSet's daemon container, as the manifest says.
 fn daemonset_caps() -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
-    let ds: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let add = &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"];
+    let ds: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let add =
+        &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"];
     add.as_sequence()
         .expect("capabilities.add")
         .iter()
@@ -36,7 +38,10 @@ impl Confined {
     /// `prefix` (e.g. `ip netns exec NS`), then setpriv keeping only `caps`, then fastpath.
     fn start(bed: &xtask::testbed::Testbed, prefix: &[&str], caps: &[&str], args: &[&str]) -> Self {
         let log = bed.dir().join(format!("fastpath-{}.log", caps.join("-")));
-        let keep: String = caps.iter().map(|c| format!(",+{}", c.to_lowercase())).collect();
+        let keep: String = caps
+            .iter()
+            .map(|c| format!(",+{}", c.to_lowercase()))
+            .collect();
         let setpriv = [
             "setpriv".to_string(),
             format!("--bounding-set=-all{keep}"),
@@ -64,7 +69,9 @@ impl Confined {
         let child = Command::new(&argv[0])
             .args(&argv[1..])
             .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
-            .stderr(Stdio::from(std::fs::File::options().append(true).open(&log).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::options().append(true).open(&log).unwrap(),
+            ))
             .spawn()
             .expect("setpriv runs");
         Self { child, log }
@@ -89,13 +96,24 @@ impl Confined {
     /// The effective capabilities of the running daemon, by name.
     fn effective_caps(&self) -> BTreeSet<String> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim();
-        let out = Command::new("capsh").arg(format!("--decode={hex}")).output().unwrap();
+        let hex = status
+            .lines()
+            .find_map(|l| l.strip_prefix("CapEff:"))
+            .unwrap()
+            .trim();
+        let out = Command::new("capsh")
+            .arg(format!("--decode={hex}"))
+            .output()
+            .unwrap();
         // "0x...=cap_net_admin,cap_bpf"
         String::from_utf8_lossy(&out.stdout)
             .trim()
             .split_once('=')
-            .map(|(_, list)| list.split(',').map(|c| c.trim_start_matches("cap_").to_uppercase()).collect())
+            .map(|(_, list)| {
+                list.split(',')
+                    .map(|c| c.trim_start_matches("cap_").to_uppercase())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }
@@ -119,26 +137,51 @@ fn ebpf_mode_runs_with_the_daemonsets_capabilities_and_needs_perfmon() {
     let manifest = bed.dir().join("web.yaml");
     std::fs::write(&manifest, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
     let cgroup = bed.cgroup_path().to_str().unwrap().to_string();
-    let args = ["--proxy-mode", "ebpf", "--cgroup-path", &cgroup, "--manifests", manifest.to_str().unwrap()];
+    let args = [
+        "--proxy-mode",
+        "ebpf",
+        "--cgroup-path",
+        &cgroup,
+        "--manifests",
+        manifest.to_str().unwrap(),
+    ];
 
     // The DaemonSet's set, and the measured minimum for eBPF mode.
     let minimum = ["BPF", "NET_ADMIN", "PERFMON"].map(String::from).to_vec();
     for set in [caps.clone(), minimum] {
         let names: Vec<&str> = set.iter().map(String::as_str).collect();
         let mut d = Confined::start(&bed, &[], &names, &args);
-        assert!(eventually(20, || web_works(&bed)), "{set:?}: demo/web never worked; log:\n{}", d.log());
-        assert_eq!(d.exited(0), None, "{set:?}: the daemon exited; log:\n{}", d.log());
-        assert_eq!(d.effective_caps(), set.iter().cloned().collect(), "{set:?}: the daemon's CapEff");
+        assert!(
+            eventually(20, || web_works(&bed)),
+            "{set:?}: demo/web never worked; log:\n{}",
+            d.log()
+        );
+        assert_eq!(
+            d.exited(0),
+            None,
+            "{set:?}: the daemon exited; log:\n{}",
+            d.log()
+        );
+        assert_eq!(
+            d.effective_caps(),
+            set.iter().cloned().collect(),
+            "{set:?}: the daemon's CapEff"
+        );
         drop(d);
     }
 
     // Without PERFMON the programs do not load: the measurement the manifest rests on.
     // (SYS_ADMIN would stand in for it, as the kernel still accepts it for PERFMON.)
     let mut d = Confined::start(&bed, &[], &["BPF", "NET_ADMIN"], &args);
-    let status = d.exited(20).unwrap_or_else(|| panic!("fastpath ran without PERFMON; log:\n{}", d.log()));
+    let status = d
+        .exited(20)
+        .unwrap_or_else(|| panic!("fastpath ran without PERFMON; log:\n{}", d.log()));
     let log = d.log();
     assert!(!status.success(), "{log}");
-    assert!(log.contains("Permission denied"), "the verifier refused the programs: {log}");
+    assert!(
+        log.contains("Permission denied"),
+        "the verifier refused the programs: {log}"
+    );
 }
 
 #[test]
@@ -149,11 +192,24 @@ fn iptables_mode_runs_with_net_admin_alone() {
     std::fs::write(&manifest, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
     // In the node's namespace already (as hostNetwork): no setns, so no SYS_ADMIN.
     let prefix = ["ip", "netns", "exec", bed.node_netns()];
-    let args = ["--proxy-mode", "iptables", "--manifests", manifest.to_str().unwrap(), "--cleanup-on-exit"];
+    let args = [
+        "--proxy-mode",
+        "iptables",
+        "--manifests",
+        manifest.to_str().unwrap(),
+        "--cleanup-on-exit",
+    ];
     let mut d = Confined::start(&bed, &prefix, &["NET_ADMIN"], &args);
-    assert!(eventually(20, || web_works(&bed)), "demo/web never worked; log:\n{}", d.log());
+    assert!(
+        eventually(20, || web_works(&bed)),
+        "demo/web never worked; log:\n{}",
+        d.log()
+    );
     assert_eq!(d.exited(0), None, "the daemon exited; log:\n{}", d.log());
-    assert_eq!(d.effective_caps(), BTreeSet::from(["NET_ADMIN".to_string()]));
+    assert_eq!(
+        d.effective_caps(),
+        BTreeSet::from(["NET_ADMIN".to_string()])
+    );
     // SIGTERM, so --cleanup-on-exit removes the chains from the bed's namespace.
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
     let _ = d.exited(10);

@@ -9,6 +9,7 @@ pub mod apiserver;
 pub mod cgroup;
 pub mod cmd;
 pub mod demo;
+pub mod image;
 pub mod netns;
 pub mod probe;
 pub mod run;

@@ -41,6 +41,9 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         rounds: u32,
     },
+    /// Build the container image localhost/fastpath:0.1.0 with podman, from a Debian root
+    /// file system made by debootstrap (cached under target/image/) and the release binaries.
+    Image,
     /// Set up, build (release), and run the demo; with --manifests or --kubeconfig, run the
     /// daemon instead.
     Run {
@@ -70,6 +73,7 @@ fn main() -> ExitCode {
     } else {
         match Cli::parse().command {
             Cmd::Setup => xtask::setup::setup(),
+            Cmd::Image => xtask::image::image(),
             Cmd::Test { args } => xtask::run::test(&args),
             Cmd::Bench {
                 sizes,
