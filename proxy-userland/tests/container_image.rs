@@ -15,12 +15,12 @@ fn deploy() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy")
 }
 
-fn yaml(file: &str) -> serde_yaml::Value {
-    serde_yaml::from_str(&std::fs::read_to_string(deploy().join(file)).unwrap()).unwrap()
+fn yaml(file: &str) -> serde_json::Value {
+    serde_saphyr::from_str(&std::fs::read_to_string(deploy().join(file)).unwrap()).unwrap()
 }
 
-fn strings(v: &serde_yaml::Value) -> Vec<String> {
-    v.as_sequence()
+fn strings(v: &serde_json::Value) -> Vec<String> {
+    v.as_array()
         .map(|s| s.iter().map(|x| x.as_str().unwrap().to_string()).collect())
         .unwrap_or_default()
 }

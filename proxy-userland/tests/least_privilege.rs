@@ -17,11 +17,11 @@ use common::*;
 /// `capabilities.add` of the DaemonSet's daemon container, as the manifest says.
 fn daemonset_caps() -> Vec<String> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
-    let ds: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ds: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let add =
         &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"];
-    add.as_sequence()
+    add.as_array()
         .expect("capabilities.add")
         .iter()
         .map(|c| c.as_str().unwrap().to_string())

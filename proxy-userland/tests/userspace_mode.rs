@@ -228,7 +228,15 @@ fn a_service_without_endpoints_refuses_the_connect() {
         // EPERM instead, as with kube-proxy's REJECT in OUTPUT.)
         let udp = probe_from(
             &ext.netns,
-            &["udp", WEB_DNS, "--count", "1", "--timeout-ms", "1000", "--connected"],
+            &[
+                "udp",
+                WEB_DNS,
+                "--count",
+                "1",
+                "--timeout-ms",
+                "1000",
+                "--connected",
+            ],
         );
         for a in from_node.iter().chain(&from_pod).chain(&udp) {
             assert_eq!(a.errno(), Some("ECONNREFUSED"), "{what}: {a:?}");
