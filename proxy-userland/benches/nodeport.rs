@@ -1,32 +1,47 @@
-//! `cargo bench --bench nodeport`: node-port traffic from another host through the eBPF
-//! packet path, tc alone against native XDP ahead of tc, on this machine's veth devices.
+//! `cargo bench --bench nodeport`: node-port traffic from another host, through the eBPF
+//! packet path (tc alone, and native XDP ahead of tc), through the iptables mode (what a
+//! kube-proxy user has: DNAT in the nat table), and straight to the pod's IP, on this
+//! machine's veth devices, with 1 and with N services programmed.
 //!
-//! A client namespace ("another host") opens TCP connections (connect, one reply line,
-//! close) and sends UDP requests on one connected socket to a node port whose two backends
-//! run on the node, in interleaved rounds: tc, XDP, tc, XDP, ... so drift and noise hit both
-//! alike. Per path it prints the median over rounds of the rate and of the p50/p99
+//! A client namespace ("another host") opens TCP connections (connect, one reply line, close
+//! with a reset) and sends UDP requests on one connected socket to a node port whose two
+//! backends run on the node (direct: to one of the pods), in interleaved rounds whose order
+//! rotates, so drift and noise hit every path alike. tc, XDP and direct share a bed that
+//! never has iptables rules; iptables has its own, with the rules installed once per size.
+//! Every run's conditions are checked (support/conditions.rs); a row with a bad run is
+//! FAILED. Per path it prints the median over rounds of the rate and of the p50/p99
 //! latencies, and the rounds' spread, and writes the table to target/bench/nodeport.md.
 //! Bounded: FASTPATH_BENCH_ROUNDS rounds (default 5) of FASTPATH_BENCH_CONNS connections
-//! (default 2000) and as many UDP requests; addresses in 198.18.0.0/15 only.
+//! (default 2000) and as many UDP requests; FASTPATH_BENCH_NODEPORT_SIZES (default "1,10000");
+//! addresses in 198.18.0.0/15 only.
 
 use std::{fmt::Write as _, path::Path, time::Duration};
 
 use anyhow::{Context as _, Result};
-use proxy_userland::dataplane::{
-    Dataplane, Scope,
-    bpf::{AttachOptions, BpfDataplane, PacketPathConfig},
+use proxy_userland::{
+    dataplane::{
+        Dataplane, Scope,
+        bpf::{AttachOptions, BpfDataplane, PacketPathConfig},
+        iptables::{Family, IptablesConfig, IptablesDataplane, apply::Backend},
+    },
+    model::ProxyState,
 };
 use xtask::testbed::{Pod, Testbed};
 
 #[path = "../tests/common.rs"]
 #[allow(dead_code, unused_imports)]
 mod common;
+#[path = "support/conditions.rs"]
+mod conditions;
 #[path = "../tests/nat_common.rs"]
 #[allow(dead_code, unused_imports)]
 mod nat_common;
+#[path = "support/synthetic.rs"]
+mod synthetic;
 #[path = "support/timing.rs"]
 mod timing;
 
+use conditions::Watch;
 use timing::{Attempts, median};
 
 const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
@@ -40,7 +55,23 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-fn attach(bed: &Testbed, ext: &Pod, xdp: bool) -> Result<BpfDataplane> {
+/// `demo/web` with its node ports and two pods on this node, plus `extra` ClusterIP
+/// services x 10 endpoints.
+fn state(extra: u32) -> ProxyState {
+    let mut svc = common::web_service("web", common::WEB_IP);
+    svc.ports[0].node_port = Some(NODE_PORT);
+    svc.ports[1].node_port = Some(UDP_NODE_PORT);
+    let local = |i| proxy_userland::model::Endpoint {
+        node_name: Some("node-a".into()),
+        ..common::ready(common::pod_ip(i))
+    };
+    let eps = common::web_endpoints(vec![local(1), local(2)]);
+    let mut state = synthetic::state(extra, 0);
+    synthetic::merge(&mut state, common::state_of(vec![(svc, Some(eps))]));
+    state
+}
+
+fn attach(bed: &Testbed, ext: &Pod, xdp: bool, state: &ProxyState) -> Result<BpfDataplane> {
     let packet = PacketPathConfig {
         netns: Some(bed.node_netns().to_string()),
         devices: vec![ext.node_veth.clone()],
@@ -62,19 +93,7 @@ fn attach(bed: &Testbed, ext: &Pod, xdp: bool) -> Result<BpfDataplane> {
             devices.devices
         );
     }
-    let mut svc = common::web_service("web", common::WEB_IP);
-    svc.ports[0].node_port = Some(NODE_PORT);
-    svc.ports[1].node_port = Some(UDP_NODE_PORT);
-    let local = |i| proxy_userland::model::Endpoint {
-        node_name: Some("node-a".into()),
-        ..common::ready(common::pod_ip(i))
-    };
-    let eps = common::web_endpoints(vec![local(1), local(2)]);
-    let report = dp.sync(
-        &common::state_of(vec![(svc, Some(eps))]),
-        &common::node(),
-        Scope::Full,
-    );
+    let report = dp.sync(state, &common::node(), Scope::Full);
     anyhow::ensure!(report.failed.is_empty(), "sync failed: {:?}", report.failed);
     Ok(dp)
 }
@@ -95,95 +114,170 @@ struct Series {
     p50: Vec<f64>,
     p99: Vec<f64>,
     failures: usize,
+    problems: Vec<String>,
 }
 
 impl Series {
-    fn add(&mut self, a: &Attempts) {
+    fn add(&mut self, a: &Attempts, problems: Vec<String>) {
         self.rate.push(a.rate());
         self.p50.push(a.p50().as_secs_f64() * 1e3);
         self.p99.push(a.p99().as_secs_f64() * 1e3);
         self.failures += a.failures;
+        for p in problems {
+            if !self.problems.contains(&p) {
+                self.problems.push(p);
+            }
+        }
     }
 
-    fn row(&mut self, path: &str, workload: &str) -> String {
+    fn row(&mut self, path: &str, workload: &str, services: u32, direct: Option<f64>) -> String {
         let (lo, hi) = (
             self.rate.iter().copied().fold(f64::INFINITY, f64::min),
             self.rate.iter().copied().fold(0.0, f64::max),
         );
+        let rate = median(&mut self.rate);
+        let vs = direct.filter(|d| *d > 0.0).map_or(String::new(), |d| {
+            format!("{:+.1}%", (rate / d - 1.0) * 100.0)
+        });
         format!(
-            "| {path} | {workload} | {:.0} | {lo:.0}-{hi:.0} | {:.3} | {:.3} | {} |",
-            median(&mut self.rate),
+            "| {path} | {services} | {workload} | {rate:.0} | {lo:.0}-{hi:.0} | {vs} | {:.3} | {:.3} | {} | {} |",
             median(&mut self.p50),
             median(&mut self.p99),
-            self.failures
+            self.failures,
+            if self.problems.is_empty() {
+                "ok".to_string()
+            } else {
+                format!("FAILED: {}", self.problems.join("; "))
+            }
         )
     }
 }
+
+const PATHS: [&str; 4] = ["tc", "XDP + tc", "iptables (DNAT)", "direct to pod IP"];
 
 fn main() -> Result<()> {
     let rounds = env_usize("FASTPATH_BENCH_ROUNDS", 5).clamp(1, 50);
     let count = env_usize("FASTPATH_BENCH_CONNS", 2000)
         .clamp(10, 10_000)
         .to_string();
+    let sizes: Vec<u32> = std::env::var("FASTPATH_BENCH_NODEPORT_SIZES")
+        .unwrap_or_else(|_| "1,10000".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .filter(|&n| (1..=60_000).contains(&n))
+        .collect();
+    let max_load = conditions::max_load();
     let (mut bed, _pods) = common::bed_with_pods("npbench", 2);
     let ext = nat_common::external_client(&mut bed);
-    let (tcp_target, udp_target) = (
-        format!("{}:{NODE_PORT}", bed.node_ipv4()),
-        format!("{}:{UDP_NODE_PORT}", bed.node_ipv4()),
+    let (mut ipt_bed, _ipt_pods) = common::bed_with_pods("npbenchipt", 2);
+    let ipt_ext = nat_common::external_client(&mut ipt_bed);
+    let node_target = |port: u16| format!("{}:{port}", bed.node_ipv4());
+    let (tcp_target, udp_target) = (node_target(NODE_PORT), node_target(UDP_NODE_PORT));
+    let (pod_tcp, pod_udp) = (
+        format!("{}:8080", common::pod_ip(1)),
+        format!("{}:5353", common::pod_ip(1)),
     );
-    // [tc tcp, tc udp, xdp tcp, xdp udp]
-    let mut series: [Series; 4] = Default::default();
-    for round in 0..rounds {
-        for (i, xdp) in [false, true].into_iter().enumerate() {
-            let dp = attach(&bed, &ext, xdp)?;
-            let tcp = probe(
-                &ext,
-                &[
-                    "tcp",
-                    &tcp_target,
-                    "--count",
-                    &count,
-                    "--timeout-ms",
-                    "1000",
-                ],
-            )?;
-            let udp = probe(
-                &ext,
-                &[
-                    "udp",
-                    &udp_target,
-                    "--connected",
-                    "--count",
-                    &count,
-                    "--timeout-ms",
-                    "1000",
-                ],
-            )?;
-            series[2 * i].add(&tcp);
-            series[2 * i + 1].add(&udp);
-            let stats = dp.programmer().maps().packet_stats();
-            eprintln!(
-                "round {round} {}: {stats:?}",
-                if xdp { "xdp" } else { "tc" }
-            );
-            drop(dp);
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
     let mut table = String::new();
     writeln!(
         table,
-        "| path | workload | per second (median) | rounds' range | p50 (ms) | p99 (ms) | failures |"
+        "| path | services | workload | per second (median) | rounds' range | vs direct | p50 (ms) | p99 (ms) | failures | row |"
     )?;
-    writeln!(table, "| --- | --- | ---: | ---: | ---: | ---: | ---: |")?;
-    let names = [
-        ("tc", "TCP connections"),
-        ("tc", "UDP requests"),
-        ("XDP + tc", "TCP connections"),
-        ("XDP + tc", "UDP requests"),
-    ];
-    for (s, (path, workload)) in series.iter_mut().zip(names) {
-        writeln!(table, "{}", s.row(path, workload))?;
+    writeln!(
+        table,
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+    )?;
+    for &n in &sizes {
+        let state = state(n.saturating_sub(1));
+        let mut ipt = IptablesDataplane::new(IptablesConfig {
+            netns: Some(ipt_bed.node_netns().to_string()),
+            families: vec![Family::V4],
+            cleanup_on_exit: true,
+            backend: Backend::System,
+            ..Default::default()
+        })?;
+        let report = ipt.sync(&state, &common::node(), Scope::Full);
+        anyhow::ensure!(
+            report.failed.is_empty(),
+            "iptables sync failed: {:?}",
+            report.failed.first()
+        );
+        // [path][tcp, udp]
+        let mut series: Vec<[Series; 2]> = PATHS.iter().map(|_| Default::default()).collect();
+        for round in 0..rounds {
+            for k in 0..PATHS.len() {
+                let which = (round + k) % PATHS.len();
+                let (client, tcp_to, udp_to) = match which {
+                    2 => (&ipt_ext, &tcp_target, &udp_target),
+                    3 => (&ext, &pod_tcp, &pod_udp),
+                    _ => (&ext, &tcp_target, &udp_target),
+                };
+                let dp = match which {
+                    0 | 1 => Some(attach(&bed, &ext, which == 1, &state)?),
+                    _ => None,
+                };
+                let watch = Watch::start(&[&client.netns]);
+                let tcp = probe(
+                    client,
+                    &[
+                        "tcp",
+                        tcp_to,
+                        "--count",
+                        &count,
+                        "--timeout-ms",
+                        "1000",
+                        "--reset",
+                    ],
+                )?;
+                let tcp_c = watch.finish(tcp.failures);
+                let watch = Watch::start(&[&client.netns]);
+                let udp = probe(
+                    client,
+                    &[
+                        "udp",
+                        udp_to,
+                        "--connected",
+                        "--count",
+                        &count,
+                        "--timeout-ms",
+                        "1000",
+                    ],
+                )?;
+                let udp_c = watch.finish(udp.failures);
+                series[which][0].add(&tcp, tcp_c.problems(max_load));
+                series[which][1].add(&udp, udp_c.problems(max_load));
+                for p in tcp_c
+                    .problems(max_load)
+                    .into_iter()
+                    .chain(udp_c.problems(max_load))
+                {
+                    eprintln!(
+                        "bench: WARNING: node port, {} at {n} services: {p}; the row is FAILED",
+                        PATHS[which]
+                    );
+                }
+                drop(dp);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            eprintln!(
+                "bench: node port, {n} services, round {} of {rounds} done",
+                round + 1
+            );
+        }
+        ipt.shutdown();
+        let direct = [
+            median(&mut series[3][0].rate.clone()),
+            median(&mut series[3][1].rate.clone()),
+        ];
+        for (which, pair) in series.iter_mut().enumerate() {
+            for (w, (s, workload)) in pair
+                .iter_mut()
+                .zip(["TCP connections", "UDP requests"])
+                .enumerate()
+            {
+                let vs = (which != 3).then_some(direct[w]);
+                writeln!(table, "{}", s.row(PATHS[which], workload, n, vs))?;
+            }
+        }
     }
     println!(
         "\nNode port from another host, {rounds} interleaved rounds of {count} each:\n\n{table}"

@@ -266,6 +266,11 @@ impl Daemon {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// The daemon's process id (for /proc/PID/status).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Waits up to `secs` for the daemon to exit by itself.
     pub fn wait_exit(&mut self, secs: u64) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + Duration::from_secs(secs);

@@ -901,11 +901,23 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
     };
 
     let mut state = inner.state();
-    let (list_rv, snapshot) = match at {
-        ListAt::Current => (state.rv, None),
+    let (list_rv, (items, next, remaining)) = match at {
+        ListAt::Current => (
+            state.rv,
+            store::page(
+                state.stores[res].iter().map(|(k, v)| (k.as_str(), v)),
+                &filter,
+                start.as_deref(),
+                limit,
+            ),
+        ),
         ListAt::NotOlderThan(n) => {
             state = wait_for_rv(inner, state, n)?;
-            (state.rv, None)
+            let objects = state.stores[res].iter().map(|(k, v)| (k.as_str(), v));
+            (
+                state.rv,
+                store::page(objects, &filter, start.as_deref(), limit),
+            )
         }
         ListAt::Exact(n) => {
             state = wait_for_rv(inner, state, n)?;
@@ -923,11 +935,9 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
                     Status::too_old(n, state.floor)
                 });
             }
-            (n, Some(state.snapshot(res, n)?))
+            (n, state.page_at(res, n, &filter, start.as_deref(), limit)?)
         }
     };
-    let store = snapshot.as_ref().unwrap_or(&state.stores[res]);
-    let (items, next, remaining) = store::page(store, &filter, start.as_deref(), limit);
     drop(state);
 
     let mut metadata = json!({"resourceVersion": list_rv.to_string()});

@@ -27,19 +27,45 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Set up, then run the side-by-side benchmarks (eBPF against iptables, control plane and
-    /// data path; node ports through tc against XDP) and write their tables to
-    /// target/bench/results.md and target/bench/nodeport.md.
+    /// Set up, then run the benchmarks: the proxier alone (eBPF against iptables, control
+    /// plane and data path), node ports from another host (tc, XDP, iptables, direct), and
+    /// the whole daemon (network programming latency, memory); write their tables to
+    /// target/bench/{results,nodeport,daemon}.md and their Targets to targets.md. Every
+    /// part is bounded in count and time; these flags trim it.
     Bench {
-        /// Service counts for the control-plane rows (the data path uses 1 and the largest).
+        /// Service counts for the proxier rows (the data path also runs at 1).
         #[arg(long, value_delimiter = ',', default_value = "100,1000,10000")]
         sizes: Vec<u32>,
+        /// Service counts for the whole-daemon rows.
+        #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,50000")]
+        daemon_sizes: Vec<u32>,
+        /// Service counts for the node-port rows.
+        #[arg(long, value_delimiter = ',', default_value = "1,10000")]
+        nodeport_sizes: Vec<u32>,
         /// New connections (and UDP requests) per data-path run.
         #[arg(long, default_value_t = 2000)]
         connections: u32,
         /// Interleaved rounds per data-path comparison.
         #[arg(long, default_value_t = 5)]
         rounds: u32,
+        /// Measured endpoint changes per daemon row (at most).
+        #[arg(long, default_value_t = 100)]
+        samples: u32,
+        /// Longest the measured changes of one daemon row may take, in seconds.
+        #[arg(long, default_value_t = 30)]
+        phase_secs: u64,
+        /// Longest a daemon's first sync may take, in seconds (the row then says so).
+        #[arg(long, default_value_t = 300)]
+        sync_secs: u64,
+        /// Other endpoint changes per second while a daemon row measures.
+        #[arg(long, default_value_t = 100)]
+        churn: u32,
+        /// Highest 1-minute load average a connection run may see (default: the CPUs).
+        #[arg(long)]
+        max_load: Option<f64>,
+        /// Run only these benches: dataplane, nodeport, daemon.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
     },
     /// Build the container image localhost/fastpath:0.1.0 with podman, from a Debian root
     /// file system made by debootstrap (cached under target/image/) and the release binaries.
@@ -77,9 +103,29 @@ fn main() -> ExitCode {
             Cmd::Test { args } => xtask::run::test(&args),
             Cmd::Bench {
                 sizes,
+                daemon_sizes,
+                nodeport_sizes,
                 connections,
                 rounds,
-            } => xtask::run::bench(&sizes, connections, rounds),
+                samples,
+                phase_secs,
+                sync_secs,
+                churn,
+                max_load,
+                only,
+            } => xtask::run::bench(&xtask::run::BenchOptions {
+                sizes,
+                daemon_sizes,
+                nodeport_sizes,
+                connections,
+                rounds,
+                samples,
+                phase_secs,
+                sync_secs,
+                churn,
+                max_load,
+                only,
+            }),
             Cmd::Run {
                 manifests,
                 kubeconfig,

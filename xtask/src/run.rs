@@ -31,22 +31,110 @@ pub fn test(args: &[String]) -> Result<()> {
     cmd::run(&mut test)
 }
 
-/// `cargo xtask bench`: set-up, then the `dataplane` and `nodeport` benches of
-/// proxy-userland (plain programs printing tables; see proxy-userland/benches/).
-pub fn bench(sizes: &[u32], connections: u32, rounds: u32) -> Result<()> {
+/// What `cargo xtask bench` runs, and how much of it.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Service counts for the proxier's control-plane and data-path rows.
+    pub sizes: Vec<u32>,
+    /// Service counts for the whole-daemon rows (latency, memory).
+    pub daemon_sizes: Vec<u32>,
+    /// Service counts for the node-port rows.
+    pub nodeport_sizes: Vec<u32>,
+    pub connections: u32,
+    pub rounds: u32,
+    /// Measured changes per daemon row, and the time they may take.
+    pub samples: u32,
+    pub phase_secs: u64,
+    /// Longest a daemon's first sync may take before its row says it did not finish.
+    pub sync_secs: u64,
+    /// Endpoint changes per second around the measured ones.
+    pub churn: u32,
+    /// Highest load average a connection run may see (None: the number of CPUs).
+    pub max_load: Option<f64>,
+    /// Benches to run: any of dataplane, nodeport, daemon.
+    pub only: Vec<String>,
+}
+
+/// The benches, in the order they run, and the file each writes under target/bench.
+const BENCHES: [(&str, &str); 3] = [
+    ("dataplane", "results.md"),
+    ("nodeport", "nodeport.md"),
+    ("daemon", "daemon.md"),
+];
+
+/// `cargo xtask bench`: set-up, then the `dataplane`, `nodeport` and `daemon` benches of
+/// proxy-userland (plain programs printing tables; see proxy-userland/benches/), each
+/// bounded in count and time; then every bench's Targets, together, printed and written to
+/// target/bench/targets.md. A bench that fails does not stop the others.
+pub fn bench(o: &BenchOptions) -> Result<()> {
     setup::setup()?;
-    let sizes: Vec<String> = sizes.iter().map(u32::to_string).collect();
-    for name in ["dataplane", "nodeport"] {
+    let join = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let started = std::time::Instant::now();
+    let mut failed = Vec::new();
+    for (name, _) in BENCHES
+        .iter()
+        .filter(|(n, _)| o.only.is_empty() || o.only.iter().any(|x| x == n))
+    {
         let mut bench = crate::cargo();
         bench
             .args(["bench", "-p", "proxy-userland", "--bench", name])
-            .env("FASTPATH_BENCH_SIZES", sizes.join(","))
-            .env("FASTPATH_BENCH_CONNS", connections.to_string())
-            .env("FASTPATH_BENCH_ROUNDS", rounds.to_string());
+            .env("FASTPATH_BENCH_SIZES", join(&o.sizes))
+            .env("FASTPATH_BENCH_DAEMON_SIZES", join(&o.daemon_sizes))
+            .env("FASTPATH_BENCH_NODEPORT_SIZES", join(&o.nodeport_sizes))
+            .env("FASTPATH_BENCH_CONNS", o.connections.to_string())
+            .env("FASTPATH_BENCH_ROUNDS", o.rounds.to_string())
+            .env("FASTPATH_BENCH_SAMPLES", o.samples.to_string())
+            .env("FASTPATH_BENCH_PHASE_SECS", o.phase_secs.to_string())
+            .env("FASTPATH_BENCH_SYNC_SECS", o.sync_secs.to_string())
+            .env("FASTPATH_BENCH_CHURN", o.churn.to_string());
+        if let Some(load) = o.max_load {
+            bench.env("FASTPATH_BENCH_MAX_LOAD", load.to_string());
+        }
         println!("bench: running `{}`", cmd::describe(&bench));
-        cmd::run(&mut bench)?;
+        if let Err(e) = cmd::run(&mut bench) {
+            eprintln!("bench: {name} failed: {e:#}");
+            failed.push(*name);
+        }
+    }
+    let dir = crate::target_dir().join("bench");
+    let mut targets = String::from("# Targets\n");
+    for (name, file) in BENCHES {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+        let section = targets_of(&text);
+        if !section.is_empty() {
+            targets.push_str(&format!(
+                "\nFrom {name} (target/bench/{file}):\n\n{section}"
+            ));
+        }
+    }
+    targets.push_str(&format!(
+        "\nThe whole bench took {:.0} s.\n",
+        started.elapsed().as_secs_f64()
+    ));
+    println!("\n{targets}");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(dir.join("targets.md"), &targets)?;
+    if !failed.is_empty() {
+        bail!("bench: {} failed (see above)", failed.join(", "));
     }
     Ok(())
+}
+
+/// The bullet lines of every `## Targets...` section of a results file.
+fn targets_of(text: &str) -> String {
+    let mut out = String::new();
+    let mut inside = false;
+    for line in text.lines() {
+        if line.starts_with("## ") {
+            inside = line.starts_with("## Targets");
+            continue;
+        }
+        if inside && !line.trim().is_empty() {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// Builds the daemon and the probe (release).

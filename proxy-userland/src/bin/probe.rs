@@ -80,6 +80,11 @@ enum Command {
         addr: SocketAddr,
         #[command(flatten)]
         attempts: Attempts,
+        /// Close each connection with a reset (SO_LINGER 0) instead of a FIN, so it leaves
+        /// no TIME_WAIT socket behind: a benchmark making thousands of connections to one
+        /// destination then cannot run out of ephemeral ports.
+        #[arg(long)]
+        reset: bool,
     },
     /// Send "ping", wait for the reply, report its source; once per attempt.
     Udp {
@@ -145,8 +150,12 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Command::Tcp { addr, attempts } => {
-            each_attempt(&attempts, |timeout| tcp_attempt(addr, timeout));
+        Command::Tcp {
+            addr,
+            attempts,
+            reset,
+        } => {
+            each_attempt(&attempts, |timeout| tcp_attempt(addr, timeout, reset));
             ExitCode::SUCCESS
         }
         Command::Udp {
@@ -234,11 +243,14 @@ fn each_attempt(attempts: &Attempts, mut attempt: impl FnMut(Duration) -> String
 
 // ---- client -------------------------------------------------------------------------------
 
-fn tcp_attempt(addr: SocketAddr, timeout: Duration) -> String {
+fn tcp_attempt(addr: SocketAddr, timeout: Duration, reset: bool) -> String {
     let mut stream = match TcpStream::connect_timeout(&addr, timeout) {
         Ok(stream) => stream,
         Err(e) => return err_line("connect", &e, timeout),
     };
+    if reset && let Err(e) = set_linger_zero(&stream) {
+        return err_line("setsockopt", &e, timeout);
+    }
     let peer = stream
         .peer_addr()
         .map_or_else(|_| "-".to_string(), |p| p.to_string());
@@ -566,6 +578,29 @@ fn bound_socket(addr: SocketAddr, kind: libc::c_int) -> io::Result<OwnedFd> {
         return Err(io::Error::last_os_error());
     }
     Ok(fd)
+}
+
+/// SO_LINGER on with a zero timeout: close() sends a reset and keeps no TIME_WAIT state.
+fn set_linger_zero(stream: &TcpStream) -> io::Result<()> {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: the pointer and length describe `linger`, which outlives the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 fn set_int_opt(

@@ -1,0 +1,181 @@
+//! The synthetic cluster the daemon bench feeds the real `fastpath` binary: N services x 10
+//! endpoints as Kubernetes JSON, loaded into the in-repo API server or written as manifest
+//! files; the changes the bench makes (one endpoint replaced) and the churn around them.
+#![allow(dead_code)]
+
+use std::{
+    net::Ipv4Addr,
+    path::{Path, PathBuf},
+};
+
+use serde_json::{Value, json};
+use xtask::apiserver::ApiServer;
+
+pub const NAMESPACE: &str = "bench";
+pub const ENDPOINTS: u32 = 10;
+/// The service connections run through while the bench measures (one pod, in the bed).
+pub const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+pub const WEB_POD: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 11);
+
+/// Service `i`'s ClusterIP: 198.19.1.0 upwards (198.19.0.x is the bed's own).
+pub fn service_ip(i: u32) -> Ipv4Addr {
+    let n = i + 256;
+    Ipv4Addr::new(198, 19, (n >> 8) as u8, n as u8)
+}
+
+/// The k-th synthetic endpoint address: 198.18.16.0 - 198.18.255.255 (clear of the bed's
+/// node, pods and the bench's marker addresses), reused after 61,440.
+pub fn endpoint_ip(k: u32) -> Ipv4Addr {
+    let n = 16 * 256 + k % (240 * 256);
+    Ipv4Addr::new(198, 18, (n >> 8) as u8, n as u8)
+}
+
+/// The address the k-th measured change brings in: 198.18.3.0 - 198.18.15.255, never one
+/// the service had, so its arrival in the dataplane is unambiguous.
+pub fn marker_ip(k: u32) -> Ipv4Addr {
+    let n = 3 * 256 + k % (13 * 256);
+    Ipv4Addr::new(198, 18, (n >> 8) as u8, n as u8)
+}
+
+pub fn service_name(i: u32) -> String {
+    format!("svc-{i}")
+}
+
+pub fn service(name: &str, ip: Ipv4Addr) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "type": "ClusterIP", "clusterIP": ip.to_string(), "clusterIPs": [ip.to_string()],
+            "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}]
+        }
+    })
+}
+
+pub fn slice(service: &str, ips: &[Ipv4Addr]) -> Value {
+    let endpoints: Vec<Value> = ips
+        .iter()
+        .map(|ip| json!({"addresses": [ip.to_string()], "conditions": {"ready": true}, "nodeName": "node-b"}))
+        .collect();
+    json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": format!("{service}-1"), "namespace": NAMESPACE,
+                     "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": endpoints
+    })
+}
+
+/// Service `i`'s endpoints as first created.
+pub fn initial_endpoints(i: u32) -> Vec<Ipv4Addr> {
+    (0..ENDPOINTS)
+        .map(|j| endpoint_ip(i * ENDPOINTS + j))
+        .collect()
+}
+
+/// Service `i`'s endpoints with the first replaced by `ip`.
+pub fn changed_endpoints(i: u32, ip: Ipv4Addr) -> Vec<Ipv4Addr> {
+    let mut eps = initial_endpoints(i);
+    eps[0] = ip;
+    eps
+}
+
+pub fn node() -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}})
+}
+
+/// Every object of a cluster with `n` services, plus `web` (the connections' service).
+pub fn objects(n: u32) -> (Vec<Value>, Vec<Value>) {
+    let mut services = vec![service("web", WEB_IP)];
+    let mut slices = vec![slice("web", &[WEB_POD])];
+    for i in 0..n {
+        let name = service_name(i);
+        services.push(service(&name, service_ip(i)));
+        slices.push(slice(&name, &initial_endpoints(i)));
+    }
+    (services, slices)
+}
+
+/// Loads a cluster of `n` services into a fresh API server, then drops the history of the
+/// load (nobody watches yet), as a long-running server would have compacted it.
+pub fn api_server(n: u32) -> anyhow::Result<ApiServer> {
+    let api = ApiServer::start()?;
+    api.create("nodes", node());
+    let (services, slices) = objects(n);
+    for s in services {
+        api.try_create("services", s)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    for s in slices {
+        api.try_create("endpointslices", s)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    api.compact();
+    Ok(api)
+}
+
+/// A folder of manifests for a cluster of `n` services: JSON `List`s of `CHUNK` objects, so
+/// a change rewrites one small file (the daemon still re-reads the folder). Removed on drop.
+pub struct Manifests {
+    pub dir: PathBuf,
+}
+
+const CHUNK: u32 = 500;
+
+impl Manifests {
+    pub fn write(n: u32) -> anyhow::Result<Manifests> {
+        let dir = std::env::temp_dir().join(format!(
+            "fastpath-bench-manifests-{}-{n}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let m = Manifests { dir };
+        let (services, _) = objects(n);
+        for (c, chunk) in services.chunks(CHUNK as usize).enumerate() {
+            write_list(&m.dir.join(format!("services-{c:04}.json")), chunk)?;
+        }
+        write_list(&m.dir.join("slices-web.json"), &[slice("web", &[WEB_POD])])?;
+        for c in 0..n.div_ceil(CHUNK) {
+            m.write_slices(n, c, None)?;
+        }
+        Ok(m)
+    }
+
+    /// Rewrites the slice file holding service `i`, with `i`'s endpoints as `eps`.
+    pub fn change(&self, n: u32, i: u32, eps: &[Ipv4Addr]) -> anyhow::Result<()> {
+        self.write_slices(n, i / CHUNK, Some((i, eps)))
+    }
+
+    fn write_slices(
+        &self,
+        n: u32,
+        chunk: u32,
+        change: Option<(u32, &[Ipv4Addr])>,
+    ) -> anyhow::Result<()> {
+        let items: Vec<Value> = (chunk * CHUNK..((chunk + 1) * CHUNK).min(n))
+            .map(|i| match change {
+                Some((c, eps)) if c == i => slice(&service_name(i), eps),
+                _ => slice(&service_name(i), &initial_endpoints(i)),
+            })
+            .collect();
+        write_list(&self.dir.join(format!("slices-{chunk:04}.json")), &items)
+    }
+}
+
+impl Drop for Manifests {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Writes a `List` atomically (a temporary file renamed over the old one), so the daemon
+/// never reads half a file.
+fn write_list(path: &Path, items: &[Value]) -> anyhow::Result<()> {
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&list)?)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
