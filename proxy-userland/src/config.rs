@@ -6,6 +6,7 @@
 //! [`Args::from_matches`]: a bad one stops the daemon with a message naming the flag or field.
 
 pub mod file;
+pub mod mode;
 pub mod values;
 
 use std::{
@@ -21,7 +22,8 @@ pub use file::KubeProxyConfiguration;
 
 pub use values::{Cidr, LogLevel, NodePortAddress};
 
-use crate::{mode::Mode, node_setup::NodeSetup};
+use self::mode::Mode;
+use crate::node_setup::NodeSetup;
 
 #[derive(Debug, Clone, Parser)]
 #[command(

@@ -146,12 +146,12 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
 fn cleanup(args: &Args) -> anyhow::Result<()> {
     // "ebpf" as the mode to keep makes it remove the iptables and userspace chains; the
     // pins go below, wherever --bpf-pin-dir put them.
-    crate::mode::cleanup_leftovers(crate::mode::Mode::Ebpf, args.netns.as_deref());
+    dataplane::mode::cleanup_leftovers(dataplane::mode::Mode::Ebpf, args.netns.as_deref());
     if args.netns.is_none() {
         let pins = args
             .bpf_pin_dir
             .clone()
-            .unwrap_or_else(|| crate::mode::BPF_PIN_DIR.into());
+            .unwrap_or_else(|| dataplane::mode::BPF_PIN_DIR.into());
         dataplane::bpf::loader::remove_pinned(&pins)?;
         info!(pins = %pins.display(), "removed pinned eBPF programs and maps");
     }

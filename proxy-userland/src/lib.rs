@@ -10,7 +10,6 @@
 //! - [`sync`]: the bounded-frequency runner that turns changes into dataplane syncs.
 //! - [`dataplane`]: the [`dataplane::Dataplane`] trait and its backends: eBPF, and the
 //!   iptables and userspace fallbacks.
-//! - [`mode`]: probing the node and choosing the dataplane, as kube-proxy's getProxyMode.
 //! - [`admin`]: /healthz, /livez, /readyz, /metrics and the health check node ports.
 //! - [`node_setup`]: conntrack sysctls and the OOM score, as kube-proxy sets them (opt-in).
 //! - [`events`]: Kubernetes Events about objects that cannot be used or programmed.
@@ -24,7 +23,6 @@ pub mod daemon;
 pub mod dataplane;
 pub mod events;
 pub mod inspect;
-pub mod mode;
 pub mod model;
 pub mod node_setup;
 pub mod shutdown;

@@ -2,18 +2,20 @@
 //!
 //! The sync loop hands every backend the same [`ProxyState`] plus the services that changed
 //! since the last sync; how that becomes kernel state is the backend's business. Chosen once
-//! at start-up ([`start`], [`crate::mode`]), dispatched through [`Proxier`] without dynamic
+//! at start-up ([`start`], [`mode`]), dispatched through [`Proxier`] without dynamic
 //! dispatch.
 //!
 //! - [`bpf`]: socket-level load balancing with cgroup eBPF programs (the default).
 //! - [`iptables`]: kube-proxy's iptables mode, the first fallback.
 //! - [`userspace`]: relays reached through iptables REDIRECT, the last resort.
 //! - [`frontends`]: what a service asks of any dataplane, derived from the model once.
+//! - [`mode`]: probing the node and choosing the mode, as kube-proxy's getProxyMode.
 //! - [`netns`]: running a proxier for another network namespace.
 
 pub mod bpf;
 pub mod frontends;
 pub mod iptables;
+pub mod mode;
 pub mod netns;
 pub mod start;
 pub mod userspace;

@@ -5,13 +5,13 @@ use std::path::PathBuf;
 
 use tracing::info;
 
+use super::mode::{self, Mode, ModeDecision, ModeError, Probes};
 use super::{
     Proxier,
     bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig, PodPathConfig},
     iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig, apply::Backend},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
-use crate::mode::{self, Mode, ModeDecision, ModeError, Probes};
 
 /// What any dataplane may need to start.
 #[derive(Clone, Debug, Default)]

@@ -11,19 +11,18 @@
 //! eBPF programs need no cleanup: they are attached through links that die with us.
 
 use std::{
-    fmt,
     path::{Path, PathBuf},
     process::Stdio,
-    str::FromStr,
 };
 
 use tracing::{info, warn};
 
-use crate::dataplane::{
+use super::{
     iptables::{self, Family, Table, apply::Runner},
     netns,
     userspace::portals,
 };
+pub use crate::config::mode::Mode;
 
 /// Where fastpath would pin BPF objects; removed when another mode starts.
 pub const BPF_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
@@ -31,43 +30,6 @@ pub const BPF_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
 pub const MIN_KERNEL_FOR_EBPF: (u32, u32) = (5, 7);
 /// `-C` and `--wait` appeared in iptables 1.4.11; kube-proxy required it.
 pub const MIN_IPTABLES: (u32, u32, u32) = (1, 4, 11);
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
-pub enum Mode {
-    Ebpf,
-    Iptables,
-    Userspace,
-}
-
-impl Mode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Ebpf => "ebpf",
-            Mode::Iptables => "iptables",
-            Mode::Userspace => "userspace",
-        }
-    }
-}
-
-impl fmt::Display for Mode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "ebpf" => Ok(Mode::Ebpf),
-            "iptables" => Ok(Mode::Iptables),
-            "userspace" => Ok(Mode::Userspace),
-            other => Err(format!(
-                "unknown proxy mode {other:?} (ebpf, iptables or userspace)"
-            )),
-        }
-    }
-}
 
 /// What the node offers. `Err` holds why a probe failed, for the log.
 #[derive(Clone, Debug, PartialEq, Eq)]
