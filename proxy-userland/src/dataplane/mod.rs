@@ -22,7 +22,7 @@ pub mod userspace;
 
 use std::collections::BTreeSet;
 
-use self::bpf::maps::{Occupancy, PacketStats};
+use self::bpf::maps::{LruCensus, Occupancy, PacketStats};
 pub use self::start::{StartError, StartOptions, select_and_start, start};
 use crate::model::{NodeInfo, ProxyState, ServiceKey};
 
@@ -63,6 +63,12 @@ pub trait Dataplane {
     /// Entries in the dataplane's BPF maps, for the metrics, if it has any. Called after
     /// every sync, so it must be cheap: no walk over a map.
     fn occupancy(&self) -> Option<Occupancy> {
+        None
+    }
+
+    /// Handles for counting the maps the kernel fills, on another thread (see
+    /// [`bpf::maps::LruCensus`]), if the dataplane has such maps.
+    fn lru_census(&self) -> Option<LruCensus> {
         None
     }
 
@@ -120,6 +126,18 @@ impl Dataplane for Proxier {
     fn occupancy(&self) -> Option<Occupancy> {
         match self {
             Proxier::Bpf(d) => Some(d.programmer().occupancy()),
+            _ => None,
+        }
+    }
+
+    fn lru_census(&self) -> Option<LruCensus> {
+        match self {
+            Proxier::Bpf(d) => d
+                .programmer()
+                .maps()
+                .lru_census()
+                .inspect_err(|e| tracing::warn!("cannot count the reverse-NAT and flow maps: {e}"))
+                .ok(),
             _ => None,
         }
     }

@@ -12,7 +12,13 @@
 //! the input channel, the stop signal and the next sync's deadline; the sync itself runs
 //! outside it.
 
-use std::{collections::BTreeSet, io, thread::JoinHandle, time::Instant};
+use std::{
+    collections::BTreeSet,
+    io,
+    sync::{Arc, Mutex},
+    thread::JoinHandle,
+    time::Instant,
+};
 
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
@@ -20,7 +26,10 @@ use tracing::{debug, error, info, warn};
 use super::{BoundedFrequency, SyncPeriods, runner::Due};
 use crate::{
     admin::{SyncRecord, healthcheck},
-    dataplane::{Dataplane, Scope},
+    dataplane::{
+        Dataplane, Scope,
+        bpf::maps::{CensusThread, LruCounts, Occupancy},
+    },
     model::{NodeInfo, ProxyState, ServiceKey, tracker::ChangeTracker},
     source::SourceEvent,
 };
@@ -48,6 +57,9 @@ pub enum EngineEvent {
     },
     /// A sync ran.
     Synced(Box<SyncOutcome>),
+    /// The kernel-filled maps were counted (every [`CENSUS_PERIOD`](crate::dataplane::bpf::maps::CENSUS_PERIOD)); the other entries
+    /// are the last sync's.
+    Occupancy(Occupancy),
 }
 
 /// One sync, as the async side needs it.
@@ -97,7 +109,11 @@ impl Engine {
                 // Held until the dataplane is down: the channel closing says it is.
                 let out = out_tx.clone();
                 let mut dataplane = dataplane;
-                Loop::new(cfg, out_tx).run(&rt, &mut dataplane, input, stop_rx);
+                let occupancy = Arc::new(Mutex::new(Occupancy::default()));
+                let census = start_census(&dataplane, &occupancy, &out_tx);
+                Loop::new(cfg, out_tx, occupancy).run(&rt, &mut dataplane, input, stop_rx);
+                // Its map handles go before the dataplane does.
+                drop(census);
                 let mode = dataplane.name();
                 dataplane.teardown();
                 info!(mode, "dataplane stopped");
@@ -168,10 +184,17 @@ struct Loop {
     retry: BTreeSet<ServiceKey>,
     /// When the oldest change not yet programmed arrived (network programming latency).
     pending_since: Option<Instant>,
+    /// Map entries: services and backends as the dataplane counts them at each sync, the
+    /// kernel-filled maps as the census last counted them.
+    occupancy: Arc<Mutex<Occupancy>>,
 }
 
 impl Loop {
-    fn new(cfg: EngineConfig, out: mpsc::UnboundedSender<EngineEvent>) -> Self {
+    fn new(
+        cfg: EngineConfig,
+        out: mpsc::UnboundedSender<EngineEvent>,
+        occupancy: Arc<Mutex<Occupancy>>,
+    ) -> Self {
         Loop {
             tracker: ChangeTracker::new(),
             runner: BoundedFrequency::new(cfg.periods, Instant::now()),
@@ -182,6 +205,7 @@ impl Loop {
             full_pending: false,
             retry: BTreeSet::new(),
             pending_since: None,
+            occupancy,
         }
     }
 
@@ -303,7 +327,12 @@ impl Loop {
             full,
             failed: report.failed.len(),
             pending_since: self.pending_since.take(),
-            occupancy: dp.occupancy(),
+            occupancy: dp.occupancy().map(|counted| {
+                let mut o = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
+                o.services = counted.services;
+                o.backends = counted.backends;
+                *o
+            }),
             packet_stats: dp.packet_stats(),
             services,
             services_changed_total: self.tracker.services_changed_total(),
@@ -348,4 +377,28 @@ impl Loop {
         // Nobody listening means the daemon is going away; the stop signal follows.
         let _ = self.out.send(ev);
     }
+}
+
+/// Starts counting the kernel-filled maps off the sync path, if the dataplane has any.
+fn start_census<D: Dataplane>(
+    dp: &D,
+    shared: &Arc<Mutex<Occupancy>>,
+    out: &mpsc::UnboundedSender<EngineEvent>,
+) -> Option<CensusThread> {
+    let census = dp.lru_census()?;
+    let (shared, out) = (shared.clone(), out.clone());
+    let report = move |c: LruCounts| {
+        let snapshot = {
+            let mut o = shared.lock().unwrap_or_else(|p| p.into_inner());
+            o.sock_revnat = c.sock_revnat;
+            o.affinity = c.affinity;
+            o.conntrack = c.conntrack;
+            *o
+        };
+        let _ = out.send(EngineEvent::Occupancy(snapshot));
+    };
+    census
+        .spawn(report)
+        .inspect_err(|e| warn!("cannot start counting the BPF maps: {e}"))
+        .ok()
 }

@@ -46,6 +46,7 @@ impl Reports {
                     .changes_seen(services_changed_total, endpoints_changed_total);
             }
             EngineEvent::Synced(outcome) => self.synced(*outcome),
+            EngineEvent::Occupancy(o) => self.admin.metrics.set_occupancy(&o),
         }
     }
 

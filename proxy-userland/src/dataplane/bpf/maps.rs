@@ -25,6 +25,10 @@ use super::{
     program::{BackendAddr, Frontend},
 };
 
+mod census;
+
+pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
+
 pub struct ServiceMaps {
     services4: HashMap<MapData, Service4Key, ServiceValue>,
     backends4: HashMap<MapData, BackendId, Backend4>,
@@ -405,7 +409,10 @@ impl ServiceMaps {
         }
     }
 
-    /// Entries per map, for metrics and leak checks.
+    /// Entries per map, counted by walking every key of every map: for tests and leak
+    /// checks only, never per sync (a full reverse-NAT map takes 200-500 ms). The daemon's
+    /// metrics use [`Programmer::occupancy`](super::program::Programmer::occupancy) and
+    /// [`LruCensus`].
     pub fn occupancy(&self) -> Occupancy {
         Occupancy {
             services: self.services4.keys().count() + self.services6.keys().count(),

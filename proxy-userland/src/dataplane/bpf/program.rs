@@ -157,8 +157,16 @@ impl Programmer {
         self.packet_path = true;
     }
 
+    /// Service and backend map entries, from what this programmer wrote (a master entry
+    /// and a slot per backend for each frontend; one entry per distinct backend), so it
+    /// costs no bpf() call. The kernel-filled maps are left at 0: see
+    /// [`ServiceMaps::lru_census`].
     pub fn occupancy(&self) -> Occupancy {
-        self.maps.occupancy()
+        Occupancy {
+            services: self.frontends.values().map(|st| 1 + st.ids.len()).sum(),
+            backends: self.backends.len(),
+            ..Occupancy::default()
+        }
     }
 
     /// The backends a frontend is programmed with, for tests and diagnostics.

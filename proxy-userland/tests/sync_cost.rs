@@ -1,0 +1,162 @@
+//! What one endpoint change costs through the sync engine with the real eBPF dataplane,
+//! with the socket reverse-NAT map empty and then full (262,144 entries). Counting that map
+//! used to be part of every sync (65,000 bpf() calls, 200-500 ms); now the programmer's own
+//! counts serve the metrics and the kernel-filled maps are counted off the sync path, so the
+//! two cases must cost the same few milliseconds. Run with `--nocapture` to see the numbers.
+
+mod common;
+
+use std::{
+    net::Ipv4Addr,
+    time::{Duration, Instant},
+};
+
+use aya::maps::{HashMap, Map, MapData};
+use common::*;
+use proxy_common::{SockRevNat4Key, SockRevNat4Value, maps::SOCK_REVNAT_MAX};
+use proxy_userland::{
+    dataplane::{Proxier, bpf::BpfDataplane},
+    model::{ServiceKey, SliceInfo},
+    source::SourceEvent,
+    sync::{Engine, EngineConfig, EngineEvent, SyncPeriods},
+};
+use tokio::sync::mpsc;
+
+const SERVICES: u8 = 100;
+const CHANGES: usize = 40;
+
+fn slice_with(pod: Ipv4Addr) -> SliceInfo {
+    web_endpoints(vec![ready(pod)])
+        .slices
+        .remove("slice-a")
+        .unwrap()
+}
+
+/// Time from an endpoint change entering the engine to its sync being reported.
+async fn endpoint_changes(
+    tx: &mpsc::Sender<SourceEvent>,
+    out: &mut mpsc::UnboundedReceiver<EngineEvent>,
+) -> Vec<Duration> {
+    let mut took = Vec::new();
+    let started = Instant::now();
+    for i in 0..CHANGES {
+        if started.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        let pod = Ipv4Addr::new(198, 18, 1, 1 + (i % 200) as u8);
+        let t = Instant::now();
+        tx.send(SourceEvent::Slice {
+            namespace: "demo".into(),
+            owner: Some(ServiceKey::new("demo", "svc-0")),
+            name: "slice-a".into(),
+            slice: Some(slice_with(pod)),
+        })
+        .await
+        .unwrap();
+        loop {
+            match tokio::time::timeout(Duration::from_secs(10), out.recv()).await {
+                Ok(Some(EngineEvent::Synced(o))) => {
+                    assert_eq!(o.record.failed, 0);
+                    break;
+                }
+                Ok(Some(_)) => {}
+                other => panic!("no sync: {other:?}"),
+            }
+        }
+        took.push(t.elapsed());
+    }
+    took.sort();
+    took
+}
+
+fn summary(took: &[Duration]) -> (Duration, Duration) {
+    (took[took.len() / 2], *took.last().unwrap())
+}
+
+#[tokio::test]
+async fn an_endpoint_change_costs_the_same_with_the_reverse_nat_map_full() {
+    let (bed, _pods) = bed_with_pods("synccost", 1);
+    let dir = std::env::temp_dir().join(format!("fastpath-synccost-{}", std::process::id()));
+    let bpffs = Bpffs::mount(&dir);
+    let dp = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&bpffs.0)).expect("attach");
+
+    let (tx, input) = mpsc::channel(1024);
+    let cfg = EngineConfig {
+        periods: SyncPeriods::default(),
+        node: node(),
+    };
+    let (engine, mut out) = Engine::spawn(Proxier::Bpf(Box::new(dp)), cfg, input).unwrap();
+    let services = (0..SERVICES)
+        .map(|i| web_service(&format!("svc-{i}"), Ipv4Addr::new(198, 19, 1, i)))
+        .collect();
+    let slices = (0..SERVICES)
+        .map(|i| {
+            let key = ServiceKey::new("demo", &format!("svc-{i}"));
+            (key, "slice-a".to_string(), slice_with(pod_ip(1)))
+        })
+        .collect();
+    tx.send(SourceEvent::ReplaceAll { services, slices })
+        .await
+        .unwrap();
+    tx.send(SourceEvent::Synced).await.unwrap();
+    let empty = endpoint_changes(&tx, &mut out).await;
+
+    // Fill the socket reverse-NAT map as a node with many open connections would.
+    let path = std::fs::read_dir(&bpffs.0)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path().join(proxy_common::maps::SOCK_REVNAT4))
+        .find(|p| p.exists())
+        .expect("the pinned reverse-NAT map");
+    let map = Map::from_map_data(MapData::from_pin(&path).unwrap()).unwrap();
+    let mut revnat: HashMap<MapData, SockRevNat4Key, SockRevNat4Value> =
+        HashMap::try_from(map).unwrap();
+    let fill = Instant::now();
+    for cookie in 0..u64::from(SOCK_REVNAT_MAX) {
+        let key = SockRevNat4Key {
+            cookie: cookie + 1,
+            address: u32::from_ne_bytes([198, 18, 1, 1]),
+            port: 8080u16.to_be(),
+            _pad: [0; 2],
+        };
+        let value = SockRevNat4Value {
+            address: u32::from_ne_bytes([198, 19, 1, 0]),
+            port: 80u16.to_be(),
+            rev_nat_index: 1,
+        };
+        revnat.insert(key, value, 0).unwrap();
+        assert!(
+            fill.elapsed() < Duration::from_secs(120),
+            "filling took too long"
+        );
+    }
+    let walk = Instant::now();
+    let entries = revnat.keys().take(SOCK_REVNAT_MAX as usize + 1).count();
+    let walk = walk.elapsed();
+    assert!(
+        entries as u32 >= SOCK_REVNAT_MAX * 9 / 10,
+        "only {entries} entries"
+    );
+    let full = endpoint_changes(&tx, &mut out).await;
+
+    let (empty_p50, empty_max) = summary(&empty);
+    let (full_p50, full_max) = summary(&full);
+    println!(
+        "endpoint change through the engine, {SERVICES} services: reverse-NAT map empty: p50 {empty_p50:?}, max {empty_max:?}; \
+         full ({entries} entries, one walk of it takes {walk:?}): p50 {full_p50:?}, max {full_max:?}"
+    );
+    // Counting the full map per sync would add at least one walk to every change.
+    assert!(
+        full_p50 < empty_p50 + walk / 4,
+        "a full map slows syncs: {full_p50:?} against {empty_p50:?} empty"
+    );
+    assert!(full_p50 < Duration::from_millis(20), "p50 {full_p50:?}");
+
+    engine.shutdown().await.unwrap();
+    drop(revnat);
+    drop(bpffs_cleanup(&bpffs.0));
+}
+
+fn bpffs_cleanup(dir: &std::path::Path) -> Result<(), String> {
+    proxy_userland::dataplane::bpf::loader::remove_pinned(dir).map_err(|e| e.to_string())
+}
