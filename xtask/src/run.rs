@@ -24,11 +24,49 @@ pub struct RunOptions {
 /// default members: proxy-ebpf only builds for the BPF target).
 pub fn test(args: &[String]) -> Result<()> {
     setup::setup()?;
+    check()?;
     let mut test = crate::cargo();
     // Every test binary runs even after one fails, so a CI log shows all failures at once.
     test.args(["test", "--no-fail-fast"]).args(args);
     println!("test: running `{}`", cmd::describe(&test));
     cmd::run(&mut test)
+}
+
+/// The code-health gate `cargo xtask test` runs before the tests: formatting, and clippy
+/// with warnings denied over the default members (stable) and the eBPF crate (nightly, for
+/// the BPF target, as its build script builds it).
+pub fn check() -> Result<()> {
+    let mut fmt = crate::cargo();
+    fmt.args(["fmt", "--all", "--check"]);
+    let mut clippy = crate::cargo();
+    clippy.args(["clippy", "--all-targets", "--", "-D", "warnings"]);
+    let mut clippy_ebpf = Command::new("cargo");
+    clippy_ebpf
+        .current_dir(crate::workspace_root())
+        // Our own cargo's settings must not leak into the nightly one.
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        // The build-std target gets its own folder: sharing one with host builds would make
+        // every switch between the two rebuild core.
+        .env("CARGO_TARGET_DIR", crate::target_dir().join("ebpf-clippy"))
+        .args([
+            "+nightly",
+            "clippy",
+            "-p",
+            "proxy-ebpf",
+            "--target",
+            "bpfel-unknown-none",
+        ])
+        .args(["-Z", "build-std=core", "--", "-D", "warnings"]);
+    for (what, cmd) in [
+        ("format", &mut fmt),
+        ("lint", &mut clippy),
+        ("lint eBPF", &mut clippy_ebpf),
+    ] {
+        println!("check: {what}: `{}`", cmd::describe(cmd));
+        cmd::run(cmd).with_context(|| format!("the {what} check failed"))?;
+    }
+    Ok(())
 }
 
 /// What `cargo xtask bench` runs, and how much of it.

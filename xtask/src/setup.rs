@@ -79,21 +79,29 @@ fn ensure_rust_src() -> Result<()> {
         "nightly",
         "--installed",
     ]))?;
-    if installed
-        .lines()
-        .any(|l| l.trim() == "rust-src" || l.trim().starts_with("rust-src-"))
-    {
-        println!("setup: rust-src (nightly) present");
-        return Ok(());
+    // rust-src for `-Z build-std`; clippy because the code-health gate lints the eBPF crate,
+    // which only nightly builds.
+    for component in ["rust-src", "clippy"] {
+        let present = installed.lines().any(|l| {
+            let l = l.trim();
+            l == component
+                || l.strip_prefix(component)
+                    .is_some_and(|rest| rest.starts_with('-'))
+        });
+        if present {
+            println!("setup: {component} (nightly) present");
+            continue;
+        }
+        println!("setup: adding {component} to nightly");
+        cmd::run(Command::new(rustup()?).args([
+            "component",
+            "add",
+            component,
+            "--toolchain",
+            "nightly",
+        ]))?;
     }
-    println!("setup: adding rust-src to nightly");
-    cmd::run(Command::new(rustup()?).args([
-        "component",
-        "add",
-        "rust-src",
-        "--toolchain",
-        "nightly",
-    ]))
+    Ok(())
 }
 
 /// `$HOME/.local/share/fastpath/llvm`: the LLVM_PREFIX bpf-linker is built against.
