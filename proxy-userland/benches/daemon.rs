@@ -41,7 +41,7 @@ use xtask::apiserver::ApiServer;
 #[path = "support/cluster.rs"]
 mod cluster;
 #[path = "../tests/common.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod common;
 #[path = "support/conditions.rs"]
 mod conditions;
@@ -50,7 +50,7 @@ mod heap;
 #[path = "support/memory.rs"]
 mod memory;
 #[path = "../tests/nat_common.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod nat_common;
 #[path = "support/programmed.rs"]
 mod programmed;
@@ -226,7 +226,7 @@ fn ready(port: u16) -> bool {
 
 /// Reads the dataplane of the daemon under test.
 enum Dataplane {
-    Ebpf(PinnedMaps),
+    Ebpf(Box<PinnedMaps>),
     Iptables { netns: String },
 }
 
@@ -333,7 +333,7 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         }
         if dataplane.is_none() && ready(port) {
             dataplane = Some(match &pin_dir {
-                Some(dir) => Dataplane::Ebpf(PinnedMaps::open(&dir.join("maps-v1"))?),
+                Some(dir) => Dataplane::Ebpf(Box::new(PinnedMaps::open(&dir.join("maps-v1"))?)),
                 None => Dataplane::Iptables {
                     netns: bed.node_netns().into(),
                 },
@@ -704,7 +704,7 @@ fn rss_table(out: &mut String, rows: &[Row]) {
     }
 }
 
-fn find<'a>(rows: &'a [Row], mode: Mode, source: Source) -> Vec<(&'a Row, &'a Measured)> {
+fn find(rows: &[Row], mode: Mode, source: Source) -> Vec<(&Row, &Measured)> {
     rows.iter()
         .filter(|r| r.mode == mode && r.source == source)
         .filter_map(|r| r.result.as_ref().ok().map(|m| (r, m)))

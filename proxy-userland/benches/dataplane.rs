@@ -45,12 +45,12 @@ const UPDATES: usize = 200;
 const UPDATE_BUDGET: Duration = Duration::from_secs(30);
 
 #[path = "../tests/common.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod common;
 #[path = "support/conditions.rs"]
 mod conditions;
 #[path = "../tests/nat_common.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod nat_common;
 #[path = "support/synthetic.rs"]
 mod synthetic;

@@ -29,12 +29,12 @@ use proxy_userland::{
 use xtask::testbed::{Pod, Testbed};
 
 #[path = "../tests/common.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod common;
 #[path = "support/conditions.rs"]
 mod conditions;
 #[path = "../tests/nat_common.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod nat_common;
 #[path = "support/synthetic.rs"]
 mod synthetic;

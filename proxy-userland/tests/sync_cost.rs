@@ -91,7 +91,7 @@ async fn an_endpoint_change_costs_the_same_with_the_reverse_nat_map_full() {
         .collect();
     let slices = (0..SERVICES)
         .map(|i| {
-            let key = ServiceKey::new("demo", &format!("svc-{i}"));
+            let key = ServiceKey::new("demo", format!("svc-{i}"));
             (key, "slice-a".to_string(), slice_with(pod_ip(1)))
         })
         .collect();
