@@ -153,7 +153,7 @@ fn affine_backend<F: Family>(
     };
     let now = unsafe { bpf_ktime_get_ns() };
     let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
-    if let Some(prev) = unsafe { AFFINITY.get(&key) } {
+    if let Some(prev) = unsafe { AFFINITY.get(key) } {
         let (id, last) = (prev.backend_id, prev.last_used_ns);
         if now.wrapping_sub(last) <= timeout_ns
             && let Some(backend) = F::backend(id)
@@ -163,7 +163,7 @@ fn affine_backend<F: Family>(
                 _pad: 0,
                 last_used_ns: now,
             };
-            let _ = AFFINITY.insert(&key, &value, 0);
+            let _ = AFFINITY.insert(key, value, 0);
             return Ok(backend);
         }
     }
@@ -174,7 +174,7 @@ fn affine_backend<F: Family>(
         _pad: 0,
         last_used_ns: now,
     };
-    let _ = AFFINITY.insert(&key, &value, 0);
+    let _ = AFFINITY.insert(key, value, 0);
     Ok(backend)
 }
 

@@ -78,26 +78,26 @@ pub fn fp_getpeer6(ctx: SockAddrContext) -> i32 {
 /// IPs, and replies to SNATed flows. An error lets the packet pass as it came.
 #[classifier]
 pub fn fp_nodeport_in(mut ctx: TcContext) -> i32 {
-    nodeport::ingress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+    nodeport::ingress(&mut ctx).unwrap_or(TC_ACT_OK)
 }
 
 /// tc egress on each node device: replies of local backends leaving for the client.
 #[classifier]
 pub fn fp_nodeport_out(mut ctx: TcContext) -> i32 {
-    nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+    nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK)
 }
 
 /// tc ingress on a pod's device (host side): the pod's packets to Services, translated per
 /// packet (see [`nodeport::ingress_from_pod`]).
 #[classifier]
 pub fn fp_pod_in(mut ctx: TcContext) -> i32 {
-    nodeport::ingress_from_pod(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+    nodeport::ingress_from_pod(&mut ctx).unwrap_or(TC_ACT_OK)
 }
 
 /// tc egress on a pod's device: replies to the pod come from the Service it addressed.
 #[classifier]
 pub fn fp_pod_out(mut ctx: TcContext) -> i32 {
-    nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK as i32)
+    nodeport::egress(&mut ctx).unwrap_or(TC_ACT_OK)
 }
 
 /// XDP on node devices whose driver runs it natively: the ingress work of

@@ -232,7 +232,7 @@ fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result
 /// must become, and whether it was SNATed (then it is addressed to us and must be sent on).
 #[inline(always)]
 fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
-    let entry = CT4.get_ptr_mut(&f.key(nat::dir::REPLY))?;
+    let entry = CT4.get_ptr_mut(f.key(nat::dir::REPLY))?;
     let e = unsafe { &mut *entry };
     if f.expired(e.last_seen_ns, e.flags, now) {
         return None;
@@ -258,24 +258,24 @@ type FrontendAt = (u32, u8);
 fn frontend(f: &Flow, from_pod: bool) -> Option<(FrontendAt, ServiceValue)> {
     if from_pod {
         let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::SOCKET);
-        if let Some(m) = unsafe { SERVICES4.get(&key) } {
+        if let Some(m) = unsafe { SERVICES4.get(key) } {
             return Some(((f.daddr, scope::SOCKET), *m));
         }
     }
     let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::PACKET);
-    if let Some(m) = unsafe { SERVICES4.get(&key) } {
+    if let Some(m) = unsafe { SERVICES4.get(key) } {
         return Some(((f.daddr, scope::PACKET), *m));
     }
-    unsafe { NODE_ADDRS4.get(&f.daddr) }?;
+    unsafe { NODE_ADDRS4.get(f.daddr) }?;
     let key = Service4Key::scoped(0, f.dport, f.proto, 0, scope::PACKET);
-    unsafe { SERVICES4.get(&key) }.map(|m| ((0, scope::PACKET), *m))
+    unsafe { SERVICES4.get(key) }.map(|m| ((0, scope::PACKET), *m))
 }
 
 #[inline(always)]
 fn slot_backend(fe: FrontendAt, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
     let key = Service4Key::scoped(fe.0, f.dport, f.proto, slot, fe.1);
-    let id = unsafe { SERVICES4.get(&key) }?.backend_id;
-    unsafe { BACKENDS4.get(&id) }.map(|b| (id, *b))
+    let id = unsafe { SERVICES4.get(key) }?.backend_id;
+    unsafe { BACKENDS4.get(id) }.map(|b| (id, *b))
 }
 
 /// A backend for a new flow: the client's previous one under ClientIP affinity, if still
@@ -297,9 +297,9 @@ fn choose_backend(
     };
     let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
     let mut chosen = None;
-    if let Some(prev) = unsafe { AFFINITY.get(&key) }
+    if let Some(prev) = unsafe { AFFINITY.get(key) }
         && now.wrapping_sub(prev.last_used_ns) <= timeout_ns
-        && let Some(b) = unsafe { BACKENDS4.get(&prev.backend_id) }
+        && let Some(b) = unsafe { BACKENDS4.get(prev.backend_id) }
     {
         chosen = Some((prev.backend_id, *b));
     }
@@ -312,7 +312,7 @@ fn choose_backend(
         _pad: 0,
         last_used_ns: now,
     };
-    let _ = AFFINITY.insert(&key, &value, 0);
+    let _ = AFFINITY.insert(key, value, 0);
     Some(chosen)
 }
 
@@ -339,13 +339,13 @@ fn claim_snat_port(
             dir: nat::dir::REPLY,
             _pad: [0; 2],
         };
-        if CT4.insert(&key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+        if CT4.insert(key, reply, u64::from(BPF_NOEXIST)).is_ok() {
             return Some(port);
         }
         // Taken: by a live flow, or by one idle past its timeout that we may reuse.
-        if let Some(old) = unsafe { CT4.get(&key) }
+        if let Some(old) = unsafe { CT4.get(key) }
             && f.expired(old.last_seen_ns, old.flags, now)
-            && CT4.insert(&key, reply, 0).is_ok()
+            && CT4.insert(key, reply, 0).is_ok()
         {
             return Some(port);
         }
@@ -378,7 +378,7 @@ fn snat_address<P: Packet>(pkt: &P, f: &Flow, backend: u32) -> Option<u32> {
     if ret != crate::packet::FIB_SUCCESS && ret != crate::packet::FIB_NO_NEIGH {
         return None;
     }
-    unsafe { DEVICE_ADDRS4.get(&p.ifindex) }.copied()
+    unsafe { DEVICE_ADDRS4.get(p.ifindex) }.copied()
 }
 
 /// A new flow to a frontend: pick the backend and record both directions. Returns the
@@ -436,7 +436,7 @@ fn new_flow<P: Packet>(
             dir: nat::dir::REPLY,
             _pad: [0; 2],
         };
-        if CT4.insert(&key, &reply, 0).is_err() {
+        if CT4.insert(key, reply, 0).is_err() {
             return Err(drop_as(nat::stat::DROP_NAT));
         }
     }
@@ -450,7 +450,7 @@ fn new_flow<P: Packet>(
         last_seen_ns: now,
         ..Default::default()
     };
-    if CT4.insert(&f.key(nat::dir::FORWARD), &forward, 0).is_err() {
+    if CT4.insert(f.key(nat::dir::FORWARD), forward, 0).is_err() {
         return Err(drop_as(nat::stat::DROP_NAT));
     }
     count(nat::stat::NEW_FLOW);
@@ -464,9 +464,9 @@ fn new_flow<P: Packet>(
 /// client port opens a new connection.
 #[inline(always)]
 fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
-    let entry = CT4.get_ptr_mut(&f.key(nat::dir::FORWARD))?;
+    let entry = CT4.get_ptr_mut(f.key(nat::dir::FORWARD))?;
     let e = unsafe { &mut *entry };
-    match unsafe { BACKENDS4.get(&e.backend_id) } {
+    match unsafe { BACKENDS4.get(e.backend_id) } {
         Some(b) if b.address == e.addr && b.port == e.port => {}
         _ => return None,
     }
@@ -480,7 +480,7 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
         dir: nat::dir::REPLY,
         _pad: [0; 2],
     };
-    let r = unsafe { &mut *CT4.get_ptr_mut(&reply_key)? };
+    let r = unsafe { &mut *CT4.get_ptr_mut(reply_key)? };
     let ours = !snat || (r.snat_addr == f.saddr && r.snat_port == f.sport);
     let last_seen = if e.last_seen_ns > r.last_seen_ns {
         e.last_seen_ns

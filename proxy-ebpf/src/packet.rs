@@ -75,8 +75,8 @@ pub trait Packet {
 
 impl Packet for TcContext {
     const XDP: bool = false;
-    const PASS: i32 = TC_ACT_OK as i32;
-    const DROP: i32 = TC_ACT_SHOT as i32;
+    const PASS: i32 = TC_ACT_OK;
+    const DROP: i32 = TC_ACT_SHOT;
 
     #[inline(always)]
     fn load<T: Copy>(&self, offset: usize) -> Option<T> {

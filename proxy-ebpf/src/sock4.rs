@@ -36,12 +36,12 @@ impl Family for V4 {
 
     #[inline(always)]
     fn service(addr: u32, port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
-        unsafe { SERVICES4.get(&Service4Key::new(addr, port, proto, slot)) }.copied()
+        unsafe { SERVICES4.get(Service4Key::new(addr, port, proto, slot)) }.copied()
     }
 
     #[inline(always)]
     fn backend(id: u32) -> Option<(u32, u16)> {
-        unsafe { BACKENDS4.get(&id) }.map(|b| (b.address, b.port))
+        unsafe { BACKENDS4.get(id) }.map(|b| (b.address, b.port))
     }
 
     #[inline(always)]
@@ -59,12 +59,12 @@ impl Family for V4 {
         };
         // The map is an LRU: a failed insert only loses the reverse view, never the
         // connection itself.
-        let _ = SOCK_REVNAT4.insert(&key, &value, 0);
+        let _ = SOCK_REVNAT4.insert(key, value, 0);
     }
 
     #[inline(always)]
     fn node_port_address(addr: u32) -> Option<u32> {
-        unsafe { NODE_ADDRS4.get(&addr) }.map(|_| 0)
+        unsafe { NODE_ADDRS4.get(addr) }.map(|_| 0)
     }
 
     #[inline(always)]
@@ -75,7 +75,7 @@ impl Family for V4 {
             port: backend.1,
             _pad: [0; 2],
         };
-        unsafe { SOCK_REVNAT4.get(&key) }.map(|v| (v.address, v.port))
+        unsafe { SOCK_REVNAT4.get(key) }.map(|v| (v.address, v.port))
     }
 }
 

@@ -57,12 +57,12 @@ impl Family for V6 {
 
     #[inline(always)]
     fn service(addr: [u8; 16], port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
-        unsafe { SERVICES6.get(&Service6Key::new(addr, port, proto, slot)) }.copied()
+        unsafe { SERVICES6.get(Service6Key::new(addr, port, proto, slot)) }.copied()
     }
 
     #[inline(always)]
     fn backend(id: u32) -> Option<([u8; 16], u16)> {
-        unsafe { BACKENDS6.get(&id) }.map(|b| (b.address, b.port))
+        unsafe { BACKENDS6.get(id) }.map(|b| (b.address, b.port))
     }
 
     #[inline(always)]
@@ -78,7 +78,7 @@ impl Family for V6 {
             port: frontend.1,
             rev_nat_index: rev,
         };
-        let _ = SOCK_REVNAT6.insert(&key, &value, 0);
+        let _ = SOCK_REVNAT6.insert(key, value, 0);
     }
 
     // Node ports from the node itself: IPv4 only, like the packet path.
@@ -95,7 +95,7 @@ impl Family for V6 {
             port: backend.1,
             _pad: [0; 6],
         };
-        unsafe { SOCK_REVNAT6.get(&key) }.map(|v| (v.address, v.port))
+        unsafe { SOCK_REVNAT6.get(key) }.map(|v| (v.address, v.port))
     }
 }
 
