@@ -26,6 +26,11 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     ("ip", "iproute2"),
     // promtool: the admin tests check /metrics with `promtool check metrics`.
     ("promtool", "prometheus"),
+    // The container image test builds a debootstrap root and runs it with podman; crun
+    // refuses this kind of host's mixed cgroup set-up, so runc too.
+    ("podman", "podman"),
+    ("runc", "runc"),
+    ("debootstrap", "debootstrap"),
 ];
 
 const STAMP: &str = "bpf-linker.stamp";
