@@ -69,7 +69,15 @@ fn daemon_runs_iptables_then_userspace_for_a_namespace() {
     assert!(
         eventually(20, || {
             let nat = saved(bed.node_netns(), "iptables-save");
-            chains_with(&nat, "KUBE-PORTALS-").len() == 2
+            // The nat portals, plus the filter chain that refuses services without endpoints.
+            let mut portals = chains_with(&nat, "KUBE-PORTALS-");
+            portals.sort();
+            portals
+                == [
+                    "KUBE-PORTALS-CONTAINER",
+                    "KUBE-PORTALS-FILTER",
+                    "KUBE-PORTALS-HOST",
+                ]
                 && chains_with(&nat, "KUBE-SVC-").is_empty()
         }),
         "the userspace mode replaced the iptables mode's chains:\n{}",
