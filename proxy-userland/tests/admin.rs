@@ -6,7 +6,7 @@ mod common;
 
 use std::{
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
     path::PathBuf,
     time::Duration,
 };
@@ -63,15 +63,6 @@ endpoints:
 - {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: NODE1}
 - {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
 "#;
-
-/// A port nobody listens on right now, on loopback.
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// GET http://127.0.0.1:port/path: (status, body), or None if nobody answers.
 fn get(port: u16, path: &str) -> Option<(u16, String)> {

@@ -422,3 +422,12 @@ pub fn pod_probe(bed: &Testbed, pod: &Pod, args: &[&str]) -> Vec<Outcome> {
         .expect("probe runs");
     xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
 }
+
+/// A port nobody listens on right now, on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -64,14 +64,6 @@ spec:
   - {name: http, port: 80, targetPort: 8080, protocol: TCP}
 "#;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Runs `fastpath <args>` (a tool subcommand) and returns its stdout; fails the test on a
 /// non-zero exit.
 fn tool(args: &[&str]) -> String {

@@ -7,19 +7,11 @@ mod common;
 use std::{
     collections::BTreeSet,
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
     time::Duration,
 };
 
 use common::*;
-
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `fastpath_packets_total{result="new_flow"}` from /metrics, 0 if not there yet.
 fn new_flows(port: u16) -> f64 {

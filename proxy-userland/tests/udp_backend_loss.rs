@@ -5,19 +5,11 @@ mod common;
 
 use std::{
     io::{Read, Write},
-    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    net::{Ipv4Addr, SocketAddr, TcpStream},
     time::{Duration, Instant},
 };
 
 use common::*;
-
-fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// GET http://127.0.0.1:port/metrics, or "" if nobody answers.
 fn metrics(port: u16) -> String {
