@@ -1,19 +1,11 @@
 //! What every hook shares: which protocol a socket speaks, and how a backend slot is picked.
 
-use aya_ebpf::{
-    EbpfContext,
-    bindings::bpf_sock_addr,
-    helpers::{
-        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
-        bpf_set_retval,
-    },
-    programs::SockAddrContext,
-};
+use aya_ebpf::{bindings::bpf_sock_addr, helpers::bpf_set_retval, programs::SockAddrContext};
 use proxy_common::{AffinityKey, AffinityValue, ServiceValue, proto, service::flags, sockcfg};
 
 use crate::{
-    PROCEED, REJECT,
-    maps::{AFFINITY, SOCK_CONFIG},
+    PROCEED, REJECT, kernel,
+    maps::{AFFINITY, Lookup, SOCK_CONFIG},
 };
 
 const SOCK_STREAM: u32 = 1;
@@ -53,15 +45,14 @@ fn left_to_pod_path(ctx: &SockAddrContext, proto: u8) -> bool {
     if cfg.flags & wanted == 0 {
         return false;
     }
-    // SAFETY: a helper the sock_addr hooks may call with their own context.
-    let netns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    let netns = kernel::netns_cookie(ctx);
     netns != cfg.host_netns_cookie
 }
 
 /// A backend slot in `1..=count`, uniformly.
 #[inline(always)]
 pub fn pick_slot(count: u16) -> u16 {
-    let r = unsafe { bpf_get_prandom_u32() };
+    let r = kernel::random_u32();
     (r % u32::from(count)) as u16 + 1
 }
 
@@ -70,6 +61,8 @@ pub fn pick_slot(count: u16) -> u16 {
 /// without bpf_set_retval report EPERM instead, which still fails fast.
 #[inline(always)]
 pub fn refuse() -> i32 {
+    // SAFETY: takes a plain value and touches no memory of ours; only the cgroup hooks
+    // call this, the programs the kernel allows it in.
     unsafe { bpf_set_retval(-ECONNREFUSED) };
     REJECT
 }
@@ -81,8 +74,8 @@ pub trait Family {
     type Addr: Copy;
 
     /// The destination the application asked for (address, port in network byte order).
-    fn read_user(sa: *const bpf_sock_addr) -> (Self::Addr, u16);
-    fn write_user(sa: *mut bpf_sock_addr, addr: Self::Addr, port: u16);
+    fn read_user(ctx: &SockAddrContext) -> (Self::Addr, u16);
+    fn write_user(ctx: &SockAddrContext, addr: Self::Addr, port: u16);
     /// The master or slot entry of a frontend.
     fn service(addr: Self::Addr, port: u16, proto: u8, slot: u16) -> Option<ServiceValue>;
     fn backend(id: u32) -> Option<(Self::Addr, u16)>;
@@ -98,14 +91,15 @@ pub trait Family {
 /// connect and sendmsg: turn a service frontend into one of its backends.
 #[inline(always)]
 pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
-    let sa = ctx.sock_addr;
-    let Some(proto) = socket_proto(unsafe { &*sa }) else {
+    // SAFETY: the context the kernel passed this program, valid for its whole run; the
+    // reference ends with `socket_proto`'s field reads, before `write_user` writes to it.
+    let Some(proto) = socket_proto(unsafe { &*ctx.sock_addr }) else {
         return Ok(PROCEED);
     };
     if left_to_pod_path(ctx, proto) {
         return Ok(PROCEED);
     }
-    let (user_addr, port) = F::read_user(sa);
+    let (user_addr, port) = F::read_user(ctx);
     // `addr` is where the frontend is stored; the application keeps seeing `user_addr`.
     let (addr, master) = match F::service(user_addr, port, proto, 0) {
         Some(m) => (user_addr, m),
@@ -128,9 +122,9 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
         let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
         F::backend(slot.backend_id).ok_or(())?
     };
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let cookie = kernel::socket_cookie(ctx);
     F::remember(cookie, backend, (user_addr, port), master.rev_nat_index);
-    F::write_user(sa, backend.0, backend.1);
+    F::write_user(ctx, backend.0, backend.1);
     Ok(PROCEED)
 }
 
@@ -147,13 +141,13 @@ fn affine_backend<F: Family>(
     master: &ServiceValue,
 ) -> Result<(F::Addr, u16), ()> {
     let key = AffinityKey {
-        client: unsafe { bpf_get_netns_cookie(ctx.as_ptr()) },
+        client: kernel::netns_cookie(ctx),
         rev_nat_index: master.rev_nat_index,
         _pad: [0; 6],
     };
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = kernel::now_ns();
     let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
-    if let Some(prev) = unsafe { AFFINITY.get(key) } {
+    if let Some(prev) = AFFINITY.lookup(key) {
         let (id, last) = (prev.backend_id, prev.last_used_ns);
         if now.wrapping_sub(last) <= timeout_ns
             && let Some(backend) = F::backend(id)
@@ -181,10 +175,9 @@ fn affine_backend<F: Family>(
 /// recvmsg and getpeername: show the application the frontend it asked for.
 #[inline(always)]
 pub fn rev_translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
-    let sa = ctx.sock_addr;
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    if let Some((addr, port)) = F::recall(cookie, F::read_user(sa)) {
-        F::write_user(sa, addr, port);
+    let cookie = kernel::socket_cookie(ctx);
+    if let Some((addr, port)) = F::recall(cookie, F::read_user(ctx)) {
+        F::write_user(ctx, addr, port);
     }
     Ok(PROCEED)
 }

@@ -9,6 +9,7 @@
 //!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
+//! - [`kernel`]: the BPF helpers whose calls are always sound, as safe functions.
 //! - [`maps`]: the maps, laid out in `proxy-common`.
 //!
 //! Each entry point is a thin wrapper that calls a `try_*` function and turns its error into
@@ -17,6 +18,7 @@
 #![no_std]
 #![no_main]
 
+mod kernel;
 mod lb;
 mod maps;
 mod nodeport;

@@ -5,6 +5,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
+use bytemuck::Pod;
 use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
     Service6Key, ServiceValue, SockConfig, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
@@ -65,10 +66,42 @@ pub static SOCK_CONFIG: Array<SockConfig> = Array::with_max_entries(1, 0);
 #[map(name = "FP_STATS")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 
+/// A lookup that hands out a copy of the value, never a reference into the map: the daemon
+/// and other CPUs change these maps while a program runs.
+pub trait Lookup<K, V> {
+    fn lookup(&self, key: K) -> Option<V>;
+}
+
+macro_rules! copying_lookup {
+    ($($map:ident),*) => {
+        $(
+            impl<K, V: Pod> Lookup<K, V> for $map<K, V> {
+                #[inline(always)]
+                fn lookup(&self, key: K) -> Option<V> {
+                    // SAFETY: a non-null pointer from bpf_map_lookup_elem points at a value
+                    // of this map's value size (the map is declared with `V`), 8-aligned,
+                    // that stays allocated while the program runs: the program holds the
+                    // map, preallocated elements are only ever recycled within it, and the
+                    // others are freed after an RCU grace period, which a running program
+                    // holds off. A concurrent delete and insert may rewrite the bytes as we
+                    // read them; `V: Pod` makes any bytes a valid `V`, and copying them
+                    // once, here, means no caller sees a value change under it.
+                    self.get_ptr(key).map(|p| unsafe { p.read() })
+                }
+            }
+        )*
+    };
+}
+
+copying_lookup!(HashMap, LruHashMap);
+
 #[inline(always)]
 pub fn count(which: u32) {
     if let Some(c) = STATS.get_ptr_mut(which) {
-        // Per-CPU: no other writer.
+        // SAFETY: a non-null pointer is this CPU's u64 slot of an index the kernel checked.
+        // Only programs on this CPU write it, and they run one at a time unless one
+        // interrupts another (then an increment may be lost, which a counter tolerates);
+        // any bits are a valid u64.
         unsafe { *c += 1 };
     }
 }

@@ -13,11 +13,7 @@
 //! Written once over [`Packet`] for both hooks. IPv4 only; IPv6, fragments and anything
 //! not TCP or UDP pass untouched.
 
-use aya_ebpf::{
-    bindings::BPF_NOEXIST,
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
-    maps::lpm_trie::Key as LpmKey,
-};
+use aya_ebpf::{bindings::BPF_NOEXIST, maps::lpm_trie::Key as LpmKey};
 use proxy_common::{
     AffinityKey, AffinityValue, Backend4, Ct4Key, Ct4Value, Service4Key, ServiceValue,
     SourceRange4, backend, nat, proto,
@@ -25,9 +21,11 @@ use proxy_common::{
 };
 
 use crate::{
+    kernel,
     lb::pick_slot,
     maps::{
-        AFFINITY, BACKENDS4, CT4, DEVICE_ADDRS4, NODE_ADDRS4, SERVICES4, SOURCE_RANGES4, count,
+        AFFINITY, BACKENDS4, CT4, DEVICE_ADDRS4, Lookup, NODE_ADDRS4, SERVICES4, SOURCE_RANGES4,
+        count,
     },
     packet::{FIB_NOT_FWDED, Packet},
 };
@@ -233,6 +231,11 @@ fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result
 #[inline(always)]
 fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
     let entry = CT4.get_ptr_mut(f.key(nat::dir::REPLY))?;
+    // SAFETY: a non-null lookup result is an 8-aligned Ct4Value that stays allocated while
+    // we run (see `maps::Lookup`), and ours is the only reference into it in this program.
+    // Other CPUs may update the same entry at the same time, as every BPF program sharing a
+    // map may, beyond what Rust's memory model describes; each field is an aligned integer
+    // written whole, so the worst is one packet's timestamp or flags update being lost.
     let e = unsafe { &mut *entry };
     if f.expired(e.last_seen_ns, e.flags, now) {
         return None;
@@ -258,24 +261,24 @@ type FrontendAt = (u32, u8);
 fn frontend(f: &Flow, from_pod: bool) -> Option<(FrontendAt, ServiceValue)> {
     if from_pod {
         let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::SOCKET);
-        if let Some(m) = unsafe { SERVICES4.get(key) } {
-            return Some(((f.daddr, scope::SOCKET), *m));
+        if let Some(m) = SERVICES4.lookup(key) {
+            return Some(((f.daddr, scope::SOCKET), m));
         }
     }
     let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::PACKET);
-    if let Some(m) = unsafe { SERVICES4.get(key) } {
-        return Some(((f.daddr, scope::PACKET), *m));
+    if let Some(m) = SERVICES4.lookup(key) {
+        return Some(((f.daddr, scope::PACKET), m));
     }
-    unsafe { NODE_ADDRS4.get(f.daddr) }?;
+    NODE_ADDRS4.lookup(f.daddr)?;
     let key = Service4Key::scoped(0, f.dport, f.proto, 0, scope::PACKET);
-    unsafe { SERVICES4.get(key) }.map(|m| ((0, scope::PACKET), *m))
+    SERVICES4.lookup(key).map(|m| ((0, scope::PACKET), m))
 }
 
 #[inline(always)]
 fn slot_backend(fe: FrontendAt, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
     let key = Service4Key::scoped(fe.0, f.dport, f.proto, slot, fe.1);
-    let id = unsafe { SERVICES4.get(key) }?.backend_id;
-    unsafe { BACKENDS4.get(id) }.map(|b| (id, *b))
+    let id = SERVICES4.lookup(key)?.backend_id;
+    BACKENDS4.lookup(id).map(|b| (id, b))
 }
 
 /// A backend for a new flow: the client's previous one under ClientIP affinity, if still
@@ -297,11 +300,11 @@ fn choose_backend(
     };
     let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
     let mut chosen = None;
-    if let Some(prev) = unsafe { AFFINITY.get(key) }
+    if let Some(prev) = AFFINITY.lookup(key)
         && now.wrapping_sub(prev.last_used_ns) <= timeout_ns
-        && let Some(b) = unsafe { BACKENDS4.get(prev.backend_id) }
+        && let Some(b) = BACKENDS4.lookup(prev.backend_id)
     {
-        chosen = Some((prev.backend_id, *b));
+        chosen = Some((prev.backend_id, b));
     }
     let chosen = match chosen {
         Some(c) => c,
@@ -328,7 +331,7 @@ fn claim_snat_port(
 ) -> Option<u16> {
     let span = u32::from(nat::SNAT_PORT_MAX - nat::SNAT_PORT_MIN) + 1;
     for _ in 0..SNAT_TRIES {
-        let r = unsafe { bpf_get_prandom_u32() };
+        let r = kernel::random_u32();
         let port = (nat::SNAT_PORT_MIN + (r % span) as u16).to_be();
         let key = Ct4Key {
             saddr: b.address,
@@ -343,7 +346,7 @@ fn claim_snat_port(
             return Some(port);
         }
         // Taken: by a live flow, or by one idle past its timeout that we may reuse.
-        if let Some(old) = unsafe { CT4.get(key) }
+        if let Some(old) = CT4.lookup(key)
             && f.expired(old.last_seen_ns, old.flags, now)
             && CT4.insert(key, reply, 0).is_ok()
         {
@@ -378,7 +381,7 @@ fn snat_address<P: Packet>(pkt: &P, f: &Flow, backend: u32) -> Option<u32> {
     if ret != crate::packet::FIB_SUCCESS && ret != crate::packet::FIB_NO_NEIGH {
         return None;
     }
-    unsafe { DEVICE_ADDRS4.get(p.ifindex) }.copied()
+    DEVICE_ADDRS4.lookup(p.ifindex)
 }
 
 /// A new flow to a frontend: pick the backend and record both directions. Returns the
@@ -465,8 +468,10 @@ fn new_flow<P: Packet>(
 #[inline(always)]
 fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
     let entry = CT4.get_ptr_mut(f.key(nat::dir::FORWARD))?;
+    // SAFETY: as in `reply_nat`: a live, aligned Ct4Value of plain integers, and the only
+    // reference into it (`r` below is another key's entry: the direction differs).
     let e = unsafe { &mut *entry };
-    match unsafe { BACKENDS4.get(e.backend_id) } {
+    match BACKENDS4.lookup(e.backend_id) {
         Some(b) if b.address == e.addr && b.port == e.port => {}
         _ => return None,
     }
@@ -480,6 +485,7 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
         dir: nat::dir::REPLY,
         _pad: [0; 2],
     };
+    // SAFETY: as for `e`; a REPLY key, so a different entry from `e`'s FORWARD one.
     let r = unsafe { &mut *CT4.get_ptr_mut(reply_key)? };
     let ours = !snat || (r.snat_addr == f.saddr && r.snat_port == f.sport);
     let last_seen = if e.last_seen_ns > r.last_seen_ns {
@@ -522,7 +528,7 @@ fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> 
     let Some(f) = parse(pkt) else {
         return Ok(P::PASS);
     };
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = kernel::now_ns();
     if let Some((nat, snat)) = reply_nat(&f, now) {
         count(nat::stat::TRANSLATED);
         if snat {
@@ -558,7 +564,7 @@ fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> 
 #[inline(always)]
 pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
     if let Some(f) = parse(pkt) {
-        let now = unsafe { bpf_ktime_get_ns() };
+        let now = kernel::now_ns();
         if let Some((nat, _)) = reply_nat(&f, now) {
             count(nat::stat::TRANSLATED);
             apply(pkt, &f, &nat)?;

@@ -13,6 +13,7 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::{TcContext, XdpContext},
 };
+use bytemuck::Pod;
 
 pub const FIB_SUCCESS: i64 = 0;
 pub const FIB_NOT_FWDED: i64 = 4;
@@ -25,8 +26,9 @@ pub trait Packet {
     const PASS: i32;
     const DROP: i32;
 
-    fn load<T: Copy>(&self, offset: usize) -> Option<T>;
-    fn store<T>(&mut self, offset: usize, value: &T) -> Result<(), ()>;
+    /// `Pod`: packet bytes are whatever the sender made them.
+    fn load<T: Pod>(&self, offset: usize) -> Option<T>;
+    fn store<T: Pod>(&mut self, offset: usize, value: &T) -> Result<(), ()>;
     /// Fixes the IPv4 header checksum at `offset` for a 4-byte field changing `from` -> `to`.
     fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()>;
     /// Fixes the L4 checksum at `offset` for a `size`-byte field (2 or 4) changing; `pseudo`:
@@ -58,6 +60,8 @@ pub trait Packet {
         daddr: u32,
         tot_len: u16,
     ) -> (i64, FibParams) {
+        // SAFETY: bpf_fib_lookup is integers and unions of integers: all zeros is a valid
+        // value, and the one the helper expects in the fields we do not set.
         let mut p: FibParams = unsafe { mem::zeroed() };
         p.family = 2; // AF_INET
         p.l4_protocol = proto;
@@ -68,6 +72,8 @@ pub trait Packet {
         p.__bindgen_anon_3.ipv4_src = saddr;
         p.__bindgen_anon_4.ipv4_dst = daddr;
         let size = mem::size_of::<FibParams>() as i32;
+        // SAFETY: our own program's context, and a live, exclusively borrowed parameter
+        // struct of exactly the size passed, which is all the helper reads and writes.
         let ret = unsafe { bpf_fib_lookup(self.as_ctx(), &mut p, size, 0) };
         (ret, p)
     }
@@ -79,12 +85,12 @@ impl Packet for TcContext {
     const DROP: i32 = TC_ACT_SHOT;
 
     #[inline(always)]
-    fn load<T: Copy>(&self, offset: usize) -> Option<T> {
+    fn load<T: Pod>(&self, offset: usize) -> Option<T> {
         TcContext::load(self, offset).ok()
     }
 
     #[inline(always)]
-    fn store<T>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
+    fn store<T: Pod>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
         TcContext::store(self, offset, value, 0).map_err(drop)
     }
 
@@ -117,6 +123,8 @@ impl Packet for TcContext {
 
     #[inline(always)]
     fn ifindex(&self) -> u32 {
+        // SAFETY: the __sk_buff context the kernel passed this program, valid for its whole
+        // run; the verifier checks the field read against the context's layout.
         unsafe { (*self.skb.skb).ifindex }
     }
 
@@ -134,8 +142,11 @@ impl Packet for TcContext {
     fn redirect(&mut self, fib_ret: i64, ifindex: u32) -> i32 {
         if fib_ret == FIB_NO_NEIGH {
             // The next hop's MAC is not known yet: the kernel resolves it.
+            // SAFETY: no neighbour parameters (a null pointer with length 0, which the helper
+            // documents as "look the next hop up"); the rest are plain values.
             return unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 };
         }
+        // SAFETY: plain values; the helper only records where the packet goes next.
         unsafe { bpf_redirect(ifindex, 0) as i32 }
     }
 }
@@ -148,21 +159,27 @@ impl Packet for XdpContext {
     // Direct packet access: the bounds check against data_end is what the verifier needs,
     // and it is far cheaper than a helper call per field.
     #[inline(always)]
-    fn load<T: Copy>(&self, offset: usize) -> Option<T> {
+    fn load<T: Pod>(&self, offset: usize) -> Option<T> {
         let ptr = self.data() + offset;
         if ptr + mem::size_of::<T>() > self.data_end() {
             return None;
         }
+        // SAFETY: [ptr, ptr + size_of::<T>()) lies within the packet (checked against
+        // data_end just above), which nothing moves or frees while the program runs; the
+        // read is unaligned, and any bytes are a valid `T: Pod`.
         Some(unsafe { core::ptr::read_unaligned(ptr as *const T) })
     }
 
     #[inline(always)]
-    fn store<T>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
+    fn store<T: Pod>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
         let ptr = self.data() + offset;
         if ptr + mem::size_of::<T>() > self.data_end() {
             return Err(());
         }
-        unsafe { core::ptr::copy_nonoverlapping(value as *const T, ptr as *mut T, 1) };
+        // SAFETY: [ptr, ptr + size_of::<T>()) lies within the packet (checked against
+        // data_end just above), which XDP may write and which nothing else references;
+        // header fields are not aligned to their size, hence the unaligned write.
+        unsafe { core::ptr::write_unaligned(ptr as *mut T, *value) };
         Ok(())
     }
 
@@ -197,6 +214,8 @@ impl Packet for XdpContext {
 
     #[inline(always)]
     fn ifindex(&self) -> u32 {
+        // SAFETY: the xdp_md context the kernel passed this program, valid for its whole
+        // run; the verifier checks the field read against the context's layout.
         unsafe { (*self.ctx).ingress_ifindex }
     }
 

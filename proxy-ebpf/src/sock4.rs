@@ -2,12 +2,12 @@
 
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
-use aya_ebpf::{bindings::bpf_sock_addr, programs::SockAddrContext};
+use aya_ebpf::programs::SockAddrContext;
 use proxy_common::{Service4Key, ServiceValue, SockRevNat4Key, SockRevNat4Value};
 
 use crate::{
     lb::{self, Family},
-    maps::{BACKENDS4, NODE_ADDRS4, SERVICES4, SOCK_REVNAT4},
+    maps::{BACKENDS4, Lookup, NODE_ADDRS4, SERVICES4, SOCK_REVNAT4},
 };
 
 pub struct V4;
@@ -16,8 +16,11 @@ impl Family for V4 {
     type Addr = u32;
 
     #[inline(always)]
-    fn read_user(sa: *const bpf_sock_addr) -> (u32, u16) {
+    fn read_user(ctx: &SockAddrContext) -> (u32, u16) {
+        let sa = ctx.sock_addr;
         // Full-width reads: the verifier only allows narrow context loads at some offsets.
+        // SAFETY: `sa` is the context the kernel passed this program, valid for its whole
+        // run; these are reads of two of its u32 fields, through raw pointers.
         unsafe {
             let addr = read_volatile(addr_of!((*sa).user_ip4));
             let port = read_volatile(addr_of!((*sa).user_port));
@@ -26,8 +29,11 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn write_user(sa: *mut bpf_sock_addr, addr: u32, port: u16) {
+    fn write_user(ctx: &SockAddrContext, addr: u32, port: u16) {
+        let sa = ctx.sock_addr;
         // user_port only accepts 4-byte stores; the port sits in its low 16 bits.
+        // SAFETY: as in `read_user`; connect, sendmsg, recvmsg and getpeername programs may
+        // write these two fields, and nothing holds a reference into the context.
         unsafe {
             write_volatile(addr_of_mut!((*sa).user_ip4), addr);
             write_volatile(addr_of_mut!((*sa).user_port), u32::from(port));
@@ -36,12 +42,12 @@ impl Family for V4 {
 
     #[inline(always)]
     fn service(addr: u32, port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
-        unsafe { SERVICES4.get(Service4Key::new(addr, port, proto, slot)) }.copied()
+        SERVICES4.lookup(Service4Key::new(addr, port, proto, slot))
     }
 
     #[inline(always)]
     fn backend(id: u32) -> Option<(u32, u16)> {
-        unsafe { BACKENDS4.get(id) }.map(|b| (b.address, b.port))
+        BACKENDS4.lookup(id).map(|b| (b.address, b.port))
     }
 
     #[inline(always)]
@@ -64,7 +70,7 @@ impl Family for V4 {
 
     #[inline(always)]
     fn node_port_address(addr: u32) -> Option<u32> {
-        unsafe { NODE_ADDRS4.get(addr) }.map(|_| 0)
+        NODE_ADDRS4.lookup(addr).map(|_| 0)
     }
 
     #[inline(always)]
@@ -75,7 +81,7 @@ impl Family for V4 {
             port: backend.1,
             _pad: [0; 2],
         };
-        unsafe { SOCK_REVNAT4.get(key) }.map(|v| (v.address, v.port))
+        SOCK_REVNAT4.lookup(key).map(|v| (v.address, v.port))
     }
 }
 

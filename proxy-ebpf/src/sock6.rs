@@ -2,12 +2,12 @@
 
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
-use aya_ebpf::{bindings::bpf_sock_addr, programs::SockAddrContext};
+use aya_ebpf::programs::SockAddrContext;
 use proxy_common::{Service6Key, ServiceValue, SockRevNat6Key, SockRevNat6Value};
 
 use crate::{
     lb::{self, Family},
-    maps::{BACKENDS6, SERVICES6, SOCK_REVNAT6},
+    maps::{BACKENDS6, Lookup, SERVICES6, SOCK_REVNAT6},
 };
 
 pub struct V6;
@@ -16,19 +16,23 @@ pub struct V6;
 /// the same bytes in memory.
 #[inline(always)]
 fn words_to_bytes(w: [u32; 4]) -> [u8; 16] {
-    unsafe { core::mem::transmute(w) }
+    bytemuck::cast(w)
 }
 
 #[inline(always)]
 fn bytes_to_words(b: [u8; 16]) -> [u32; 4] {
-    unsafe { core::mem::transmute(b) }
+    bytemuck::cast(b)
 }
 
 impl Family for V6 {
     type Addr = [u8; 16];
 
     #[inline(always)]
-    fn read_user(sa: *const bpf_sock_addr) -> ([u8; 16], u16) {
+    fn read_user(ctx: &SockAddrContext) -> ([u8; 16], u16) {
+        let sa = ctx.sock_addr;
+        // SAFETY: `sa` is the context the kernel passed this program, valid for its whole
+        // run; these are u32 reads, through raw pointers, of the four words of user_ip6 and
+        // of user_port.
         unsafe {
             let p = addr_of!((*sa).user_ip6) as *const u32;
             let w = [
@@ -43,8 +47,11 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn write_user(sa: *mut bpf_sock_addr, addr: [u8; 16], port: u16) {
+    fn write_user(ctx: &SockAddrContext, addr: [u8; 16], port: u16) {
+        let sa = ctx.sock_addr;
         let w = bytes_to_words(addr);
+        // SAFETY: as in `read_user`, as u32 writes, which connect, sendmsg, recvmsg and
+        // getpeername programs may make; nothing holds a reference into the context.
         unsafe {
             let p = addr_of_mut!((*sa).user_ip6) as *mut u32;
             write_volatile(p, w[0]);
@@ -57,12 +64,12 @@ impl Family for V6 {
 
     #[inline(always)]
     fn service(addr: [u8; 16], port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
-        unsafe { SERVICES6.get(Service6Key::new(addr, port, proto, slot)) }.copied()
+        SERVICES6.lookup(Service6Key::new(addr, port, proto, slot))
     }
 
     #[inline(always)]
     fn backend(id: u32) -> Option<([u8; 16], u16)> {
-        unsafe { BACKENDS6.get(id) }.map(|b| (b.address, b.port))
+        BACKENDS6.lookup(id).map(|b| (b.address, b.port))
     }
 
     #[inline(always)]
@@ -95,7 +102,7 @@ impl Family for V6 {
             port: backend.1,
             _pad: [0; 6],
         };
-        unsafe { SOCK_REVNAT6.get(key) }.map(|v| (v.address, v.port))
+        SOCK_REVNAT6.lookup(key).map(|v| (v.address, v.port))
     }
 }
 

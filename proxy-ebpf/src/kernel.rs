@@ -1,0 +1,36 @@
+//! The BPF helpers that take nothing but plain values or the program's own context, as safe
+//! functions: one argument for why each call is sound instead of one per call site.
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
+    programs::SockAddrContext,
+};
+
+/// Monotonic nanoseconds (CLOCK_MONOTONIC, as the daemon's census reads it).
+#[inline(always)]
+pub fn now_ns() -> u64 {
+    // SAFETY: takes no arguments and touches no memory of ours.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+#[inline(always)]
+pub fn random_u32() -> u32 {
+    // SAFETY: takes no arguments and touches no memory of ours.
+    unsafe { bpf_get_prandom_u32() }
+}
+
+/// The cookie of the socket making this call.
+#[inline(always)]
+pub fn socket_cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: the pointer is the context the kernel passed this sock_addr program, which is
+    // what the helper takes; it only reads the socket behind it.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+/// The cookie of the network namespace of the socket making this call.
+#[inline(always)]
+pub fn netns_cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: as for `socket_cookie`: our own sock_addr context, only read.
+    unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }
+}
