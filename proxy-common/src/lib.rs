@@ -43,8 +43,15 @@ pub mod proto {
 macro_rules! user_pod {
     ($($t:ty),* $(,)?) => {
         $(
+            // SAFETY: `$t` is `bytemuck::Pod` (checked just below), so it is plain data
+            // without padding, valid for any bytes, as `aya::Pod` requires.
             #[cfg(feature = "user")]
             unsafe impl aya::Pod for $t {}
+            #[cfg(feature = "user")]
+            const _: fn() = || {
+                fn is_pod<T: bytemuck::Pod>() {}
+                is_pod::<$t>();
+            };
         )*
     };
 }

@@ -125,6 +125,7 @@ impl Report {
 pub fn apply_to_node(setup: &NodeSetup) {
     // Online CPUs, as Go's runtime.NumCPU counts them for kube-proxy; not the cgroup quota,
     // which says nothing about how many connections the node carries.
+    // SAFETY: sysconf only reads its integer argument.
     let cpus = match unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) } {
         n if n > 0 => n as usize,
         _ => std::thread::available_parallelism().map_or(1, |n| n.get()),

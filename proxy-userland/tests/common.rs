@@ -285,6 +285,7 @@ impl Daemon {
 
     /// SIGTERM, as the kubelet stops a pod, and the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
+        // SAFETY: kill only takes integers and touches no memory of ours.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {

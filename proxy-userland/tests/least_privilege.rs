@@ -211,6 +211,8 @@ fn iptables_mode_runs_with_net_admin_alone() {
         BTreeSet::from(["NET_ADMIN".to_string()])
     );
     // SIGTERM, so --cleanup-on-exit removes the chains from the bed's namespace.
+    // SAFETY: kill only takes integers and touches no memory of ours (and the child, seen
+    // running just above, is not reaped, so the pid is still its own).
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
     let _ = d.exited(10);
 }

@@ -39,8 +39,9 @@ pub struct Podman {
 }
 
 fn rlimit(resource: libc::__rlimit_resource_t) -> u64 {
-    // SAFETY: getrlimit fills the zeroed struct it is given.
+    // SAFETY: rlimit is two integers; all zeros is a valid value.
     let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    // SAFETY: `r` is a live, writable rlimit (left zero if the call fails).
     unsafe { libc::getrlimit(resource, &mut r) };
     r.rlim_max
 }

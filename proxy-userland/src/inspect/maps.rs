@@ -74,8 +74,9 @@ fn open<K: aya::Pod, V: aya::Pod>(
 }
 
 fn monotonic_ns() -> u64 {
-    // SAFETY: clock_gettime fills the zeroed timespec it is given.
+    // SAFETY: timespec is two integers; all zeros is a valid value.
     let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `ts` is a live, writable timespec; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -135,12 +135,15 @@ fn interface_addresses() -> std::io::Result<Vec<(String, Ipv4Addr)>> {
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
         if ifa.ifa_addr.is_null()
+            // SAFETY: non-null, so a sockaddr of the list; every sockaddr_* starts with it.
             || i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET
         {
             continue;
         }
         // SAFETY: an AF_INET address is a sockaddr_in.
         let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+        // SAFETY: getifaddrs gives every entry a NUL-terminated name, alive until the list
+        // is freed; we copy it out before then.
         let name = unsafe { CStr::from_ptr(ifa.ifa_name) }
             .to_string_lossy()
             .into_owned();

@@ -141,8 +141,9 @@ fn check_bpffs(dir: &Path) -> Result<(), LoadError> {
     const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
     let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
         .map_err(|e| pin_err(dir)(io::Error::other(e)))?;
-    // SAFETY: statfs fills the zeroed struct; the path is NUL-terminated.
+    // SAFETY: statfs is integers and arrays of integers; all zeros is a valid value.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` a writable statfs, both live for the call.
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
         return Err(pin_err(dir)(io::Error::last_os_error()));
     }

@@ -183,6 +183,7 @@ struct DiagSocket {
 
 impl DiagSocket {
     fn open() -> io::Result<Self> {
+        // SAFETY: socket takes only integers; the result is checked before use.
         let fd = unsafe {
             libc::socket(
                 libc::AF_NETLINK,
@@ -194,6 +195,7 @@ impl DiagSocket {
             return Err(io::Error::last_os_error());
         }
         Ok(Self {
+            // SAFETY: a new fd the kernel just returned, owned by nothing else.
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
         })
     }
@@ -209,6 +211,7 @@ impl DiagSocket {
         let mut buf = Vec::with_capacity(hdr.len as usize);
         buf.extend_from_slice(bytemuck::bytes_of(&hdr));
         buf.extend_from_slice(bytemuck::bytes_of(req));
+        // SAFETY: the pointer and length describe `buf`, which outlives the call.
         let n = unsafe { libc::send(self.fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
         if n < 0 {
             Err(io::Error::last_os_error())
@@ -218,6 +221,7 @@ impl DiagSocket {
     }
 
     fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: the pointer and length describe `buf`, writable and exclusively ours.
         let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
         if n < 0 {
             Err(io::Error::last_os_error())
