@@ -618,3 +618,7 @@ mod tests {
         assert_eq!(slice_names(&t, "a"), None);
     }
 }
+
+#[cfg(test)]
+#[path = "tracker_kube_tests/mod.rs"]
+mod kube_tests;
