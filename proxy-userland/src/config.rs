@@ -408,6 +408,8 @@ impl Args {
                 .map(|a| a.parse())
                 .collect::<Result<_, _>>()
                 .map_err(|m| invalid("nodePortAddresses", m))?;
+            check_node_port_addresses(&self.node_port_addresses)
+                .map_err(|m| invalid("nodePortAddresses", m))?;
         }
         if let (Some(s), false) = (set(&cfg.hostname_override), given("hostname_override")) {
             self.hostname_override =
@@ -561,6 +563,8 @@ impl Args {
         self.check_detect_local_mode()
             .map_err(|m| invalid("--detect-local-mode", m))?;
         check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
+        check_node_port_addresses(&self.node_port_addresses)
+            .map_err(|m| invalid("--nodeport-addresses", m))?;
         if self.bpf_socket_lb_host_namespace_only && self.pod_interface_name_prefix.is_empty() {
             // Pods would reach no Service at all.
             return Err(invalid(
@@ -678,6 +682,15 @@ fn check_cidrs(cidrs: &[Cidr]) -> Result<(), String> {
     }
 }
 
+/// kube-proxy's rule for nodePortAddresses: `primary` alone, or CIDRs; a mix has no
+/// meaning (which of the two would limit the other?).
+fn check_node_port_addresses(list: &[NodePortAddress]) -> Result<(), String> {
+    if list.len() > 1 && list.contains(&NodePortAddress::Primary) {
+        return Err("can't use both 'primary' and CIDRs".into());
+    }
+    Ok(())
+}
+
 fn check_oom(v: i32) -> Result<(), String> {
     if (-1000..=1000).contains(&v) {
         Ok(())
@@ -695,6 +708,10 @@ pub fn cgroup2_mount() -> Option<PathBuf> {
         (fstype == "cgroup2").then(|| PathBuf::from(dir))
     })
 }
+
+#[cfg(test)]
+#[path = "config/validation_kube_tests.rs"]
+mod validation_kube_tests;
 
 #[cfg(test)]
 mod tests {
