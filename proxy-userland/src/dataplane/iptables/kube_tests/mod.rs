@@ -17,6 +17,7 @@
 //! | IPv6 fd00:172:30::41, fd00:10:180::N | 2001:db8:172:30::41, 2001:db8:10:180::N |
 
 mod fake;
+mod lb_policy_test;
 mod proxier_test;
 mod sync_test;
 mod tracer;
