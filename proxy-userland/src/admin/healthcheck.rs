@@ -429,4 +429,69 @@ mod tests {
         }
         assert!(closed, "the port is closed once the service is gone");
     }
+
+    /// kube-proxy's TestServerWithSelectiveListeningAddress. kube-proxy opens a service's
+    /// health check node port on each node address within `--nodeport-addresses` (its case:
+    /// 127.0.0.0/8, so 127.0.0.1:9376). We differ on purpose: one listener per service, on
+    /// `--healthcheck-bind-address` (default 0.0.0.0, every address), so that no address
+    /// that comes or goes after start-up is missed; the operator narrows it with the flag.
+    /// The case binds 127.0.0.1 and checks that only that address answers.
+    #[tokio::test]
+    async fn test_server_with_selective_listening_address() {
+        let admin = AdminState::new(std::time::Duration::from_secs(60));
+        let mut servers = HealthCheckServers::new("127.0.0.1".parse().unwrap(), admin);
+        let node = NodeInfo {
+            name: "hostname".into(),
+            zone: None,
+        };
+
+        // Sync nothing.
+        assert!(
+            servers
+                .update(&desired(&ProxyState::default(), &node))
+                .is_empty()
+        );
+        assert!(servers.ports().is_empty());
+
+        // Endpoints of a service we do not know open nothing.
+        let key = ServiceKey::new("a", "b");
+        let mut st = state(
+            vec![lb("b", true, Some(9376))],
+            vec![ep("198.18.1.1", "hostname", true)],
+        );
+        let svc = st.services.remove(&ServiceKey::new("demo", "b")).unwrap();
+        let eps = st.endpoints.remove(&ServiceKey::new("demo", "b")).unwrap();
+        st.endpoints.insert(key.clone(), eps.clone());
+        assert!(desired(&st, &node).is_empty());
+
+        // A real service, with no endpoints: its port opens on 127.0.0.1 only and answers 503.
+        st.endpoints.clear();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut svc = (*svc).clone();
+        svc.key = key.clone();
+        svc.health_check_node_port = Some(port);
+        st.services.insert(key.clone(), StdArc::new(svc));
+        let want = desired(&st, &node);
+        assert_eq!(want, Desired::from([(key.clone(), (port, 0))]));
+        assert!(servers.update(&want).is_empty());
+        assert_eq!(servers.ports(), BTreeMap::from([(key, port)]));
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        assert!(out.starts_with("HTTP/1.1 503"), "{out}");
+        assert!(
+            tokio::net::TcpStream::connect(("127.0.0.2", port))
+                .await
+                .is_err(),
+            "another loopback address does not answer"
+        );
+    }
 }
