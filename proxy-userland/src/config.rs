@@ -764,8 +764,8 @@ mod tests {
             "healthzBindAddress: 127.0.0.1:20256\nmetricsBindAddress: \"[::1]:20249\"\n\
              iptables: {syncPeriod: 1m0s, minSyncPeriod: 2s, masqueradeBit: 15}\n\
              conntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 12h}\n\
-             hostnameOverride: Node-B\noomScoreAdj: -500\nclusterCIDR: 10.0.0.0/8,fd00::/48\n\
-             detectLocalMode: ClusterCIDR\nnodePortAddresses: [primary, 192.0.2.0/24]\n\
+             hostnameOverride: Node-B\noomScoreAdj: -500\nclusterCIDR: 198.18.0.0/15,2001:db8::/48\n\
+             detectLocalMode: ClusterCIDR\nnodePortAddresses: [198.18.2.0/24]\n\
              clientConnection: {kubeconfig: /etc/kube/config}\nlogging: {format: json}\n\
              fastpath: {nodeSetup: true, zone: z1, manifestPollPeriod: 1s}\n",
         )
@@ -868,7 +868,7 @@ mod tests {
                 "IP:PORT",
             ),
             ("mode: ipvs\n", "mode", "unknown proxy mode"),
-            ("clusterCIDR: 10.0.0.0/33\n", "clusterCIDR", "not a CIDR"),
+            ("clusterCIDR: 198.18.0.0/33\n", "clusterCIDR", "not a CIDR"),
             (
                 "detectLocalMode: Magic\n",
                 "detectLocalMode",
@@ -943,7 +943,10 @@ mod tests {
                 "longer than the sync period",
             ),
             (&["--sync-period", "0s"][..], "--sync-period"),
-            (&["--cluster-cidr", "10.0.0.0/8,bad"][..], "--cluster-cidr"),
+            (
+                &["--cluster-cidr", "198.18.0.0/15,bad"][..],
+                "--cluster-cidr",
+            ),
             (
                 &[
                     "--healthz-bind-address",

@@ -224,7 +224,7 @@ impl Ctx {
     }
 }
 
-/// Parses `address/prefix` and clears the host bits, so that `10.1.2.3/8` and `10.0.0.0/8`
+/// Parses `address/prefix` and clears the host bits, so that `198.19.2.3/15` and `198.18.0.0/15`
 /// are the same range (Go's ParseCIDR, which the API server and kube-proxy use, does the
 /// same).
 pub fn parse_cidr(s: &str) -> Result<(IpAddr, u8), &'static str> {
@@ -641,14 +641,14 @@ metadata:
   namespace: shop
 spec:
   type: LoadBalancer
-  clusterIP: 10.96.0.10
-  clusterIPs: [10.96.0.10, "fd00::10"]
+  clusterIP: 198.19.96.10
+  clusterIPs: [198.19.96.10, "fd00::10"]
   ports:
   - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
   - {name: dns, port: 53, protocol: UDP, nodePort: 30053}
   - {name: sig, port: 9000, protocol: SCTP, nodePort: 30900}
   externalIPs: [192.0.2.7]
-  loadBalancerSourceRanges: [" 10.1.2.3/8 ", "2001:db8::1/32"]
+  loadBalancerSourceRanges: [" 198.19.2.3/15 ", "2001:db8::1/32"]
   sessionAffinity: ClientIP
   externalTrafficPolicy: Local
   internalTrafficPolicy: Local
@@ -667,7 +667,7 @@ status:
     fn converts_every_field() {
         let svc = convert_ok(FULL);
         assert_eq!(svc.key, ServiceKey::new("shop", "web"));
-        assert_eq!(svc.cluster_ips, vec![ip("10.96.0.10"), ip("fd00::10")]);
+        assert_eq!(svc.cluster_ips, vec![ip("198.19.96.10"), ip("fd00::10")]);
         assert_eq!(
             svc.ports,
             vec![
@@ -699,7 +699,7 @@ status:
         );
         assert_eq!(
             svc.load_balancer_source_ranges,
-            vec![(ip("10.0.0.0"), 8), (ip("2001:db8::"), 32)]
+            vec![(ip("198.18.0.0"), 15), (ip("2001:db8::"), 32)]
         );
         assert_eq!(svc.affinity_timeout, Some(DEFAULT_AFFINITY_TIMEOUT));
         assert!(svc.external_policy_local);
@@ -711,10 +711,10 @@ status:
     #[test]
     fn minimal_service_gets_the_api_defaults() {
         let svc = convert_ok(
-            "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 198.18.0.1, ports: [{port: 80}]}\n",
         );
         assert_eq!(svc.key, ServiceKey::new("default", "web"));
-        assert_eq!(svc.cluster_ips, vec![ip("10.0.0.1")]);
+        assert_eq!(svc.cluster_ips, vec![ip("198.18.0.1")]);
         assert_eq!(
             svc.ports,
             vec![ServicePort {
@@ -734,7 +734,7 @@ status:
     #[test]
     fn node_port_zero_means_unset() {
         let svc = convert_ok(
-            "metadata: {name: web}\nspec: {type: NodePort, clusterIP: 10.0.0.1, ports: [{port: 80, nodePort: 0}]}\n",
+            "metadata: {name: web}\nspec: {type: NodePort, clusterIP: 198.18.0.1, ports: [{port: 80, nodePort: 0}]}\n",
         );
         assert_eq!(svc.ports[0].node_port, None);
     }
@@ -769,14 +769,14 @@ status:
 
     #[test]
     fn skips_headless_label_whatever_its_value() {
-        let yaml = "metadata: {name: web, labels: {service.kubernetes.io/headless: ''}}\nspec: {clusterIP: 10.0.0.1}\n";
+        let yaml = "metadata: {name: web, labels: {service.kubernetes.io/headless: ''}}\nspec: {clusterIP: 198.18.0.1}\n";
         assert_eq!(service(&k8s_service(yaml), None).unwrap(), None);
     }
 
     #[test]
     fn service_proxy_name_label_selects_the_proxy() {
         let yaml = "metadata: {name: web, labels: {service.kubernetes.io/service-proxy-name: fastpath}}\n\
-                    spec: {clusterIP: 10.0.0.1}\n";
+                    spec: {clusterIP: 198.18.0.1}\n";
         let svc = k8s_service(yaml);
         assert_eq!(
             service(&svc, None).unwrap(),
@@ -793,7 +793,7 @@ status:
             "labelled for us"
         );
 
-        let unlabelled = k8s_service("metadata: {name: web}\nspec: {clusterIP: 10.0.0.1}\n");
+        let unlabelled = k8s_service("metadata: {name: web}\nspec: {clusterIP: 198.18.0.1}\n");
         assert!(
             service(&unlabelled, Some("fastpath")).unwrap().is_some(),
             "unlabelled is everyone's"
@@ -810,7 +810,7 @@ status:
     fn errors_name_the_object_and_the_field() {
         let base = |spec: &str| {
             format!(
-                "metadata: {{name: web, namespace: default}}\nspec: {{clusterIP: 10.0.0.1, {spec}}}\n"
+                "metadata: {{name: web, namespace: default}}\nspec: {{clusterIP: 198.18.0.1, {spec}}}\n"
             )
         };
         let cases = [
@@ -835,7 +835,7 @@ status:
                 "Service default/web: spec.ports[0].nodePort 65536 is out of range 1-65535",
             ),
             (
-                "clusterIPs: [10.0.0.1, 'fd00::zz']",
+                "clusterIPs: [198.18.0.1, 'fd00::zz']",
                 r#"Service default/web: spec.clusterIPs[1] "fd00::zz" is not an IP address"#,
             ),
             (
@@ -843,12 +843,12 @@ status:
                 r#"Service default/web: spec.externalIPs[1] "1.2.x" is not an IP address"#,
             ),
             (
-                "loadBalancerSourceRanges: [10.0.0.0]",
-                r#"Service default/web: spec.loadBalancerSourceRanges[0] "10.0.0.0" is not a CIDR: missing /prefix"#,
+                "loadBalancerSourceRanges: [198.18.0.0]",
+                r#"Service default/web: spec.loadBalancerSourceRanges[0] "198.18.0.0" is not a CIDR: missing /prefix"#,
             ),
             (
-                "loadBalancerSourceRanges: [10.0.0.0/33]",
-                r#"Service default/web: spec.loadBalancerSourceRanges[0] "10.0.0.0/33" is not a CIDR: prefix length too long for the address family"#,
+                "loadBalancerSourceRanges: [198.18.0.0/33]",
+                r#"Service default/web: spec.loadBalancerSourceRanges[0] "198.18.0.0/33" is not a CIDR: prefix length too long for the address family"#,
             ),
             (
                 "sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}",
@@ -870,17 +870,17 @@ status:
 
     #[test]
     fn bad_cluster_ip_is_an_error() {
-        let err = convert_err("metadata: {name: web}\nspec: {clusterIP: 10.0.0.300}\n");
+        let err = convert_err("metadata: {name: web}\nspec: {clusterIP: 198.18.0.300}\n");
         assert_eq!(
             err,
-            r#"Service default/web: spec.clusterIP "10.0.0.300" is not an IP address"#
+            r#"Service default/web: spec.clusterIP "198.18.0.300" is not an IP address"#
         );
     }
 
     #[test]
     fn bad_load_balancer_ingress_ip_is_an_error() {
         let err = convert_err(
-            "metadata: {name: web}\nspec: {clusterIP: 10.0.0.1}\nstatus: {loadBalancer: {ingress: [{ip: 1.2.3.4}, {ip: nope}]}}\n",
+            "metadata: {name: web}\nspec: {clusterIP: 198.18.0.1}\nstatus: {loadBalancer: {ingress: [{ip: 1.2.3.4}, {ip: nope}]}}\n",
         );
         assert_eq!(
             err,
@@ -892,7 +892,7 @@ status:
     fn error_accessors() {
         let err = service(
             &k8s_service(
-                "metadata: {name: web}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 70000}]}\n",
+                "metadata: {name: web}\nspec: {clusterIP: 198.18.0.1, ports: [{port: 70000}]}\n",
             ),
             None,
         )
@@ -906,12 +906,12 @@ status:
     #[test]
     fn affinity_timeout_is_read() {
         let svc = convert_ok(
-            "metadata: {name: web}\nspec: {clusterIP: 10.0.0.1, sessionAffinity: ClientIP, \
+            "metadata: {name: web}\nspec: {clusterIP: 198.18.0.1, sessionAffinity: ClientIP, \
              sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}}\n",
         );
         assert_eq!(svc.affinity_timeout, Some(60));
         let svc = convert_ok(
-            "metadata: {name: web}\nspec: {clusterIP: 10.0.0.1, sessionAffinity: None}\n",
+            "metadata: {name: web}\nspec: {clusterIP: 198.18.0.1, sessionAffinity: None}\n",
         );
         assert_eq!(svc.affinity_timeout, None);
     }
@@ -920,14 +920,14 @@ status:
     fn source_ranges_annotation_is_read_only_when_the_field_is_empty() {
         let annotated = |spec: &str| {
             format!(
-                "metadata: {{name: web, annotations: {{service.beta.kubernetes.io/load-balancer-source-ranges: ' 10.0.0.0/8, 192.168.1.0/24 ,'}}}}\n\
-                 spec: {{type: LoadBalancer, clusterIP: 10.0.0.1{spec}}}\n"
+                "metadata: {{name: web, annotations: {{service.beta.kubernetes.io/load-balancer-source-ranges: ' 198.18.0.0/15, 198.18.1.0/24 ,'}}}}\n\
+                 spec: {{type: LoadBalancer, clusterIP: 198.18.0.1{spec}}}\n"
             )
         };
         let svc = convert_ok(&annotated(""));
         assert_eq!(
             svc.load_balancer_source_ranges,
-            vec![(ip("10.0.0.0"), 8), (ip("192.168.1.0"), 24)]
+            vec![(ip("198.18.0.0"), 15), (ip("198.18.1.0"), 24)]
         );
         let svc = convert_ok(&annotated(", loadBalancerSourceRanges: []"));
         assert_eq!(
@@ -935,16 +935,16 @@ status:
             2,
             "an empty field is no field"
         );
-        let svc = convert_ok(&annotated(", loadBalancerSourceRanges: [172.16.0.0/12]"));
+        let svc = convert_ok(&annotated(", loadBalancerSourceRanges: [198.19.0.0/16]"));
         assert_eq!(
             svc.load_balancer_source_ranges,
-            vec![(ip("172.16.0.0"), 12)],
+            vec![(ip("198.19.0.0"), 16)],
             "the field wins"
         );
 
         let err = convert_err(
-            "metadata: {name: web, annotations: {service.beta.kubernetes.io/load-balancer-source-ranges: '10.0.0.0/8,bad'}}\n\
-             spec: {clusterIP: 10.0.0.1}\n",
+            "metadata: {name: web, annotations: {service.beta.kubernetes.io/load-balancer-source-ranges: '198.18.0.0/15,bad'}}\n\
+             spec: {clusterIP: 198.18.0.1}\n",
         );
         assert_eq!(
             err,
@@ -956,7 +956,7 @@ status:
     fn external_policy_only_for_externally_accessible_services() {
         let with = |spec: &str| {
             convert_ok(&format!(
-                "metadata: {{name: web}}\nspec: {{clusterIP: 10.0.0.1, externalTrafficPolicy: Local, healthCheckNodePort: 32000, {spec}}}\n"
+                "metadata: {{name: web}}\nspec: {{clusterIP: 198.18.0.1, externalTrafficPolicy: Local, healthCheckNodePort: 32000, {spec}}}\n"
             ))
         };
         let plain = with("type: ClusterIP");
@@ -982,7 +982,7 @@ status:
         assert_eq!(lb.health_check_node_port, Some(32000));
 
         let cluster_policy = convert_ok(
-            "metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 10.0.0.1, externalTrafficPolicy: Cluster, healthCheckNodePort: 32000}\n",
+            "metadata: {name: web}\nspec: {type: LoadBalancer, clusterIP: 198.18.0.1, externalTrafficPolicy: Cluster, healthCheckNodePort: 32000}\n",
         );
         assert!(!cluster_policy.external_policy_local);
         assert_eq!(cluster_policy.health_check_node_port, None);
@@ -1018,7 +1018,7 @@ status:
         ];
         for (meta, spec, want) in cases {
             let svc = convert_ok(&format!(
-                "metadata: {{name: web, {meta}}}\nspec: {{clusterIP: 10.0.0.1, {spec}}}\n"
+                "metadata: {{name: web, {meta}}}\nspec: {{clusterIP: 198.18.0.1, {spec}}}\n"
             ));
             assert_eq!(svc.prefer_close, want, "{meta} {spec}");
         }
@@ -1026,7 +1026,7 @@ status:
 
     #[test]
     fn cidr_parsing() {
-        assert_eq!(parse_cidr("10.1.2.3/8"), Ok((ip("10.0.0.0"), 8)));
+        assert_eq!(parse_cidr("198.19.2.3/15"), Ok((ip("198.18.0.0"), 15)));
         assert_eq!(parse_cidr("1.2.3.4/32"), Ok((ip("1.2.3.4"), 32)));
         assert_eq!(
             parse_cidr("1.2.3.4/0"),
@@ -1042,14 +1042,14 @@ status:
         );
         assert_eq!(parse_cidr("fd00::1/128"), Ok((ip("fd00::1"), 128)));
         for bad in [
-            "10.0.0.0",
-            "10.0.0.0/",
-            "10.0.0.0/33",
+            "198.18.0.0",
+            "198.18.0.0/",
+            "198.18.0.0/33",
             "fd00::/129",
-            "10.0.0.0/+8",
-            "10.0.0/8",
+            "198.18.0.0/+8",
+            "198.18.0/8",
             "x/8",
-            "10.0.0.0/8/8",
+            "198.18.0.0/8/8",
         ] {
             assert!(parse_cidr(bad).is_err(), "{bad}");
         }
@@ -1070,15 +1070,15 @@ ports:
 - {name: dns, port: 5353, protocol: UDP}
 - {name: unusable}
 endpoints:
-- addresses: [10.1.0.1]
+- addresses: [198.18.1.1]
   nodeName: node-a
   zone: zone-a
   hints: {forZones: [{name: zone-a}, {name: zone-b}]}
-- addresses: [10.1.0.2]
+- addresses: [198.18.1.2]
   conditions: {ready: false}
-- addresses: [10.1.0.3, 10.9.9.9]
+- addresses: [198.18.1.3, 198.18.9.9]
   conditions: {ready: false, serving: true, terminating: true}
-- addresses: [10.1.0.4]
+- addresses: [198.18.1.4]
   conditions: {ready: true, serving: false}
 "#;
 
@@ -1119,12 +1119,12 @@ endpoints:
                     node_name: Some("node-a".into()),
                     zone: Some("zone-a".into()),
                     zone_hints: vec!["zone-a".into(), "zone-b".into()],
-                    ..ep("10.1.0.1", true, true, false)
+                    ..ep("198.18.1.1", true, true, false)
                 },
-                ep("10.1.0.2", false, false, false),
+                ep("198.18.1.2", false, false, false),
                 // Only the first address counts.
-                ep("10.1.0.3", false, true, true),
-                ep("10.1.0.4", true, false, false),
+                ep("198.18.1.3", false, true, true),
+                ep("198.18.1.4", true, false, false),
             ]
         );
     }
@@ -1164,12 +1164,12 @@ endpoints:
         let slice = k8s_slice(
             "metadata: {name: s, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\n\
              ports: [{port: 80}]\n\
-             endpoints: [{addresses: [1.2.x]}, {addresses: []}, {addresses: ['fd00::1']}, {addresses: [10.0.0.1]}]\n",
+             endpoints: [{addresses: [1.2.x]}, {addresses: []}, {addresses: ['fd00::1']}, {addresses: [198.18.0.1]}]\n",
         );
         let (_, _, info) = endpoint_slice(&slice).unwrap().unwrap();
         assert_eq!(
             info.endpoints.iter().map(|e| e.ip).collect::<Vec<_>>(),
-            vec![ip("10.0.0.1")]
+            vec![ip("198.18.0.1")]
         );
     }
 
@@ -1190,8 +1190,8 @@ endpoints:
             "EndpointSlice default/web-abc: endpoints[0].addresses[0] is missing"
         );
         assert_eq!(
-            err(ep(&["10.0.0.1"]), false),
-            r#"EndpointSlice default/web-abc: endpoints[0].addresses[0] "10.0.0.1" is not an IPv6 address, as addressType says"#
+            err(ep(&["198.18.0.1"]), false),
+            r#"EndpointSlice default/web-abc: endpoints[0].addresses[0] "198.18.0.1" is not an IPv6 address, as addressType says"#
         );
     }
 

@@ -328,7 +328,7 @@ mod tests {
     fn svc() -> Service {
         Service::cluster_ip(
             ServiceKey::new("default", "web"),
-            vec!["10.96.0.1".parse().unwrap()],
+            vec!["198.19.96.1".parse().unwrap()],
             vec![port("http", Protocol::Tcp)],
         )
     }
@@ -386,22 +386,22 @@ mod tests {
                 "a",
                 slice(
                     &[("http", 8080, Protocol::Tcp), ("dns", 53, Protocol::Udp)],
-                    vec![ep("10.0.0.2"), ep("10.0.0.1")],
+                    vec![ep("198.18.0.2"), ep("198.18.0.1")],
                 ),
             ),
             (
                 "b",
-                slice(&[("http", 8080, Protocol::Udp)], vec![ep("10.0.0.3")]),
+                slice(&[("http", 8080, Protocol::Udp)], vec![ep("198.18.0.3")]),
             ),
             (
                 "c",
-                slice(&[("metrics", 9090, Protocol::Tcp)], vec![ep("10.0.0.4")]),
+                slice(&[("metrics", 9090, Protocol::Tcp)], vec![ep("198.18.0.4")]),
             ),
         ]);
         let got = endpoints_for_port(&set, &port("http", Protocol::Tcp));
         assert_eq!(
             ips(&got),
-            ["10.0.0.1", "10.0.0.2"],
+            ["198.18.0.1", "198.18.0.2"],
             "sorted, and only slices serving http/TCP"
         );
         assert!(
@@ -410,7 +410,7 @@ mod tests {
         );
         assert_eq!(
             ips(&endpoints_for_port(&set, &port("dns", Protocol::Udp))),
-            ["10.0.0.1", "10.0.0.2"]
+            ["198.18.0.1", "198.18.0.2"]
         );
         assert!(endpoints_for_port(&set, &port("dns", Protocol::Tcp)).is_empty());
         assert!(
@@ -422,7 +422,7 @@ mod tests {
     fn unnamed_port_matches_unnamed_slice_port() {
         let set = set(vec![(
             "a",
-            slice(&[("", 8080, Protocol::Tcp)], vec![ep("10.0.0.1")]),
+            slice(&[("", 8080, Protocol::Tcp)], vec![ep("198.18.0.1")]),
         )]);
         assert_eq!(endpoints_for_port(&set, &port("", Protocol::Tcp)).len(), 1);
         assert!(endpoints_for_port(&set, &port("http", Protocol::Tcp)).is_empty());
@@ -437,9 +437,9 @@ mod tests {
                 slice(
                     http,
                     vec![
-                        not_ready("10.0.0.1"),
-                        ep("10.0.0.2"),
-                        terminating("10.0.0.3"),
+                        not_ready("198.18.0.1"),
+                        ep("198.18.0.2"),
+                        terminating("198.18.0.3"),
                     ],
                 ),
             ),
@@ -448,15 +448,15 @@ mod tests {
                 slice(
                     http,
                     vec![
-                        ep("10.0.0.1"),
-                        on("node-b", ep("10.0.0.2")),
-                        not_ready("10.0.0.3"),
+                        ep("198.18.0.1"),
+                        on("node-b", ep("198.18.0.2")),
+                        not_ready("198.18.0.3"),
                     ],
                 ),
             ),
         ]);
         let got = endpoints_for_port(&set, &port("http", Protocol::Tcp));
-        assert_eq!(ips(&got), ["10.0.0.1", "10.0.0.2", "10.0.0.3"]);
+        assert_eq!(ips(&got), ["198.18.0.1", "198.18.0.2", "198.18.0.3"]);
         assert!(
             got[0].endpoint.ready,
             "ready beats not ready, whichever slice it is in"
@@ -473,11 +473,11 @@ mod tests {
         let set = set(vec![
             (
                 "a",
-                slice(&[("http", 8080, Protocol::Tcp)], vec![ep("10.0.0.1")]),
+                slice(&[("http", 8080, Protocol::Tcp)], vec![ep("198.18.0.1")]),
             ),
             (
                 "b",
-                slice(&[("http", 8081, Protocol::Tcp)], vec![ep("10.0.0.1")]),
+                slice(&[("http", 8081, Protocol::Tcp)], vec![ep("198.18.0.1")]),
             ),
         ]);
         let got = endpoints_for_port(&set, &port("http", Protocol::Tcp));
@@ -487,13 +487,13 @@ mod tests {
     #[test]
     fn cluster_policy_uses_ready_endpoints() {
         let eps = [
-            pe(ep("10.0.0.1")),
-            pe(not_ready("10.0.0.2")),
-            pe(terminating("10.0.0.3")),
-            pe(ep("10.0.0.4")),
+            pe(ep("198.18.0.1")),
+            pe(not_ready("198.18.0.2")),
+            pe(terminating("198.18.0.3")),
+            pe(ep("198.18.0.4")),
         ];
         let c = categorize(&svc(), &eps, &node("node-a", None));
-        assert_eq!(ips(&c.cluster), ["10.0.0.1", "10.0.0.4"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.1", "198.18.0.4"]);
         assert!(c.local.is_empty(), "not needed");
         assert_eq!(c.all_reachable, c.cluster);
         assert!(c.has_any_endpoints);
@@ -502,21 +502,21 @@ mod tests {
     #[test]
     fn cluster_policy_falls_back_to_serving_terminating() {
         let eps = [
-            pe(not_ready("10.0.0.1")),
-            pe(terminating("10.0.0.2")),
+            pe(not_ready("198.18.0.1")),
+            pe(terminating("198.18.0.2")),
             pe(Endpoint {
                 serving: false,
-                ..terminating("10.0.0.3")
+                ..terminating("198.18.0.3")
             }),
         ];
         let c = categorize(&svc(), &eps, &node("node-a", None));
-        assert_eq!(ips(&c.cluster), ["10.0.0.2"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.2"]);
         assert!(c.has_any_endpoints);
     }
 
     #[test]
     fn nothing_usable_means_no_endpoints() {
-        let eps = [pe(not_ready("10.0.0.1"))];
+        let eps = [pe(not_ready("198.18.0.1"))];
         for s in [
             svc(),
             Service {
@@ -536,30 +536,33 @@ mod tests {
     #[test]
     fn zone_hints_narrow_cluster_endpoints() {
         let eps = [
-            pe(hinted(&["zone-a"], ep("10.0.0.1"))),
-            pe(hinted(&["zone-b"], ep("10.0.0.2"))),
-            pe(hinted(&["zone-a", "zone-c"], ep("10.0.0.3"))),
-            pe(not_ready("10.0.0.4")), // not ready: its missing hints do not matter
+            pe(hinted(&["zone-a"], ep("198.18.0.1"))),
+            pe(hinted(&["zone-b"], ep("198.18.0.2"))),
+            pe(hinted(&["zone-a", "zone-c"], ep("198.18.0.3"))),
+            pe(not_ready("198.18.0.4")), // not ready: its missing hints do not matter
         ];
         let c = categorize(&svc(), &eps, &node("node-a", Some("zone-a")));
-        assert_eq!(ips(&c.cluster), ["10.0.0.1", "10.0.0.3"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.1", "198.18.0.3"]);
         let c = categorize(&svc(), &eps, &node("node-a", Some("zone-c")));
-        assert_eq!(ips(&c.cluster), ["10.0.0.3"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.3"]);
     }
 
     #[test]
     fn zone_hints_are_ignored_unless_complete_and_useful() {
-        let partly = [pe(hinted(&["zone-a"], ep("10.0.0.1"))), pe(ep("10.0.0.2"))];
+        let partly = [
+            pe(hinted(&["zone-a"], ep("198.18.0.1"))),
+            pe(ep("198.18.0.2")),
+        ];
         let c = categorize(&svc(), &partly, &node("node-a", Some("zone-a")));
         assert_eq!(
             ips(&c.cluster),
-            ["10.0.0.1", "10.0.0.2"],
+            ["198.18.0.1", "198.18.0.2"],
             "one ready endpoint has no hints"
         );
 
         let hinted_all = [
-            pe(hinted(&["zone-a"], ep("10.0.0.1"))),
-            pe(hinted(&["zone-b"], ep("10.0.0.2"))),
+            pe(hinted(&["zone-a"], ep("198.18.0.1"))),
+            pe(hinted(&["zone-b"], ep("198.18.0.2"))),
         ];
         let c = categorize(&svc(), &hinted_all, &node("node-a", Some("zone-z")));
         assert_eq!(c.cluster.len(), 2, "no endpoint for our zone");
@@ -572,9 +575,9 @@ mod tests {
     #[test]
     fn terminating_fallback_ignores_topology() {
         // Hints are computed on ready endpoints; with none ready there is no topology.
-        let eps = [pe(hinted(&["zone-b"], terminating("10.0.0.1")))];
+        let eps = [pe(hinted(&["zone-b"], terminating("198.18.0.1")))];
         let c = categorize(&svc(), &eps, &node("node-a", Some("zone-a")));
-        assert_eq!(ips(&c.cluster), ["10.0.0.1"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.1"]);
     }
 
     #[test]
@@ -584,16 +587,16 @@ mod tests {
             ..svc()
         };
         let eps = [
-            pe(on("node-a", ep("10.0.0.1"))),
-            pe(on("node-b", ep("10.0.0.2"))),
-            pe(on("node-a", not_ready("10.0.0.3"))),
+            pe(on("node-a", ep("198.18.0.1"))),
+            pe(on("node-b", ep("198.18.0.2"))),
+            pe(on("node-a", not_ready("198.18.0.3"))),
         ];
         let c = categorize(&s, &eps, &node("node-a", None));
         assert!(
             c.cluster.is_empty(),
             "a ClusterIP-only service with internal Local never uses Cluster"
         );
-        assert_eq!(ips(&c.local), ["10.0.0.1"]);
+        assert_eq!(ips(&c.local), ["198.18.0.1"]);
         assert_eq!(c.all_reachable, c.local);
         assert!(c.has_any_endpoints);
         assert_eq!(internal_backends(&s, &eps, &node("node-a", None)), c.local);
@@ -613,11 +616,11 @@ mod tests {
             ..svc()
         };
         let eps = [
-            pe(on("node-a", terminating("10.0.0.1"))),
-            pe(on("node-b", ep("10.0.0.2"))),
+            pe(on("node-a", terminating("198.18.0.1"))),
+            pe(on("node-b", ep("198.18.0.2"))),
         ];
         let c = categorize(&s, &eps, &node("node-a", None));
-        assert_eq!(ips(&c.local), ["10.0.0.1"]);
+        assert_eq!(ips(&c.local), ["198.18.0.1"]);
     }
 
     #[test]
@@ -626,7 +629,7 @@ mod tests {
             internal_policy_local: true,
             ..svc()
         };
-        let eps = [pe(ep("10.0.0.1"))];
+        let eps = [pe(ep("198.18.0.1"))];
         assert!(categorize(&s, &eps, &node("", None)).local.is_empty());
     }
 
@@ -637,13 +640,13 @@ mod tests {
             ..node_port_svc()
         };
         let eps = [
-            pe(on("node-a", ep("10.0.0.1"))),
-            pe(on("node-b", ep("10.0.0.2"))),
+            pe(on("node-a", ep("198.18.0.1"))),
+            pe(on("node-b", ep("198.18.0.2"))),
         ];
         let n = node("node-a", None);
         let c = categorize(&s, &eps, &n);
-        assert_eq!(ips(&c.cluster), ["10.0.0.1", "10.0.0.2"]);
-        assert_eq!(ips(&c.local), ["10.0.0.1"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.1", "198.18.0.2"]);
+        assert_eq!(ips(&c.local), ["198.18.0.1"]);
         assert_eq!(c.all_reachable, c.cluster, "cluster is a superset of local");
         assert_eq!(c.internal(&s), c.cluster.as_slice());
         assert_eq!(c.external(&s), c.local.as_slice());
@@ -660,7 +663,7 @@ mod tests {
         };
         let c = categorize(
             &s,
-            &[pe(on("node-a", ep("10.0.0.1")))],
+            &[pe(on("node-a", ep("198.18.0.1")))],
             &node("node-a", None),
         );
         assert!(c.local.is_empty());
@@ -675,12 +678,12 @@ mod tests {
             ..svc()
         };
         let eps = [
-            pe(on("node-a", ep("10.0.0.1"))),
-            pe(on("node-b", ep("10.0.0.2"))),
+            pe(on("node-a", ep("198.18.0.1"))),
+            pe(on("node-b", ep("198.18.0.2"))),
         ];
         let c = categorize(&s, &eps, &node("node-a", None));
-        assert_eq!(ips(&c.cluster), ["10.0.0.1", "10.0.0.2"]);
-        assert_eq!(ips(&c.local), ["10.0.0.1"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.1", "198.18.0.2"]);
+        assert_eq!(ips(&c.local), ["198.18.0.1"]);
         assert_eq!(c.internal(&s), c.local.as_slice());
         assert_eq!(c.external(&s), c.cluster.as_slice());
     }
@@ -694,22 +697,22 @@ mod tests {
         // Local fell back to a terminating endpoint that Cluster (which has a ready one
         // elsewhere) does not include.
         let eps = [
-            pe(on("node-a", terminating("10.0.0.1"))),
-            pe(on("node-b", ep("10.0.0.2"))),
+            pe(on("node-a", terminating("198.18.0.1"))),
+            pe(on("node-b", ep("198.18.0.2"))),
         ];
         let c = categorize(&s, &eps, &node("node-a", None));
-        assert_eq!(ips(&c.cluster), ["10.0.0.2"]);
-        assert_eq!(ips(&c.local), ["10.0.0.1"]);
-        assert_eq!(ips(&c.all_reachable), ["10.0.0.1", "10.0.0.2"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.2"]);
+        assert_eq!(ips(&c.local), ["198.18.0.1"]);
+        assert_eq!(ips(&c.all_reachable), ["198.18.0.1", "198.18.0.2"]);
 
         // Topology left our own (other-zone-hinted) endpoint out of Cluster.
         let eps = [
-            pe(on("node-a", hinted(&["zone-b"], ep("10.0.0.1")))),
-            pe(on("node-b", hinted(&["zone-a"], ep("10.0.0.2")))),
+            pe(on("node-a", hinted(&["zone-b"], ep("198.18.0.1")))),
+            pe(on("node-b", hinted(&["zone-a"], ep("198.18.0.2")))),
         ];
         let c = categorize(&s, &eps, &node("node-a", Some("zone-a")));
-        assert_eq!(ips(&c.cluster), ["10.0.0.2"]);
-        assert_eq!(ips(&c.local), ["10.0.0.1"]);
-        assert_eq!(ips(&c.all_reachable), ["10.0.0.1", "10.0.0.2"]);
+        assert_eq!(ips(&c.cluster), ["198.18.0.2"]);
+        assert_eq!(ips(&c.local), ["198.18.0.1"]);
+        assert_eq!(ips(&c.all_reachable), ["198.18.0.1", "198.18.0.2"]);
     }
 }

@@ -295,7 +295,7 @@ mod tests {
     fn svc(name: &str, port: u16) -> Service {
         Service::cluster_ip(
             key(name),
-            vec!["10.96.0.1".parse().unwrap()],
+            vec!["198.19.96.1".parse().unwrap()],
             vec![ServicePort {
                 name: "http".into(),
                 port,
@@ -347,8 +347,8 @@ mod tests {
         let mut t = ChangeTracker::new();
         t.apply_service(key("a"), Some(svc("a", 80)));
         t.apply_service(key("b"), Some(svc("b", 80)));
-        t.apply_slice(key("a"), "a-1".into(), Some(slice(&["10.0.0.1"])));
-        t.apply_slice(key("b"), "b-1".into(), Some(slice(&["10.0.1.1"])));
+        t.apply_slice(key("a"), "a-1".into(), Some(slice(&["198.18.0.1"])));
+        t.apply_slice(key("b"), "b-1".into(), Some(slice(&["198.18.1.1"])));
         t.take_changes();
         t
     }
@@ -376,7 +376,7 @@ mod tests {
     fn no_op_updates_record_nothing() {
         let mut t = two_services();
         t.apply_service(key("a"), Some(svc("a", 80)));
-        t.apply_slice(key("a"), "a-1".into(), Some(slice(&["10.0.0.1"])));
+        t.apply_slice(key("a"), "a-1".into(), Some(slice(&["198.18.0.1"])));
         t.apply_service(key("gone"), None);
         t.apply_slice(key("a"), "never-seen".into(), None);
         assert!(!t.has_changes());
@@ -392,7 +392,7 @@ mod tests {
         t.apply_slice(
             key("a"),
             "a-1".into(),
-            Some(slice(&["10.0.0.1", "10.0.0.2"])),
+            Some(slice(&["198.18.0.1", "198.18.0.2"])),
         );
         assert_eq!(changed(&mut t), ["a"]);
         assert_eq!(t.endpoints_changed_total(), 3);
@@ -406,7 +406,7 @@ mod tests {
     #[test]
     fn a_service_split_over_two_slices() {
         let mut t = two_services();
-        t.apply_slice(key("a"), "a-2".into(), Some(slice(&["10.0.0.9"])));
+        t.apply_slice(key("a"), "a-2".into(), Some(slice(&["198.18.0.9"])));
         assert_eq!(changed(&mut t), ["a"]);
         assert_eq!(slice_names(&t, "a").unwrap(), ["a-1", "a-2"]);
 
@@ -440,7 +440,7 @@ mod tests {
     #[test]
     fn slices_of_unknown_services_are_kept_but_not_recorded() {
         let mut t = ChangeTracker::new();
-        t.apply_slice(key("headless"), "h-1".into(), Some(slice(&["10.0.0.1"])));
+        t.apply_slice(key("headless"), "h-1".into(), Some(slice(&["198.18.0.1"])));
         assert!(!t.has_changes());
         assert_eq!(t.endpoints_changed_total(), 0);
         assert_eq!(slice_names(&t, "headless").unwrap(), ["h-1"]);
@@ -457,7 +457,7 @@ mod tests {
     #[test]
     fn a_slice_that_changes_owner_leaves_the_old_one() {
         let mut t = two_services();
-        t.apply_slice(key("b"), "a-1".into(), Some(slice(&["10.0.0.1"])));
+        t.apply_slice(key("b"), "a-1".into(), Some(slice(&["198.18.0.1"])));
         assert_eq!(changed(&mut t), ["a", "b"]);
         assert_eq!(slice_names(&t, "a"), None);
         assert_eq!(slice_names(&t, "b").unwrap(), ["a-1", "b-1"]);
@@ -472,11 +472,11 @@ mod tests {
     fn snapshots_do_not_see_later_changes() {
         let mut t = two_services();
         let before = t.take_changes().state;
-        t.apply_slice(key("a"), "a-1".into(), Some(slice(&["10.0.0.7"])));
+        t.apply_slice(key("a"), "a-1".into(), Some(slice(&["198.18.0.7"])));
         t.apply_service(key("b"), Some(svc("b", 90)));
         assert_eq!(
             before.endpoints[&key("a")].slices["a-1"],
-            slice(&["10.0.0.1"])
+            slice(&["198.18.0.1"])
         );
         assert_eq!(before.services[&key("b")].ports[0].port, 80);
         assert_ne!(&before, t.state());
@@ -512,10 +512,10 @@ mod tests {
         let mut t = ChangeTracker::new();
         let services = vec![svc("a", 80), svc("b", 80), svc("c", 80)];
         let slices = vec![
-            (key("a"), "a-1".to_owned(), slice(&["10.0.0.1"])),
-            (key("a"), "a-2".to_owned(), slice(&["10.0.0.2"])),
-            (key("b"), "b-1".to_owned(), slice(&["10.0.1.1"])),
-            (key("headless"), "h-1".to_owned(), slice(&["10.0.9.1"])),
+            (key("a"), "a-1".to_owned(), slice(&["198.18.0.1"])),
+            (key("a"), "a-2".to_owned(), slice(&["198.18.0.2"])),
+            (key("b"), "b-1".to_owned(), slice(&["198.18.1.1"])),
+            (key("headless"), "h-1".to_owned(), slice(&["198.18.9.1"])),
         ];
         t.replace_all(services.clone(), slices.clone());
         assert_eq!(
@@ -540,8 +540,8 @@ mod tests {
         // b's endpoints change, c goes away, d arrives, a is untouched.
         let services = vec![svc("a", 80), svc("b", 80), svc("d", 80)];
         let mut slices = slices;
-        slices[2].2 = slice(&["10.0.1.2"]);
-        slices[3].2 = slice(&["10.0.9.2"]);
+        slices[2].2 = slice(&["198.18.1.2"]);
+        slices[3].2 = slice(&["198.18.9.2"]);
         t.replace_all(services.clone(), slices.clone());
         assert_eq!(changed(&mut t), ["b", "c", "d"]);
         assert!(Arc::ptr_eq(
@@ -568,8 +568,8 @@ mod tests {
         t.replace_all(
             vec![svc("a", 81), svc("b", 80)],
             vec![
-                (key("a"), "a-1".into(), slice(&["10.0.0.1"])),
-                (key("b"), "b-1".into(), slice(&["10.0.1.9"])),
+                (key("a"), "a-1".into(), slice(&["198.18.0.1"])),
+                (key("b"), "b-1".into(), slice(&["198.18.1.9"])),
             ],
         );
         assert_eq!(changed(&mut t), ["a", "b"]);
@@ -588,17 +588,17 @@ mod tests {
         t.replace_all(
             vec![svc("a", 80), svc("a", 81)],
             vec![
-                (key("a"), "s".into(), slice(&["10.0.0.1"])),
-                (key("b"), "s".into(), slice(&["10.0.0.2"])),
-                (key("a"), "t".into(), slice(&["10.0.0.3"])),
-                (key("a"), "t".into(), slice(&["10.0.0.4"])),
+                (key("a"), "s".into(), slice(&["198.18.0.1"])),
+                (key("b"), "s".into(), slice(&["198.18.0.2"])),
+                (key("a"), "t".into(), slice(&["198.18.0.3"])),
+                (key("a"), "t".into(), slice(&["198.18.0.4"])),
             ],
         );
         assert_eq!(t.state().services[&key("a")].ports[0].port, 81);
         assert_eq!(slice_names(&t, "a").unwrap(), ["t"], "slice s moved to b");
         assert_eq!(
             t.state().endpoints[&key("a")].slices["t"],
-            slice(&["10.0.0.4"])
+            slice(&["198.18.0.4"])
         );
         assert_eq!(slice_names(&t, "b").unwrap(), ["s"]);
     }
@@ -608,12 +608,12 @@ mod tests {
         let mut t = ChangeTracker::new();
         t.replace_all(
             vec![svc("a", 80)],
-            vec![(key("a"), "a-1".into(), slice(&["10.0.0.1"]))],
+            vec![(key("a"), "a-1".into(), slice(&["198.18.0.1"]))],
         );
         t.take_changes();
         // The owner index was rebuilt by replace_all: a move is still noticed.
         t.apply_service(key("b"), Some(svc("b", 80)));
-        t.apply_slice(key("b"), "a-1".into(), Some(slice(&["10.0.0.1"])));
+        t.apply_slice(key("b"), "a-1".into(), Some(slice(&["198.18.0.1"])));
         assert_eq!(changed(&mut t), ["a", "b"]);
         assert_eq!(slice_names(&t, "a"), None);
     }

@@ -653,8 +653,8 @@ mod tests {
         let dir = TempDir::new();
         let text = format!(
             "# a comment before the first document\n---\n{}---\n{}---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: other}}\n---\n# empty\n---\n",
-            service_yaml("web", "10.96.0.10"),
-            slice_yaml("web", "web-abc", "10.1.0.1"),
+            service_yaml("web", "198.19.96.10"),
+            slice_yaml("web", "web-abc", "198.18.1.1"),
         );
         let path = dir.write("app.yaml", &text);
         let loaded = load(&path);
@@ -665,23 +665,26 @@ mod tests {
         );
         assert_eq!(loaded.skipped, 0);
         let (_, _, slice) = &loaded.slices[0];
-        assert_eq!(slice.endpoints[0].ip.to_string(), "10.1.0.1");
-        assert_eq!(loaded.services[0].cluster_ips[0].to_string(), "10.96.0.10");
+        assert_eq!(slice.endpoints[0].ip.to_string(), "198.18.1.1");
+        assert_eq!(
+            loaded.services[0].cluster_ips[0].to_string(),
+            "198.19.96.10"
+        );
     }
 
     #[test]
     fn folder_of_files() {
         let dir = TempDir::new();
-        dir.write("b.yml", &slice_yaml("web", "web-abc", "10.1.0.1"));
-        dir.write("a.yaml", &service_yaml("web", "10.96.0.10"));
+        dir.write("b.yml", &slice_yaml("web", "web-abc", "198.18.1.1"));
+        dir.write("a.yaml", &service_yaml("web", "198.19.96.10"));
         dir.write("c.json", r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api", "namespace": "shop"},
-            "spec": {"clusterIP": "10.96.0.11", "ports": [{"port": 443}]}}"#);
+            "spec": {"clusterIP": "198.19.96.11", "ports": [{"port": 443}]}}"#);
         dir.write("notes.txt", "not: yaml: at: all: [");
         dir.write(".a.yaml.swp", "not: yaml: at: all: [");
         fs::create_dir(dir.0.join("nested.yaml")).unwrap();
         dir.write(
             "nested.yaml/ignored.yaml",
-            &service_yaml("nested", "10.96.0.12"),
+            &service_yaml("nested", "198.19.96.12"),
         );
 
         let loaded = load(&dir.0);
@@ -700,14 +703,14 @@ mod tests {
     fn malformed_documents_are_reported_and_the_rest_loads() {
         let dir = TempDir::new();
         let text = [
-            service_yaml("good-1", "10.96.0.1"),
-            service_yaml("bad-port", "10.96.0.2").replace("port: 80", "port: 70000"),
-            service_yaml("wrong-type", "10.96.0.3").replace("port: 80", "port: eighty"),
+            service_yaml("good-1", "198.19.96.1"),
+            service_yaml("bad-port", "198.19.96.2").replace("port: 80", "port: 70000"),
+            service_yaml("wrong-type", "198.19.96.3").replace("port: 80", "port: eighty"),
             "apiVersion: v1\nkind: Service\nmetadata: {name: broken\nspec: [\n".to_owned(),
-            service_yaml("good-2", "10.96.0.4"),
+            service_yaml("good-2", "198.19.96.4"),
             "just a string\n".to_owned(),
             "metadata: {name: kindless}\n".to_owned(),
-            slice_yaml("good-1", "good-1-x", "10.1.0.1"),
+            slice_yaml("good-1", "good-1-x", "198.18.1.1"),
         ]
         .join("---\n");
         let path = dir.write("mixed.yaml", &text);
@@ -761,16 +764,16 @@ items:
 - apiVersion: v1
   kind: Service
   metadata: {name: web}
-  spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}
+  spec: {clusterIP: 198.19.96.1, ports: [{port: 80}]}
 - apiVersion: v1
   kind: Service
   metadata: {name: bad, namespace: shop}
-  spec: {clusterIP: 10.96.0.2, ports: [{port: 80, protocol: QUIC}]}
+  spec: {clusterIP: 198.19.96.2, ports: [{port: 80, protocol: QUIC}]}
 - apiVersion: discovery.k8s.io/v1
   kind: EndpointSlice
   metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}
   addressType: IPv4
-  endpoints: [{addresses: [10.1.0.1]}]
+  endpoints: [{addresses: [198.18.1.1]}]
 - apiVersion: v1
   kind: Service
   metadata: {name: typo}
@@ -783,7 +786,7 @@ apiVersion: v1
 kind: ServiceList
 items:
 - metadata: {name: listed}
-  spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}
+  spec: {clusterIP: 198.19.96.3, ports: [{port: 80}]}
 - metadata: {name: headless}
   spec: {clusterIP: None}
 "#;
@@ -865,7 +868,7 @@ items:
         assert!(matches!(&loaded.errors[0], LoadError::Read { path, .. } if *path == missing));
 
         fs::write(dir.0.join("binary.yaml"), [0xff, 0xfe, 0x00]).unwrap();
-        dir.write("ok.yaml", &service_yaml("web", "10.96.0.1"));
+        dir.write("ok.yaml", &service_yaml("web", "198.19.96.1"));
         let loaded = load(&dir.0);
         assert_eq!(
             loaded.services.len(),
@@ -910,8 +913,8 @@ items:
         let dir = TempDir::new();
         let text = format!(
             "\u{feff}{}---\r\n{}",
-            service_yaml("a", "10.96.0.1"),
-            service_yaml("b", "10.96.0.2")
+            service_yaml("a", "198.19.96.1"),
+            service_yaml("b", "198.19.96.2")
         )
         .replace('\n', "\r\n")
         .replace("\r\r\n", "\r\n");
@@ -931,7 +934,7 @@ items:
     #[tokio::test]
     async fn watch_reloads_on_change_only() {
         let dir = TempDir::new();
-        let file = dir.write("svc.yaml", &service_yaml("web", "10.96.0.1"));
+        let file = dir.write("svc.yaml", &service_yaml("web", "198.19.96.1"));
         let (tx, mut rx) = watch::channel(Arc::new(Loaded::default()));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(watch(dir.0.clone(), Duration::from_millis(20), tx, async {
@@ -949,8 +952,8 @@ items:
             &file,
             format!(
                 "{}---\n{}",
-                service_yaml("web", "10.96.0.1"),
-                service_yaml("api", "10.96.0.2")
+                service_yaml("web", "198.19.96.1"),
+                service_yaml("api", "198.19.96.2")
             ),
         )
         .unwrap();
@@ -987,7 +990,7 @@ items:
 
         let first = next(&mut rx).await;
         assert!(matches!(&first.errors[..], [LoadError::Read { .. }]));
-        fs::write(&file, service_yaml("web", "10.96.0.1")).unwrap();
+        fs::write(&file, service_yaml("web", "198.19.96.1")).unwrap();
         let second = next(&mut rx).await;
         assert!(second.errors.is_empty());
         assert_eq!(second.services.len(), 1);

@@ -240,7 +240,7 @@ fn service(name: &str, labels: Value) -> Value {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "labels": labels},
-        "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80, "protocol": "TCP"}]},
+        "spec": {"clusterIP": "198.19.96.10", "ports": [{"port": 80, "protocol": "TCP"}]},
     })
 }
 

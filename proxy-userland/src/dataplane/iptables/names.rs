@@ -119,7 +119,8 @@ mod tests {
             PortChains::new("ns1/svc1:p80", Protocol::Tcp).svc,
             "KUBE-SVC-XPGD46QRK7WJZT7O"
         );
-        // ...and its endpoint 10.180.0.1:80 is KUBE-SEP-SXIVWICOYRO3J4NJ.
+        // ...and its endpoint 10.180.0.1:80 is KUBE-SEP-SXIVWICOYRO3J4NJ. The name hashes the
+        // address, so upstream's address stays: it is data here, never configured.
         assert_eq!(
             endpoint_chain(
                 "ns1/svc1:p80",

@@ -77,23 +77,23 @@ fn has(rules: &[String], want: &str) -> bool {
 
 #[test]
 fn a_cluster_ip_is_spread_over_its_endpoints_like_kube_proxy() {
-    let s = svc("svc1", "172.30.0.41");
+    let s = svc("svc1", "198.19.0.41");
     let st = state(vec![(
         s,
         Some(eps(vec![
-            ep("10.180.0.1", "node-a"),
-            ep("10.180.0.2", "node-b"),
+            ep("198.18.180.1", "node-a"),
+            ep("198.18.180.2", "node-b"),
         ])),
     )]);
     let rs = v4(&st);
     let svc_chain = "KUBE-SVC-XPGD46QRK7WJZT7O";
-    let sep1 = "KUBE-SEP-SXIVWICOYRO3J4NJ";
+    let sep1 = "KUBE-SEP-IADAUZRQTTAIDYFJ";
     assert!(rs.nat_chains.iter().any(|c| c == svc_chain));
     assert!(
         has(
             &rs.nat_rules,
             &format!(
-                "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 cluster IP\" -m tcp -p tcp -d 172.30.0.41 --dport 80 -j {svc_chain}"
+                "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 cluster IP\" -m tcp -p tcp -d 198.19.0.41 --dport 80 -j {svc_chain}"
             )
         ),
         "{:#?}",
@@ -103,7 +103,7 @@ fn a_cluster_ip_is_spread_over_its_endpoints_like_kube_proxy() {
         has(
             &rs.nat_rules,
             &format!(
-                "-A {svc_chain} -m comment --comment \"ns1/svc1:p80 -> 10.180.0.1:80\" -m statistic --mode random --probability 0.5000000000 -j {sep1}"
+                "-A {svc_chain} -m comment --comment \"ns1/svc1:p80 -> 198.18.180.1:80\" -m statistic --mode random --probability 0.5000000000 -j {sep1}"
             )
         ),
         "{:#?}",
@@ -111,12 +111,14 @@ fn a_cluster_ip_is_spread_over_its_endpoints_like_kube_proxy() {
     );
     assert!(has(
         &rs.nat_rules,
-        &format!("-A {sep1} -m comment --comment \"ns1/svc1:p80\" -s 10.180.0.1 -j KUBE-MARK-MASQ")
+        &format!(
+            "-A {sep1} -m comment --comment \"ns1/svc1:p80\" -s 198.18.180.1 -j KUBE-MARK-MASQ"
+        )
     ));
     assert!(has(
         &rs.nat_rules,
         &format!(
-            "-A {sep1} -m comment --comment \"ns1/svc1:p80\" -m tcp -p tcp -j DNAT --to-destination 10.180.0.1:80"
+            "-A {sep1} -m comment --comment \"ns1/svc1:p80\" -m tcp -p tcp -j DNAT --to-destination 198.18.180.1:80"
         )
     ));
     // The last endpoint's rule always matches.
@@ -158,9 +160,9 @@ fn probabilities_give_every_endpoint_an_equal_share() {
         }
     }
     let four: Vec<Endpoint> = (1..=4)
-        .map(|i| ep(&format!("10.180.0.{i}"), "node-a"))
+        .map(|i| ep(&format!("198.18.180.{i}"), "node-a"))
         .collect();
-    let rs = v4(&state(vec![(svc("svc1", "172.30.0.41"), Some(eps(four)))]));
+    let rs = v4(&state(vec![(svc("svc1", "198.19.0.41"), Some(eps(four)))]));
     let probs: Vec<&str> = rs
         .nat_rules
         .iter()
@@ -172,13 +174,13 @@ fn probabilities_give_every_endpoint_an_equal_share() {
 
 #[test]
 fn no_endpoints_is_a_reject_in_the_filter_table_and_nothing_in_nat() {
-    let mut s = svc("svc1", "172.30.0.41");
+    let mut s = svc("svc1", "198.19.0.41");
     s.ports[0].node_port = Some(3001);
-    s.external_ips = vec!["192.168.99.11".parse().unwrap()];
+    s.external_ips = vec!["198.19.227.11".parse().unwrap()];
     let rs = v4(&state(vec![(s, None)]));
     assert!(has(
         &rs.filter_rules,
-        "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m tcp -p tcp -d 172.30.0.41 --dport 80 -j REJECT"
+        "-A KUBE-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m tcp -p tcp -d 198.19.0.41 --dport 80 -j REJECT"
     ));
     assert!(has(
         &rs.filter_rules,
@@ -186,7 +188,7 @@ fn no_endpoints_is_a_reject_in_the_filter_table_and_nothing_in_nat() {
     ));
     assert!(has(
         &rs.filter_rules,
-        "-A KUBE-EXTERNAL-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m tcp -p tcp -d 192.168.99.11 --dport 80 -j REJECT"
+        "-A KUBE-EXTERNAL-SERVICES -m comment --comment \"ns1/svc1:p80 has no endpoints\" -m tcp -p tcp -d 198.19.227.11 --dport 80 -j REJECT"
     ));
     assert!(
         rs.nat_chains
@@ -197,13 +199,13 @@ fn no_endpoints_is_a_reject_in_the_filter_table_and_nothing_in_nat() {
 
 #[test]
 fn client_ip_affinity_checks_recent_lists_before_the_random_spread() {
-    let mut s = svc("svc1", "172.30.0.41");
+    let mut s = svc("svc1", "198.19.0.41");
     s.affinity_timeout = Some(10800);
     let rs = v4(&state(vec![(
         s,
         Some(eps(vec![
-            ep("10.180.0.1", "node-a"),
-            ep("10.180.0.2", "node-a"),
+            ep("198.18.180.1", "node-a"),
+            ep("198.18.180.2", "node-a"),
         ])),
     )]));
     let in_svc: Vec<&String> = rs
@@ -212,25 +214,25 @@ fn client_ip_affinity_checks_recent_lists_before_the_random_spread() {
         .filter(|r| r.starts_with("-A KUBE-SVC-XPGD46QRK7WJZT7O "))
         .collect();
     assert_eq!(in_svc.len(), 4);
-    assert!(in_svc[0].contains("-m recent --name KUBE-SEP-SXIVWICOYRO3J4NJ --rcheck --seconds 10800 --reap -j KUBE-SEP-SXIVWICOYRO3J4NJ"), "{}", in_svc[0]);
+    assert!(in_svc[0].contains("-m recent --name KUBE-SEP-IADAUZRQTTAIDYFJ --rcheck --seconds 10800 --reap -j KUBE-SEP-IADAUZRQTTAIDYFJ"), "{}", in_svc[0]);
     assert!(in_svc[1].contains("--rcheck"));
     assert!(in_svc[2].contains("statistic"));
     assert!(has(
         &rs.nat_rules,
-        "-A KUBE-SEP-SXIVWICOYRO3J4NJ -m comment --comment \"ns1/svc1:p80\" -m recent --name KUBE-SEP-SXIVWICOYRO3J4NJ --set -m tcp -p tcp -j DNAT --to-destination 10.180.0.1:80"
+        "-A KUBE-SEP-IADAUZRQTTAIDYFJ -m comment --comment \"ns1/svc1:p80\" -m recent --name KUBE-SEP-IADAUZRQTTAIDYFJ --set -m tcp -p tcp -j DNAT --to-destination 198.18.180.1:80"
     ));
 }
 
 #[test]
 fn external_traffic_policy_local_uses_svl_and_ext_chains() {
-    let mut s = svc("svc1", "172.30.0.41");
+    let mut s = svc("svc1", "198.19.0.41");
     s.ports[0].node_port = Some(3001);
     s.external_policy_local = true;
     let st = state(vec![(
         s,
         Some(eps(vec![
-            ep("10.180.0.1", "node-a"),
-            ep("10.180.0.2", "node-b"),
+            ep("198.18.180.1", "node-a"),
+            ep("198.18.180.2", "node-b"),
         ])),
     )]);
     let rs = v4(&st);
@@ -299,7 +301,7 @@ fn external_traffic_policy_local_uses_svl_and_ext_chains() {
     // endpoints, a load balancer should try them).
     let st = state(vec![(
         st.services.values().next().unwrap().as_ref().clone(),
-        Some(eps(vec![ep("10.180.0.2", "node-b")])),
+        Some(eps(vec![ep("198.18.180.2", "node-b")])),
     )]);
     let rs = v4(&st);
     assert!(
@@ -313,13 +315,13 @@ fn external_traffic_policy_local_uses_svl_and_ext_chains() {
 
 #[test]
 fn internal_traffic_policy_local_sends_the_cluster_ip_to_svl() {
-    let mut s = svc("svc1", "172.30.0.41");
+    let mut s = svc("svc1", "198.19.0.41");
     s.internal_policy_local = true;
     let rs = v4(&state(vec![(
         s.clone(),
         Some(eps(vec![
-            ep("10.180.0.1", "node-a"),
-            ep("10.180.0.2", "node-b"),
+            ep("198.18.180.1", "node-a"),
+            ep("198.18.180.2", "node-b"),
         ])),
     )]));
     assert!(
@@ -332,31 +334,29 @@ fn internal_traffic_policy_local_sends_the_cluster_ip_to_svl() {
     // Only remote endpoints: DROP at the cluster IP.
     let rs = v4(&state(vec![(
         s,
-        Some(eps(vec![ep("10.180.0.2", "node-b")])),
+        Some(eps(vec![ep("198.18.180.2", "node-b")])),
     )]));
     assert!(
         rs.filter_rules
             .iter()
             .any(|r| r.contains("has no local endpoints")
-                && r.contains("-d 172.30.0.41")
+                && r.contains("-d 198.19.0.41")
                 && r.ends_with("-j DROP"))
     );
 }
 
 #[test]
 fn masquerading_follows_the_cluster_cidr_or_masquerade_all() {
-    let s = svc("svc1", "172.30.0.41");
-    let st = state(vec![(s, Some(eps(vec![ep("10.180.0.1", "node-a")])))]);
+    let s = svc("svc1", "198.19.0.41");
+    let st = state(vec![(s, Some(eps(vec![ep("198.18.180.1", "node-a")])))]);
     let cfg = RenderConfig {
-        cluster_cidrs: vec![("10.0.0.0".parse().unwrap(), 8)],
+        cluster_cidrs: vec![("198.18.0.0".parse().unwrap(), 16)],
         ..Default::default()
     };
     let rs = render(&st, &node(), Family::V4, &cfg);
     assert!(
-        rs.nat_rules
-            .iter()
-            .any(|r| r.starts_with("-A KUBE-SVC-")
-                && r.ends_with("! -s 10.0.0.0/8 -j KUBE-MARK-MASQ"))
+        rs.nat_rules.iter().any(|r| r.starts_with("-A KUBE-SVC-")
+            && r.ends_with("! -s 198.18.0.0/16 -j KUBE-MARK-MASQ"))
     );
     let all = render(
         &st,
@@ -385,12 +385,12 @@ fn masquerading_follows_the_cluster_cidr_or_masquerade_all() {
 
 #[test]
 fn load_balancer_source_ranges_use_a_firewall_chain() {
-    let mut s = svc("svc1", "172.30.0.41");
+    let mut s = svc("svc1", "198.19.0.41");
     s.load_balancer_ips = vec!["1.2.3.4".parse().unwrap()];
     s.load_balancer_source_ranges = vec![("203.0.113.0".parse().unwrap(), 25)];
     let rs = v4(&state(vec![(
         s,
-        Some(eps(vec![ep("10.180.0.1", "node-a")])),
+        Some(eps(vec![ep("198.18.180.1", "node-a")])),
     )]));
     let fw = "KUBE-FW-XPGD46QRK7WJZT7O";
     assert!(
@@ -415,17 +415,17 @@ fn load_balancer_source_ranges_use_a_firewall_chain() {
 
 #[test]
 fn each_family_gets_its_own_addresses_and_output_is_deterministic() {
-    let mut s = svc("svc1", "172.30.0.41");
+    let mut s = svc("svc1", "198.19.0.41");
     s.cluster_ips.push("fd00::41".parse().unwrap());
     let st = state(vec![
         (
             s,
             Some(eps(vec![
-                ep("10.180.0.1", "node-a"),
+                ep("198.18.180.1", "node-a"),
                 ep("fd00::1", "node-a"),
             ])),
         ),
-        (svc("v4only", "172.30.0.42"), None),
+        (svc("v4only", "198.19.0.42"), None),
     ]);
     let v6 = render(&st, &node(), Family::V6, &RenderConfig::default());
     assert!(v6.nat_rules.iter().any(|r| r.contains("-d fd00::41")));
@@ -438,7 +438,7 @@ fn each_family_gets_its_own_addresses_and_output_is_deterministic() {
         v6.nat_rules
             .iter()
             .chain(&v6.filter_rules)
-            .all(|r| !r.contains("172.30.") && !r.contains("10.180."))
+            .all(|r| !r.contains("198.19.") && !r.contains("198.18."))
     );
     assert!(
         v6.filter_rules.iter().all(|r| !r.contains("v4only")),
