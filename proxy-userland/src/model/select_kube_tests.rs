@@ -413,9 +413,10 @@ fn test_categorize_endpoints() {
 
 // ---- kube-proxy's TestEndpointsMapFromESC (pkg/proxy/endpointslicecache_test.go) ----------
 
-/// kube-proxy's generateEndpointSlice, our way: endpoints 1..=n at 198.18.<group>.<i>, not
-/// ready when `i % unready_mod == 0`, serving-terminating when `i % terminating_mod == 0`,
-/// on `hosts[i % hosts.len()]`, serving the named ports `port-0`, `port-1`, ...
+/// kube-proxy's generateEndpointSlice, our way: endpoints 1..=n at 198.18.<group>.<i>,
+/// neither ready nor serving when `i % unready_mod == 0`, terminating (so not ready) when
+/// `i % terminating_mod == 0`, on `hosts[i % hosts.len()]`, serving the named ports
+/// `port-0`, `port-1`, ...
 fn generated(
     group: u8,
     n: u8,
@@ -437,11 +438,11 @@ fn generated(
         endpoints: (1..=n)
             .map(|i| {
                 let terminating = i % terminating_mod == 0;
-                let ready = !terminating && i % unready_mod != 0;
+                let serving = i % unready_mod != 0;
                 Endpoint {
                     ip: format!("198.18.{group}.{i}").parse().unwrap(),
-                    ready,
-                    serving: ready || terminating,
+                    ready: serving && !terminating,
+                    serving,
                     terminating,
                     node_name: (!hosts.is_empty())
                         .then(|| hosts[usize::from(i) % hosts.len()].to_string()),
