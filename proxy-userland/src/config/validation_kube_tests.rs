@@ -62,7 +62,10 @@ fn validate(changes: &[(&str, &str)]) -> Result<Args, String> {
 /// `None`: valid. `Some((field, words))`: refused, naming `field`, saying `words`.
 type Want = Option<(&'static str, &'static str)>;
 
-fn run(test: &str, cases: &[(&str, &[(&str, &str)], Want)]) {
+/// (upstream's case name, the fields it changes, what it expects).
+type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], Want);
+
+fn run(test: &str, cases: &[Case<'_>]) {
     for (name, changes, want) in cases {
         match (validate(changes), want) {
             (Ok(_), None) => {}

@@ -63,6 +63,16 @@ fn both_ports(f: impl Fn(u16) -> Vec<Vec<String>>) -> Map {
         .collect()
 }
 
+/// (name, starting slices, the slice, remove it, a change expected, the service's map after).
+type Case = (
+    &'static str,
+    Vec<discovery::EndpointSlice>,
+    discovery::EndpointSlice,
+    bool,
+    bool,
+    Option<Map>,
+);
+
 #[test]
 fn test_endpoint_slice_update() {
     const H12: &[&str] = &["host1", "host2"];
@@ -75,15 +85,7 @@ fn test_endpoint_slice_update() {
             gen_slice(2, 2, 999, 999, H12, &[80, 443]),
         ]
     };
-    // (name, starting slices, the slice, remove it, a change expected, the service's map after)
-    let cases: Vec<(
-        &str,
-        Vec<discovery::EndpointSlice>,
-        discovery::EndpointSlice,
-        bool,
-        bool,
-        Option<Map>,
-    )> = vec![
+    let cases: Vec<Case> = vec![
         (
             "add a simple slice that doesn't already exist",
             vec![],
