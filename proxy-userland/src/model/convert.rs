@@ -642,12 +642,12 @@ metadata:
 spec:
   type: LoadBalancer
   clusterIP: 198.19.96.10
-  clusterIPs: [198.19.96.10, "fd00::10"]
+  clusterIPs: [198.19.96.10, "2001:db8::10"]
   ports:
   - {name: http, port: 80, targetPort: 8080, nodePort: 30080}
   - {name: dns, port: 53, protocol: UDP, nodePort: 30053}
   - {name: sig, port: 9000, protocol: SCTP, nodePort: 30900}
-  externalIPs: [192.0.2.7]
+  externalIPs: [198.19.2.7]
   loadBalancerSourceRanges: [" 198.19.2.3/15 ", "2001:db8::1/32"]
   sessionAffinity: ClientIP
   externalTrafficPolicy: Local
@@ -657,17 +657,20 @@ spec:
 status:
   loadBalancer:
     ingress:
-    - ip: 203.0.113.1
+    - ip: 198.19.113.1
     - hostname: lb.example.com
-    - {ip: 203.0.113.2, ipMode: Proxy}
-    - {ip: 203.0.113.3, ipMode: VIP}
+    - {ip: 198.19.113.2, ipMode: Proxy}
+    - {ip: 198.19.113.3, ipMode: VIP}
 "#;
 
     #[test]
     fn converts_every_field() {
         let svc = convert_ok(FULL);
         assert_eq!(svc.key, ServiceKey::new("shop", "web"));
-        assert_eq!(svc.cluster_ips, vec![ip("198.19.96.10"), ip("fd00::10")]);
+        assert_eq!(
+            svc.cluster_ips,
+            vec![ip("198.19.96.10"), ip("2001:db8::10")]
+        );
         assert_eq!(
             svc.ports,
             vec![
@@ -691,11 +694,11 @@ status:
                 },
             ]
         );
-        assert_eq!(svc.external_ips, vec![ip("192.0.2.7")]);
+        assert_eq!(svc.external_ips, vec![ip("198.19.2.7")]);
         // Hostname-only and ipMode Proxy ingress are not ours to capture.
         assert_eq!(
             svc.load_balancer_ips,
-            vec![ip("203.0.113.1"), ip("203.0.113.3")]
+            vec![ip("198.19.113.1"), ip("198.19.113.3")]
         );
         assert_eq!(
             svc.load_balancer_source_ranges,
@@ -835,11 +838,11 @@ status:
                 "Service default/web: spec.ports[0].nodePort 65536 is out of range 1-65535",
             ),
             (
-                "clusterIPs: [198.18.0.1, 'fd00::zz']",
-                r#"Service default/web: spec.clusterIPs[1] "fd00::zz" is not an IP address"#,
+                "clusterIPs: [198.18.0.1, '2001:db8::zz']",
+                r#"Service default/web: spec.clusterIPs[1] "2001:db8::zz" is not an IP address"#,
             ),
             (
-                "externalIPs: [1.2.3.4, 1.2.x]",
+                "externalIPs: [198.18.3.4, 1.2.x]",
                 r#"Service default/web: spec.externalIPs[1] "1.2.x" is not an IP address"#,
             ),
             (
@@ -880,7 +883,7 @@ status:
     #[test]
     fn bad_load_balancer_ingress_ip_is_an_error() {
         let err = convert_err(
-            "metadata: {name: web}\nspec: {clusterIP: 198.18.0.1}\nstatus: {loadBalancer: {ingress: [{ip: 1.2.3.4}, {ip: nope}]}}\n",
+            "metadata: {name: web}\nspec: {clusterIP: 198.18.0.1}\nstatus: {loadBalancer: {ingress: [{ip: 198.18.3.4}, {ip: nope}]}}\n",
         );
         assert_eq!(
             err,
@@ -963,7 +966,7 @@ status:
         assert!(!plain.external_policy_local);
         assert_eq!(plain.health_check_node_port, None);
 
-        let with_external_ip = with("externalIPs: [192.0.2.1]");
+        let with_external_ip = with("externalIPs: [198.19.2.1]");
         assert!(
             with_external_ip.external_policy_local,
             "ClusterIP with externalIPs is externally accessible"
@@ -1027,9 +1030,9 @@ status:
     #[test]
     fn cidr_parsing() {
         assert_eq!(parse_cidr("198.19.2.3/15"), Ok((ip("198.18.0.0"), 15)));
-        assert_eq!(parse_cidr("1.2.3.4/32"), Ok((ip("1.2.3.4"), 32)));
+        assert_eq!(parse_cidr("198.18.3.4/32"), Ok((ip("198.18.3.4"), 32)));
         assert_eq!(
-            parse_cidr("1.2.3.4/0"),
+            parse_cidr("198.18.3.4/0"),
             Ok((IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0))
         );
         assert_eq!(
@@ -1040,12 +1043,12 @@ status:
             parse_cidr("::/0"),
             Ok((IpAddr::V6(Ipv6Addr::UNSPECIFIED), 0))
         );
-        assert_eq!(parse_cidr("fd00::1/128"), Ok((ip("fd00::1"), 128)));
+        assert_eq!(parse_cidr("2001:db8::1/128"), Ok((ip("2001:db8::1"), 128)));
         for bad in [
             "198.18.0.0",
             "198.18.0.0/",
             "198.18.0.0/33",
-            "fd00::/129",
+            "2001:db8::/129",
             "198.18.0.0/+8",
             "198.18.0/8",
             "x/8",
@@ -1133,7 +1136,7 @@ endpoints:
     fn slice_port_name_and_protocol_default() {
         let slice = k8s_slice(
             "metadata: {name: s, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\n\
-             ports: [{port: 80}]\nendpoints: [{addresses: ['fd00::1']}]\n",
+             ports: [{port: 80}]\nendpoints: [{addresses: ['2001:db8::1']}]\n",
         );
         let (owner, _, info) = endpoint_slice(&slice).unwrap().unwrap();
         assert_eq!(owner, ServiceKey::new("default", "web"));
@@ -1145,7 +1148,7 @@ endpoints:
                 protocol: Protocol::Tcp
             }]
         );
-        assert_eq!(info.endpoints[0].ip, ip("fd00::1"));
+        assert_eq!(info.endpoints[0].ip, ip("2001:db8::1"));
     }
 
     #[test]
@@ -1164,7 +1167,7 @@ endpoints:
         let slice = k8s_slice(
             "metadata: {name: s, labels: {kubernetes.io/service-name: web}}\naddressType: IPv4\n\
              ports: [{port: 80}]\n\
-             endpoints: [{addresses: [1.2.x]}, {addresses: []}, {addresses: ['fd00::1']}, {addresses: [198.18.0.1]}]\n",
+             endpoints: [{addresses: [1.2.x]}, {addresses: []}, {addresses: ['2001:db8::1']}, {addresses: [198.18.0.1]}]\n",
         );
         let (_, _, info) = endpoint_slice(&slice).unwrap().unwrap();
         assert_eq!(

@@ -674,7 +674,7 @@ mod tests {
     fn internal_local_with_external_access_needs_both() {
         let s = Service {
             internal_policy_local: true,
-            external_ips: vec!["192.0.2.1".parse().unwrap()],
+            external_ips: vec!["198.19.2.1".parse().unwrap()],
             ..svc()
         };
         let eps = [

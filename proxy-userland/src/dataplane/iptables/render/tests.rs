@@ -386,8 +386,8 @@ fn masquerading_follows_the_cluster_cidr_or_masquerade_all() {
 #[test]
 fn load_balancer_source_ranges_use_a_firewall_chain() {
     let mut s = svc("svc1", "198.19.0.41");
-    s.load_balancer_ips = vec!["1.2.3.4".parse().unwrap()];
-    s.load_balancer_source_ranges = vec![("203.0.113.0".parse().unwrap(), 25)];
+    s.load_balancer_ips = vec!["198.19.250.4".parse().unwrap()];
+    s.load_balancer_source_ranges = vec![("198.19.240.0".parse().unwrap(), 25)];
     let rs = v4(&state(vec![(
         s,
         Some(eps(vec![ep("198.18.180.1", "node-a")])),
@@ -396,19 +396,19 @@ fn load_balancer_source_ranges_use_a_firewall_chain() {
     assert!(
         rs.nat_rules
             .iter()
-            .any(|r| r.contains("-d 1.2.3.4") && r.ends_with(&format!("-j {fw}")))
+            .any(|r| r.contains("-d 198.19.250.4") && r.ends_with(&format!("-j {fw}")))
     );
     assert!(has(
         &rs.nat_rules,
         &format!(
-            "-A {fw} -m comment --comment \"ns1/svc1:p80 loadbalancer IP\" -s 203.0.113.0/25 -j KUBE-EXT-XPGD46QRK7WJZT7O"
+            "-A {fw} -m comment --comment \"ns1/svc1:p80 loadbalancer IP\" -s 198.19.240.0/25 -j KUBE-EXT-XPGD46QRK7WJZT7O"
         )
     ));
     assert!(
         rs.filter_rules
             .iter()
             .any(|r| r.starts_with("-A KUBE-PROXY-FIREWALL ")
-                && r.contains("-d 1.2.3.4")
+                && r.contains("-d 198.19.250.4")
                 && r.ends_with("-j DROP"))
     );
 }
@@ -416,23 +416,23 @@ fn load_balancer_source_ranges_use_a_firewall_chain() {
 #[test]
 fn each_family_gets_its_own_addresses_and_output_is_deterministic() {
     let mut s = svc("svc1", "198.19.0.41");
-    s.cluster_ips.push("fd00::41".parse().unwrap());
+    s.cluster_ips.push("2001:db8::41".parse().unwrap());
     let st = state(vec![
         (
             s,
             Some(eps(vec![
                 ep("198.18.180.1", "node-a"),
-                ep("fd00::1", "node-a"),
+                ep("2001:db8::1", "node-a"),
             ])),
         ),
         (svc("v4only", "198.19.0.42"), None),
     ]);
     let v6 = render(&st, &node(), Family::V6, &RenderConfig::default());
-    assert!(v6.nat_rules.iter().any(|r| r.contains("-d fd00::41")));
+    assert!(v6.nat_rules.iter().any(|r| r.contains("-d 2001:db8::41")));
     assert!(
         v6.nat_rules
             .iter()
-            .any(|r| r.ends_with("DNAT --to-destination [fd00::1]:80"))
+            .any(|r| r.ends_with("DNAT --to-destination [2001:db8::1]:80"))
     );
     assert!(
         v6.nat_rules
