@@ -305,7 +305,12 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.log);
+        // FASTPATH_KEEP_LOGS=1 keeps the daemon's log for a look after the run.
+        if std::env::var_os("FASTPATH_KEEP_LOGS").is_some() {
+            eprintln!("daemon log kept: {}", self.log.display());
+        } else {
+            let _ = std::fs::remove_file(&self.log);
+        }
     }
 }
 
