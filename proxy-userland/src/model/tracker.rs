@@ -236,8 +236,8 @@ impl ChangeTracker {
 
         self.changed.extend(changed);
         self.state = ProxyState {
-            services: new_services,
-            endpoints: new_endpoints,
+            services: new_services.into_iter().collect(),
+            endpoints: new_endpoints.into_iter().collect(),
         };
         self.slice_owner = slice_owner;
     }
