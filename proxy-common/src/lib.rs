@@ -26,7 +26,10 @@ pub mod sockcfg;
 
 pub use affinity::{AffinityKey, AffinityValue};
 pub use backend::{Backend4, Backend6, BackendId};
-pub use nat::{Ct4Key, Ct4Value, SourceRange4};
+pub use nat::{
+    Addr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, CtKey, CtValue, FlowAddr, SourceRange, SourceRange4,
+    SourceRange6,
+};
 pub use revnat::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 pub use service::{Service4Key, Service6Key, ServiceValue};
 pub use sockcfg::SockConfig;
@@ -70,6 +73,9 @@ user_pod!(
     SockRevNat6Value,
     Ct4Key,
     Ct4Value,
+    Ct6Key,
+    Ct6Value,
     SourceRange4,
+    SourceRange6,
     SockConfig,
 );

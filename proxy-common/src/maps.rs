@@ -10,11 +10,15 @@ pub const BACKENDS6: &str = "FP_BACKENDS6";
 pub const SOCK_REVNAT6: &str = "FP_SOCK_RNAT6";
 pub const AFFINITY: &str = "FP_AFFINITY";
 pub const CT4: &str = "FP_CT4";
+pub const CT6: &str = "FP_CT6";
 pub const SOURCE_RANGES4: &str = "FP_SRC_RANGE4";
+pub const SOURCE_RANGES6: &str = "FP_SRC_RANGE6";
 /// This node's addresses that node ports answer on (address -> 1).
 pub const NODE_ADDRS4: &str = "FP_NODE_ADDR4";
+pub const NODE_ADDRS6: &str = "FP_NODE_ADDR6";
 /// The address SNATed traffic leaves each device with (ifindex -> address).
 pub const DEVICE_ADDRS4: &str = "FP_DEV_ADDR4";
+pub const DEVICE_ADDRS6: &str = "FP_DEV_ADDR6";
 pub const STATS: &str = "FP_STATS";
 /// One entry: what the socket hooks leave to the pods' devices (see `sockcfg`).
 pub const SOCK_CONFIG: &str = "FP_SOCK_CFG";
@@ -33,7 +37,7 @@ pub const SOURCE_RANGES_MAX: u32 = 16_384;
 pub const NODE_ADDRS_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 13] = [
+pub const ALL: [&str; 17] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -42,9 +46,13 @@ pub const ALL: [&str; 13] = [
     SOCK_REVNAT6,
     AFFINITY,
     CT4,
+    CT6,
     SOURCE_RANGES4,
+    SOURCE_RANGES6,
     NODE_ADDRS4,
+    NODE_ADDRS6,
     DEVICE_ADDRS4,
+    DEVICE_ADDRS6,
     STATS,
     SOCK_CONFIG,
 ];

@@ -7,9 +7,7 @@
 //! the *reply* entry (keyed by the tuple as the backend answers) restores what the client
 //! expects to see. Entries age out by LRU and by their `last_seen_ns`.
 
-use bytemuck::{Pod, Zeroable};
-
-/// `Ct4Key::dir`.
+/// `CtKey::dir`.
 pub mod dir {
     /// Client -> frontend, as it arrives at the node.
     pub const FORWARD: u8 = 0;
@@ -17,31 +15,60 @@ pub mod dir {
     pub const REPLY: u8 = 1;
 }
 
+/// An IPv6 address as the packet path's maps hold it: the packet's 16 bytes as four words
+/// (word-aligned, so the programs move it in four loads rather than sixteen).
+pub type Addr6 = [u32; 4];
+
+/// The bytes of an address in [`Addr6`] form, and back.
+pub const fn addr6(b: [u8; 16]) -> Addr6 {
+    let mut w = [0u32; 4];
+    let mut i = 0;
+    while i < 4 {
+        w[i] = u32::from_ne_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+        i += 1;
+    }
+    w
+}
+
+pub const fn octets6(w: Addr6) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        b[i] = w[i / 4].to_ne_bytes()[i % 4];
+        i += 1;
+    }
+    b
+}
+
+/// Key of the flow maps. `A` is the address as in the packet: `u32` for IPv4 (`FP_CT4`),
+/// [`Addr6`] for IPv6 (`FP_CT6`); one layout, so the programs are written once for both.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct Ct4Key {
-    /// Network byte order, as in the packet.
-    pub saddr: u32,
-    pub daddr: u32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey<A> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
     pub dir: u8,
     pub _pad: [u8; 2],
 }
+pub type Ct4Key = CtKey<u32>;
+pub type Ct6Key = CtKey<Addr6>;
 const _: () = assert!(core::mem::size_of::<Ct4Key>() == 16);
+const _: () = assert!(core::mem::size_of::<Ct6Key>() == 40);
 
 /// A forward entry says where the flow goes: `addr:port` is the backend, `snat_addr:snat_port`
 /// the source we give it (0: the client's own). A reply entry says what the client sees:
 /// `addr:port` is the frontend the reply must come from and `snat_addr:snat_port` the
 /// client to send it back to (0: the destination is already the client).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct Ct4Value {
-    pub addr: u32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtValue<A> {
+    pub addr: A,
     pub port: u16,
     pub rev_nat_index: u16,
-    pub snat_addr: u32,
+    pub snat_addr: A,
     pub snat_port: u16,
     /// [`ct_flags`] bits.
     pub flags: u16,
@@ -51,19 +78,52 @@ pub struct Ct4Value {
     /// bpf_ktime_get_ns() of the last packet.
     pub last_seen_ns: u64,
 }
+pub type Ct4Value = CtValue<u32>;
+pub type Ct6Value = CtValue<Addr6>;
 const _: () = assert!(core::mem::size_of::<Ct4Value>() == 32);
+const _: () = assert!(core::mem::size_of::<Ct6Value>() == 56);
 
 /// Data of the source-range LPM trie key: the prefix covers `rev_nat_index` and `_pad`
 /// (32 bits) plus the CIDR's own length, so a lookup matches one frontend's ranges only.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct SourceRange4 {
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceRange<A> {
     pub rev_nat_index: u16,
     pub _pad: u16,
     /// Network byte order.
-    pub addr: u32,
+    pub addr: A,
 }
+pub type SourceRange4 = SourceRange<u32>;
+pub type SourceRange6 = SourceRange<Addr6>;
 const _: () = assert!(core::mem::size_of::<SourceRange4>() == 8);
+const _: () = assert!(core::mem::size_of::<SourceRange6>() == 20);
+
+/// The address types the flow maps come in: `u32` and [`Addr6`], for which the size
+/// assertions above hold. Sealed, so no other type makes a `CtKey` that has padding.
+pub trait FlowAddr: bytemuck::Pod + Default + sealed::Sealed {}
+impl FlowAddr for u32 {}
+impl FlowAddr for Addr6 {}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for u32 {}
+    impl Sealed for super::Addr6 {}
+}
+
+// `bytemuck` cannot derive its traits for generic types, so they are declared by hand.
+macro_rules! pod {
+    ($($t:ident),* $(,)?) => {
+        $(
+            // SAFETY: every field is an integer or an integer array, valid for any bits
+            // (all zeroes included); for both `FlowAddr` types the size assertions above
+            // equal the sum of the fields' sizes, so there is no padding byte.
+            unsafe impl<A: FlowAddr> bytemuck::Zeroable for $t<A> {}
+            // SAFETY: as for `Zeroable`; the types are also `Copy` and `'static`.
+            unsafe impl<A: FlowAddr> bytemuck::Pod for $t<A> {}
+        )*
+    };
+}
+pod!(CtKey, CtValue, SourceRange);
 
 /// Bits of the trie key's prefix taken by `rev_nat_index` and `_pad`.
 pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
@@ -73,7 +133,7 @@ pub const SOURCE_RANGE_PREFIX_BITS: u32 = 32;
 pub const SNAT_PORT_MIN: u16 = 61_000;
 pub const SNAT_PORT_MAX: u16 = 65_535;
 
-/// `Ct4Value::flags`.
+/// `CtValue::flags`.
 pub mod ct_flags {
     /// The backend has answered: the flow is established.
     pub const SEEN_REPLY: u16 = 1 << 0;
@@ -104,9 +164,26 @@ pub const fn ct_timeout_ns(proto: u8, flags: u16) -> u64 {
     }
 }
 
-/// Affinity on the packet path keys clients by IPv4 address; this bit keeps those keys
-/// apart from the socket path's netns cookies in the shared affinity map.
+/// Affinity on the packet path keys clients by IP address; this bit keeps those keys apart
+/// from the socket path's netns cookies in the shared affinity map.
 pub const AFFINITY_CLIENT_IP: u64 = 1 << 63;
+/// With [`AFFINITY_CLIENT_IP`]: an IPv6 client, its address folded into the other 62 bits
+/// (see [`affinity_client6`]); IPv4 clients have their address in the low 32 bits.
+pub const AFFINITY_CLIENT_IP6: u64 = 1 << 62;
+
+/// The affinity map's client for an IPv4 address (as in the packet).
+pub const fn affinity_client4(addr: u32) -> u64 {
+    AFFINITY_CLIENT_IP | addr as u64
+}
+
+/// The affinity map's client for an IPv6 address: its two halves XORed, 62 bits kept. Two
+/// clients sharing a key only share a sticky backend; within one /64 that takes interface
+/// identifiers that differ in nothing but two bits.
+pub const fn affinity_client6(addr: Addr6) -> u64 {
+    let high = ((addr[0] as u64) << 32) | addr[1] as u64;
+    let low = ((addr[2] as u64) << 32) | addr[3] as u64;
+    AFFINITY_CLIENT_IP | AFFINITY_CLIENT_IP6 | ((high ^ low) & (AFFINITY_CLIENT_IP6 - 1))
+}
 
 /// Counters in the per-CPU stats array: where packets went, for metrics and debugging.
 pub mod stat {

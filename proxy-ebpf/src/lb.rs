@@ -1,10 +1,16 @@
 //! What every hook shares: which protocol a socket speaks, and how a backend slot is picked.
 
 use aya_ebpf::{bindings::bpf_sock_addr, helpers::bpf_set_retval, programs::SockAddrContext};
-use proxy_common::{AffinityKey, AffinityValue, ServiceValue, proto, service::flags, sockcfg};
+use proxy_common::{
+    AffinityKey, AffinityValue, ServiceValue, proto,
+    service::{flags, scope},
+    sockcfg,
+};
 
 use crate::{
-    PROCEED, REJECT, kernel,
+    PROCEED, REJECT,
+    ip::Ip,
+    kernel,
     maps::{AFFINITY, Lookup, SOCK_CONFIG},
 };
 
@@ -49,11 +55,12 @@ fn left_to_pod_path(ctx: &SockAddrContext, proto: u8) -> bool {
     netns != cfg.host_netns_cookie
 }
 
-/// A backend slot in `1..=count`, uniformly.
+/// A backend slot in `1..=count`, uniformly. Callers never pass 0, but where the compiler
+/// cannot see that it would keep a division-by-zero panic, which BPF cannot load.
 #[inline(always)]
 pub fn pick_slot(count: u16) -> u16 {
     let r = kernel::random_u32();
-    (r % u32::from(count)) as u16 + 1
+    (r % u32::from(count.max(1))) as u16 + 1
 }
 
 /// Refuse the socket call with ECONNREFUSED, as kube-proxy's REJECT rule does for a service
@@ -67,25 +74,29 @@ pub fn refuse() -> i32 {
     REJECT
 }
 
-/// What differs between IPv4 and IPv6: how an address is read from and written to the
-/// socket context, and which maps hold it. The translation itself is written once, in
+/// What differs between IPv4 and IPv6 at the socket: how an address is read from and
+/// written to the context, and where the reverse view is kept. The maps of frontends and
+/// backends are the family's [`Ip`] ones. The translation itself is written once, in
 /// [`translate`] and [`rev_translate`].
-pub trait Family {
-    type Addr: Copy;
-
+pub trait Family: Ip {
     /// The destination the application asked for (address, port in network byte order).
     fn read_user(ctx: &SockAddrContext) -> (Self::Addr, u16);
     fn write_user(ctx: &SockAddrContext, addr: Self::Addr, port: u16);
-    /// The master or slot entry of a frontend.
-    fn service(addr: Self::Addr, port: u16, proto: u8, slot: u16) -> Option<ServiceValue>;
-    fn backend(id: u32) -> Option<(Self::Addr, u16)>;
     /// Remembers that this socket's traffic to `backend` is really traffic to `frontend`.
     fn remember(cookie: u64, backend: (Self::Addr, u16), frontend: (Self::Addr, u16), rev: u16);
     /// The frontend this socket meant when it talks to `backend`, if it was translated.
     fn recall(cookie: u64, backend: (Self::Addr, u16)) -> Option<(Self::Addr, u16)>;
-    /// For an address of this node: the address node ports are stored under, so the node's
-    /// own connections to `<node address>:<node port>` work as kube-proxy's do.
-    fn node_port_address(addr: Self::Addr) -> Option<Self::Addr>;
+}
+
+/// The master or slot entry of a frontend as the node's sockets see it.
+#[inline(always)]
+fn service<F: Family>(addr: F::Addr, port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
+    F::service(addr, port, proto, slot, scope::SOCKET)
+}
+
+#[inline(always)]
+fn backend<F: Family>(id: u32) -> Option<(F::Addr, u16)> {
+    F::backend(id).map(|b| (b.addr, b.port))
 }
 
 /// connect and sendmsg: turn a service frontend into one of its backends.
@@ -101,16 +112,19 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     }
     let (user_addr, port) = F::read_user(ctx);
     // `addr` is where the frontend is stored; the application keeps seeing `user_addr`.
-    let (addr, master) = match F::service(user_addr, port, proto, 0) {
+    // For an address of this node, the node ports (stored under address 0) too, so the
+    // node's own connections to `<node address>:<node port>` work as kube-proxy's do.
+    let (addr, master) = match service::<F>(user_addr, port, proto, 0) {
         Some(m) => (user_addr, m),
         None => {
-            let Some(np) = F::node_port_address(user_addr) else {
+            if !F::node_address(user_addr) {
+                return Ok(PROCEED);
+            }
+            let any = F::Addr::default();
+            let Some(m) = service::<F>(any, port, proto, 0) else {
                 return Ok(PROCEED);
             };
-            let Some(m) = F::service(np, port, proto, 0) else {
-                return Ok(PROCEED);
-            };
-            (np, m)
+            (any, m)
         }
     };
     if master.count == 0 {
@@ -119,8 +133,8 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     let backend = if master.flags & flags::AFFINITY != 0 {
         affine_backend::<F>(ctx, addr, port, proto, &master)?
     } else {
-        let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
-        F::backend(slot.backend_id).ok_or(())?
+        let slot = service::<F>(addr, port, proto, pick_slot(master.count)).ok_or(())?;
+        backend::<F>(slot.backend_id).ok_or(())?
     };
     let cookie = kernel::socket_cookie(ctx);
     F::remember(cookie, backend, (user_addr, port), master.rev_nat_index);
@@ -150,7 +164,7 @@ fn affine_backend<F: Family>(
     if let Some(prev) = AFFINITY.lookup(key) {
         let (id, last) = (prev.backend_id, prev.last_used_ns);
         if now.wrapping_sub(last) <= timeout_ns
-            && let Some(backend) = F::backend(id)
+            && let Some(backend) = backend::<F>(id)
         {
             let value = AffinityValue {
                 backend_id: id,
@@ -161,8 +175,8 @@ fn affine_backend<F: Family>(
             return Ok(backend);
         }
     }
-    let slot = F::service(addr, port, proto, pick_slot(master.count)).ok_or(())?;
-    let backend = F::backend(slot.backend_id).ok_or(())?;
+    let slot = service::<F>(addr, port, proto, pick_slot(master.count)).ok_or(())?;
+    let backend = backend::<F>(slot.backend_id).ok_or(())?;
     let value = AffinityValue {
         backend_id: slot.backend_id,
         _pad: 0,

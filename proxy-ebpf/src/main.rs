@@ -9,6 +9,7 @@
 //!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
+//! - [`ip`]: what differs between IPv4 and IPv6, for the socket and the packet hooks.
 //! - [`kernel`]: the BPF helpers whose calls are always sound, as safe functions.
 //! - [`maps`]: the maps, laid out in `proxy-common`.
 //!
@@ -18,6 +19,7 @@
 #![no_std]
 #![no_main]
 
+mod ip;
 mod kernel;
 mod lb;
 mod maps;

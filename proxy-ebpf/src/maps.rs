@@ -7,15 +7,17 @@ use aya_ebpf::{
 };
 use bytemuck::Pod;
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
-    Service6Key, ServiceValue, SockConfig, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key,
-    SockRevNat6Value, SourceRange4,
+    Addr6, AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Ct6Key,
+    Ct6Value, Service4Key, Service6Key, ServiceValue, SockConfig, SockRevNat4Key, SockRevNat4Value,
+    SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
     maps::{
         AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX,
         SOURCE_RANGES_MAX,
     },
     nat::stat,
 };
+
+use crate::nodeport::Scratch;
 
 #[map(name = "FP_SERVICES4")]
 pub static SERVICES4: HashMap<Service4Key, ServiceValue> =
@@ -48,20 +50,42 @@ pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
 #[map(name = "FP_CT4")]
 pub static CT4: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::with_max_entries(CT_MAX, 0);
 
+#[map(name = "FP_CT6")]
+pub static CT6: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::with_max_entries(CT_MAX, 0);
+
 /// loadBalancerSourceRanges per frontend (aya adds the BPF_F_NO_PREALLOC tries need).
 #[map(name = "FP_SRC_RANGE4")]
 pub static SOURCE_RANGES4: LpmTrie<SourceRange4, u8> =
     LpmTrie::with_max_entries(SOURCE_RANGES_MAX, 0);
 
+#[map(name = "FP_SRC_RANGE6")]
+pub static SOURCE_RANGES6: LpmTrie<SourceRange6, u8> =
+    LpmTrie::with_max_entries(SOURCE_RANGES_MAX, 0);
+
 #[map(name = "FP_NODE_ADDR4")]
 pub static NODE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
 
+#[map(name = "FP_NODE_ADDR6")]
+pub static NODE_ADDRS6: HashMap<Addr6, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
+
+/// Device (ifindex) -> the address SNATed traffic leaves it with.
 #[map(name = "FP_DEV_ADDR4")]
 pub static DEVICE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
+
+#[map(name = "FP_DEV_ADDR6")]
+pub static DEVICE_ADDRS6: HashMap<u32, Addr6> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
 
 /// What the socket hooks leave to the pods' devices; written by the daemon at start.
 #[map(name = "FP_SOCK_CFG")]
 pub static SOCK_CONFIG: Array<SockConfig> = Array::with_max_entries(1, 0);
+
+/// Per CPU, what one packet's translation works on (see `nodeport::Scratch`); not shared
+/// with the daemon.
+#[map(name = "FP_SCRATCH4")]
+pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "FP_SCRATCH6")]
+pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(1, 0);
 
 #[map(name = "FP_STATS")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);

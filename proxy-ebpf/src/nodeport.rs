@@ -2,50 +2,40 @@
 //!
 //! Sockets on this node never need this (the cgroup hooks translate them); traffic from
 //! other hosts does. On ingress (tc, or XDP before it where the driver allows), the first
-//! packet of a flow picks a backend, recorded in [`CT4`]; the destination becomes the
-//! backend and, when the backend is on another node under externalTrafficPolicy Cluster,
-//! the source becomes this node (SNAT) so the reply comes back here. Packets that must leave
+//! packet of a flow picks a backend, recorded in the flow table; the destination becomes
+//! the backend and, when the backend is on another node under externalTrafficPolicy
+//! Cluster, the source becomes this node (SNAT) so the reply comes back here. Packets that must leave
 //! again are sent straight out of the device the FIB names: their source is now a local
 //! address, which the stack would drop as martian if it routed them itself. Replies are
 //! translated back at ingress (SNATed flows: the reply is addressed to us) or at tc egress
 //! (flows to local backends, which answer the client directly through the node).
 //!
-//! Written once over [`Packet`] for both hooks. IPv4 only; IPv6, fragments and anything
-//! not TCP or UDP pass untouched.
+//! Written once over [`Packet`] for both hooks and over [`Ip`] for both families, each with
+//! its own flow table. Fragments, IPv6 extension headers and anything not TCP or UDP pass
+//! untouched.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, maps::lpm_trie::Key as LpmKey};
+use aya_ebpf::bindings::{BPF_NOEXIST, bpf_fib_lookup as FibParams};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Ct4Key, Ct4Value, Service4Key, ServiceValue,
-    SourceRange4, backend, nat, proto,
+    AffinityKey, AffinityValue, CtKey, CtValue, ServiceValue, backend, nat, proto,
     service::{flags, scope},
 };
 
 use crate::{
+    ip::{Backend, Ip, V4, V6},
     kernel,
     lb::pick_slot,
-    maps::{
-        AFFINITY, BACKENDS4, CT4, DEVICE_ADDRS4, Lookup, NODE_ADDRS4, SERVICES4, SOURCE_RANGES4,
-        count,
-    },
+    maps::{AFFINITY, Lookup, count},
     packet::{FIB_NOT_FWDED, Packet},
 };
 
-const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const IP_TOT_LEN: usize = ETH_HLEN + 2;
-const IP_FRAG: usize = ETH_HLEN + 6;
-const IP_PROTO: usize = ETH_HLEN + 9;
-const IP_CSUM: usize = ETH_HLEN + 10;
-const IP_SRC: usize = ETH_HLEN + 12;
-const IP_DST: usize = ETH_HLEN + 16;
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 8;
 
-/// The tuple of one IPv4 TCP or UDP packet, addresses and ports as in the packet.
+/// The tuple of one TCP or UDP packet, addresses and ports as in the packet.
 #[derive(Clone, Copy)]
-struct Flow {
-    saddr: u32,
-    daddr: u32,
+pub struct Flow<A> {
+    saddr: A,
+    daddr: A,
     sport: u16,
     dport: u16,
     proto: u8,
@@ -60,9 +50,9 @@ const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 
-impl Flow {
-    fn key(&self, dir: u8) -> Ct4Key {
-        Ct4Key {
+impl<A: Copy> Flow<A> {
+    fn key(&self, dir: u8) -> CtKey<A> {
+        CtKey {
             saddr: self.saddr,
             daddr: self.daddr,
             sport: self.sport,
@@ -98,80 +88,86 @@ impl Flow {
     }
 }
 
+/// What one packet's translation works on, kept in a per-CPU map (`maps::SCRATCH4`,
+/// `SCRATCH6`) rather than on the stack: with IPv6 addresses the flow, its two entries and
+/// the FIB's parameters do not fit the 512 bytes BPF allows beside everything else. A
+/// program runs to its end on its CPU before the next one there starts (softirq), so one
+/// entry per CPU is enough.
+pub struct Scratch<A> {
+    flow: Flow<A>,
+    work: Work<A>,
+}
+
+/// The parts of [`Scratch`] a new flow and a redirect fill in.
+struct Work<A> {
+    frontend: Frontend<A>,
+    fib: FibParams,
+    reply: CtValue<A>,
+    forward: CtValue<A>,
+}
+
 /// What to turn a packet into: a new destination, and maybe a new source.
 #[derive(Clone, Copy)]
-struct Nat {
-    dst: Option<(u32, u16)>,
-    src: Option<(u32, u16)>,
+struct Nat<A> {
+    dst: Option<(A, u16)>,
+    src: Option<(A, u16)>,
 }
 
-impl Nat {
-    /// The flow as it will look once translated.
-    fn applied_to(&self, f: &Flow) -> Flow {
-        let mut out = *f;
-        if let Some((a, p)) = self.dst {
-            (out.daddr, out.dport) = (a, p);
-        }
-        if let Some((a, p)) = self.src {
-            (out.saddr, out.sport) = (a, p);
-        }
-        out
-    }
-}
-
+/// Reads the packet's tuple into `f`; None for packets that are not ours to translate.
 #[inline(always)]
-fn parse<P: Packet>(pkt: &P) -> Option<Flow> {
-    let eth_proto: u16 = pkt.load(12)?;
-    if u16::from_be(eth_proto) != ETH_P_IP {
-        return None;
-    }
-    let ver_ihl: u8 = pkt.load(ETH_HLEN)?;
-    if ver_ihl >> 4 != 4 {
-        return None;
-    }
-    let ihl = usize::from(ver_ihl & 0x0f) * 4;
-    if ihl < 20 {
-        return None;
-    }
-    // Fragments carry no ports after the first; leave them to the stack.
-    let frag: u16 = pkt.load(IP_FRAG)?;
-    if u16::from_be(frag) & 0x3fff != 0 {
-        return None;
-    }
-    let proto: u8 = pkt.load(IP_PROTO)?;
-    if proto != proto::TCP && proto != proto::UDP {
-        return None;
-    }
-    let l4 = ETH_HLEN + ihl;
-    Some(Flow {
-        saddr: pkt.load(IP_SRC)?,
-        daddr: pkt.load(IP_DST)?,
-        sport: pkt.load(l4)?,
-        dport: pkt.load(l4 + 2)?,
-        proto,
-        l4,
-        tcp_flags: if proto == proto::TCP {
-            pkt.load(l4 + 13)?
-        } else {
-            0
-        },
-    })
+fn parse<P: Packet, I: Ip>(pkt: &P, f: &mut Flow<I::Addr>) -> Option<()> {
+    let (proto, l4) = I::l4(pkt)?;
+    f.saddr = pkt.load(I::SRC)?;
+    f.daddr = pkt.load(I::DST)?;
+    f.sport = pkt.load(l4)?;
+    f.dport = pkt.load(l4 + 2)?;
+    f.proto = proto;
+    f.l4 = l4;
+    f.tcp_flags = if proto == proto::TCP {
+        pkt.load(l4 + 13)?
+    } else {
+        0
+    };
+    Some(())
+}
+
+/// This CPU's scratch entry (see [`Scratch`]).
+#[inline(always)]
+fn scratch<I: Ip>() -> Option<&'static mut Scratch<I::Addr>> {
+    // SAFETY: a non-null lookup result is this CPU's entry of the map, a `Scratch` that
+    // stays allocated while we run (see `maps::Lookup`); programs on one CPU run one at a
+    // time (see `Scratch`), so this is the only reference into it.
+    I::scratch().map(|s| unsafe { &mut *s })
 }
 
 /// Rewrites one address and port of the packet (`source` picks which), fixing the IP and
-/// L4 checksums incrementally. `f` holds the values the packet has now.
+/// L4 checksums incrementally, a word of the address at a time. `f` holds the values the
+/// packet has now.
 #[inline(always)]
-fn rewrite<P: Packet>(pkt: &mut P, f: &Flow, source: bool, addr: u32, port: u16) -> Result<(), ()> {
+fn rewrite<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    source: bool,
+    addr: I::Addr,
+    port: u16,
+) -> Result<(), ()> {
     let (old_addr, old_port, addr_off, port_off) = if source {
-        (f.saddr, f.sport, IP_SRC, f.l4)
+        (f.saddr, f.sport, I::SRC, f.l4)
     } else {
-        (f.daddr, f.dport, IP_DST, f.l4 + 2)
+        (f.daddr, f.dport, I::DST, f.l4 + 2)
     };
     let udp = f.proto == proto::UDP;
     let csum = f.l4 + if udp { 6 } else { 16 };
-    if addr != old_addr {
-        pkt.l4_csum_replace(csum, old_addr, addr, 4, true, udp)?;
-        pkt.l3_csum_replace(IP_CSUM, old_addr, addr)?;
+    if !I::same(&addr, &old_addr) {
+        for i in 0..I::WORDS {
+            let (from, to) = (I::word(&old_addr, i), I::word(&addr, i));
+            if from != to {
+                pkt.l4_csum_replace(csum, from, to, 4, true, udp)?;
+                if let Some(l3) = I::L3_CSUM {
+                    pkt.l3_csum_replace(l3, from, to)?;
+                }
+            }
+        }
         pkt.store(addr_off, &addr)?;
     }
     if port != old_port {
@@ -182,33 +178,65 @@ fn rewrite<P: Packet>(pkt: &mut P, f: &Flow, source: bool, addr: u32, port: u16)
 }
 
 #[inline(always)]
-fn apply<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<(), ()> {
+fn apply<P: Packet, I: Ip>(pkt: &mut P, f: &Flow<I::Addr>, nat: &Nat<I::Addr>) -> Result<(), ()> {
     if P::XDP {
         count(nat::stat::XDP);
     }
-    let mut now = *f;
+    // Each rewrite reads only the fields it replaces, so both work from the tuple as parsed.
     if let Some((a, p)) = nat.dst {
-        rewrite(pkt, &now, false, a, p)?;
-        (now.daddr, now.dport) = (a, p);
+        rewrite::<P, I>(pkt, f, false, a, p)?;
     }
     if let Some((a, p)) = nat.src {
-        rewrite(pkt, &now, true, a, p)?;
+        rewrite::<P, I>(pkt, f, true, a, p)?;
     }
     Ok(())
 }
 
 /// Translates the packet and sends it out of the device the FIB names for its new
 /// destination; if this hook cannot (XDP), passes it untouched for tc to do the same with
-/// the flow entries already in place.
+/// the flow entries already in place. A packet it cannot rewrite passes as it is.
 #[inline(always)]
-fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result<i32, ()> {
-    let out = nat.applied_to(f);
-    let tot_len = pkt.load::<u16>(IP_TOT_LEN).map(u16::from_be).unwrap_or(0);
-    let (ret, fib) = pkt.fib_lookup(
-        out.proto, out.sport, out.dport, out.saddr, out.daddr, tot_len,
-    );
+fn translate_and_redirect<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    nat: &Nat<I::Addr>,
+    fib: &mut FibParams,
+) -> i32 {
+    // XDP always passes, so the compiler would drop the return value of a call and leave
+    // the return register undefined, which the verifier rejects: XDP keeps it inline.
+    if P::XDP {
+        return redirect_translated::<P, I>(pkt, f, nat, fib).unwrap_or(P::PASS);
+    }
+    redirect_from_tc::<P, I>(pkt, f, nat, fib)
+}
+
+/// Not inlined (see [`new_flow`]), and returning the verdict itself: a result returned
+/// through memory leaves a stack address in the return register, which the verifier
+/// rejects.
+#[inline(never)]
+fn redirect_from_tc<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    nat: &Nat<I::Addr>,
+    fib: &mut FibParams,
+) -> i32 {
+    redirect_translated::<P, I>(pkt, f, nat, fib).unwrap_or(P::PASS)
+}
+
+#[inline(always)]
+fn redirect_translated<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    nat: &Nat<I::Addr>,
+    fib: &mut FibParams,
+) -> Result<i32, ()> {
+    // The tuple as it will leave.
+    let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
+    let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
+    let tot_len = I::tot_len(pkt);
+    let ret = pkt.fib_lookup::<I>(fib, f.proto, sport, dport, saddr, daddr, tot_len);
     if ret == FIB_NOT_FWDED {
-        apply(pkt, f, nat)?;
+        apply::<P, I>(pkt, f, nat)?;
         return Ok(P::PASS);
     }
     if P::XDP {
@@ -218,7 +246,7 @@ fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result
         count(nat::stat::DROP_NAT);
         return Ok(P::DROP);
     }
-    apply(pkt, f, nat)?;
+    apply::<P, I>(pkt, f, nat)?;
     if ret == crate::packet::FIB_SUCCESS {
         pkt.store(0, &fib.dmac)?;
         pkt.store(6, &fib.smac)?;
@@ -229,9 +257,9 @@ fn translate_and_redirect<P: Packet>(pkt: &mut P, f: &Flow, nat: &Nat) -> Result
 /// A reply (backend -> client, or -> our SNAT address) of a flow we translate: what it
 /// must become, and whether it was SNATed (then it is addressed to us and must be sent on).
 #[inline(always)]
-fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
-    let entry = CT4.get_ptr_mut(f.key(nat::dir::REPLY))?;
-    // SAFETY: a non-null lookup result is an 8-aligned Ct4Value that stays allocated while
+fn reply_nat<I: Ip>(f: &Flow<I::Addr>, now: u64) -> Option<(Nat<I::Addr>, bool)> {
+    let entry = I::ct().get_ptr_mut(f.key(nat::dir::REPLY))?;
+    // SAFETY: a non-null lookup result is an 8-aligned CtValue that stays allocated while
     // we run (see `maps::Lookup`), and ours is the only reference into it in this program.
     // Other CPUs may update the same entry at the same time, as every BPF program sharing a
     // map may, beyond what Rust's memory model describes; each field is an aligned integer
@@ -242,7 +270,7 @@ fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
     }
     e.last_seen_ns = now;
     e.flags = f.mark(e.flags | nat::ct_flags::SEEN_REPLY);
-    let snat = e.snat_addr != 0;
+    let snat = !I::is_zero(&e.snat_addr);
     let nat = Nat {
         src: Some((e.addr, e.port)),
         dst: snat.then_some((e.snat_addr, e.snat_port)),
@@ -251,50 +279,62 @@ fn reply_nat(f: &Flow, now: u64) -> Option<(Nat, bool)> {
 }
 
 /// Where a frontend's entries are stored: its address (0 for node ports) and scope.
-type FrontendAt = (u32, u8);
+type FrontendAt<A> = (A, u8);
+
+/// A frontend a packet is addressed to, and its master entry.
+struct Frontend<A> {
+    at: FrontendAt<A>,
+    master: ServiceValue,
+}
 
 /// The master entry of the frontend this packet is addressed to: its own address (external
 /// and load-balancer IPs), or any node address (node ports, stored with address 0). From a
 /// pod, first the frontends the node's own sockets see (ClusterIPs, internalTrafficPolicy),
 /// as kube-proxy's PREROUTING rules treat a pod's packets.
 #[inline(always)]
-fn frontend(f: &Flow, from_pod: bool) -> Option<(FrontendAt, ServiceValue)> {
-    if from_pod {
-        let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::SOCKET);
-        if let Some(m) = SERVICES4.lookup(key) {
-            return Some(((f.daddr, scope::SOCKET), m));
-        }
+fn frontend<I: Ip>(f: &Flow<I::Addr>, from_pod: bool) -> Option<Frontend<I::Addr>> {
+    let at = |addr, scope| {
+        I::service(addr, f.dport, f.proto, 0, scope).map(|master| Frontend {
+            at: (addr, scope),
+            master,
+        })
+    };
+    if from_pod && let Some(fe) = at(f.daddr, scope::SOCKET) {
+        return Some(fe);
     }
-    let key = Service4Key::scoped(f.daddr, f.dport, f.proto, 0, scope::PACKET);
-    if let Some(m) = SERVICES4.lookup(key) {
-        return Some(((f.daddr, scope::PACKET), m));
+    if let Some(fe) = at(f.daddr, scope::PACKET) {
+        return Some(fe);
     }
-    NODE_ADDRS4.lookup(f.daddr)?;
-    let key = Service4Key::scoped(0, f.dport, f.proto, 0, scope::PACKET);
-    SERVICES4.lookup(key).map(|m| ((0, scope::PACKET), m))
+    if !I::node_address(f.daddr) {
+        return None;
+    }
+    at(I::Addr::default(), scope::PACKET)
 }
 
 #[inline(always)]
-fn slot_backend(fe: FrontendAt, f: &Flow, slot: u16) -> Option<(u32, Backend4)> {
-    let key = Service4Key::scoped(fe.0, f.dport, f.proto, slot, fe.1);
-    let id = SERVICES4.lookup(key)?.backend_id;
-    BACKENDS4.lookup(id).map(|b| (id, b))
+fn slot_backend<I: Ip>(
+    fe: FrontendAt<I::Addr>,
+    f: &Flow<I::Addr>,
+    slot: u16,
+) -> Option<(u32, Backend<I::Addr>)> {
+    let id = I::service(fe.0, f.dport, f.proto, slot, fe.1)?.backend_id;
+    I::backend(id).map(|b| (id, b))
 }
 
 /// A backend for a new flow: the client's previous one under ClientIP affinity, if still
 /// there and within the timeout; else a uniform pick.
 #[inline(always)]
-fn choose_backend(
-    fe: FrontendAt,
-    f: &Flow,
+fn choose_backend<I: Ip>(
+    fe: FrontendAt<I::Addr>,
+    f: &Flow<I::Addr>,
     master: &ServiceValue,
     now: u64,
-) -> Option<(u32, Backend4)> {
+) -> Option<(u32, Backend<I::Addr>)> {
     if master.flags & flags::AFFINITY == 0 {
-        return slot_backend(fe, f, pick_slot(master.count));
+        return slot_backend::<I>(fe, f, pick_slot(master.count));
     }
     let key = AffinityKey {
-        client: nat::AFFINITY_CLIENT_IP | u64::from(f.saddr),
+        client: I::affinity_client(f.saddr),
         rev_nat_index: master.rev_nat_index,
         _pad: [0; 6],
     };
@@ -302,13 +342,13 @@ fn choose_backend(
     let mut chosen = None;
     if let Some(prev) = AFFINITY.lookup(key)
         && now.wrapping_sub(prev.last_used_ns) <= timeout_ns
-        && let Some(b) = BACKENDS4.lookup(prev.backend_id)
+        && let Some(b) = I::backend(prev.backend_id)
     {
         chosen = Some((prev.backend_id, b));
     }
     let chosen = match chosen {
         Some(c) => c,
-        None => slot_backend(fe, f, pick_slot(master.count))?,
+        None => slot_backend::<I>(fe, f, pick_slot(master.count))?,
     };
     let value = AffinityValue {
         backend_id: chosen.0,
@@ -322,19 +362,19 @@ fn choose_backend(
 /// A source port on `snat_addr` no other flow to `backend` uses, claimed by writing the
 /// reply entry that will translate the backend's answers.
 #[inline(always)]
-fn claim_snat_port(
-    f: &Flow,
-    b: &Backend4,
-    snat_addr: u32,
-    reply: &Ct4Value,
+fn claim_snat_port<I: Ip>(
+    f: &Flow<I::Addr>,
+    b: &Backend<I::Addr>,
+    snat_addr: I::Addr,
+    reply: &CtValue<I::Addr>,
     now: u64,
 ) -> Option<u16> {
     let span = u32::from(nat::SNAT_PORT_MAX - nat::SNAT_PORT_MIN) + 1;
     for _ in 0..SNAT_TRIES {
         let r = kernel::random_u32();
         let port = (nat::SNAT_PORT_MIN + (r % span) as u16).to_be();
-        let key = Ct4Key {
-            saddr: b.address,
+        let key = CtKey {
+            saddr: b.addr,
             daddr: snat_addr,
             sport: b.port,
             dport: port,
@@ -342,13 +382,13 @@ fn claim_snat_port(
             dir: nat::dir::REPLY,
             _pad: [0; 2],
         };
-        if CT4.insert(key, reply, u64::from(BPF_NOEXIST)).is_ok() {
+        if I::ct().insert(key, reply, u64::from(BPF_NOEXIST)).is_ok() {
             return Some(port);
         }
         // Taken: by a live flow, or by one idle past its timeout that we may reuse.
-        if let Some(old) = CT4.lookup(key)
+        if let Some(old) = I::ct().lookup(key)
             && f.expired(old.last_seen_ns, old.flags, now)
-            && CT4.insert(key, reply, 0).is_ok()
+            && I::ct().insert(key, reply, 0).is_ok()
         {
             return Some(port);
         }
@@ -358,47 +398,43 @@ fn claim_snat_port(
 
 /// Whether the client may use this frontend (loadBalancerSourceRanges).
 #[inline(always)]
-fn source_allowed(master: &ServiceValue, saddr: u32) -> bool {
-    if master.flags & flags::SOURCE_RANGES == 0 {
-        return true;
-    }
-    let key = LpmKey::new(
-        nat::SOURCE_RANGE_PREFIX_BITS + 32,
-        SourceRange4 {
-            rev_nat_index: master.rev_nat_index,
-            _pad: 0,
-            addr: saddr,
-        },
-    );
-    SOURCE_RANGES4.get(key).is_some()
+fn source_allowed<I: Ip>(master: &ServiceValue, saddr: I::Addr) -> bool {
+    master.flags & flags::SOURCE_RANGES == 0 || I::in_source_range(master.rev_nat_index, saddr)
 }
 
 /// The address SNATed traffic to `backend` leaves with: the one configured for the device
 /// the FIB sends it out of.
 #[inline(always)]
-fn snat_address<P: Packet>(pkt: &P, f: &Flow, backend: u32) -> Option<u32> {
-    let (ret, p) = pkt.fib_lookup(f.proto, f.sport, f.dport, 0, backend, 0);
+fn snat_address<P: Packet, I: Ip>(
+    pkt: &P,
+    f: &Flow<I::Addr>,
+    backend: I::Addr,
+    p: &mut FibParams,
+) -> Option<I::Addr> {
+    let any = I::Addr::default();
+    let ret = pkt.fib_lookup::<I>(p, f.proto, f.sport, f.dport, any, backend, 0);
     if ret != crate::packet::FIB_SUCCESS && ret != crate::packet::FIB_NO_NEIGH {
         return None;
     }
-    DEVICE_ADDRS4.lookup(p.ifindex)
+    I::device_address(p.ifindex)
 }
 
-/// A new flow to a frontend: pick the backend and record both directions. Returns the
-/// forward entry, or the verdict for a packet that may not pass.
-#[inline(always)]
-fn new_flow<P: Packet>(
+/// A new flow to the frontend in `w.frontend`: pick the backend and record both
+/// directions, the forward entry left in `w.forward`. Err: the verdict for a packet that may not pass. Not
+/// inlined, so its temporaries have a stack frame of their own.
+#[inline(never)]
+fn new_flow<P: Packet, I: Ip>(
     pkt: &P,
-    f: &Flow,
-    fe: FrontendAt,
-    master: &ServiceValue,
+    f: &Flow<I::Addr>,
     now: u64,
-) -> Result<Ct4Value, i32> {
+    w: &mut Work<I::Addr>,
+) -> Result<(), i32> {
+    let (fe, master) = (w.frontend.at, &w.frontend.master);
     let drop_as = |stat| {
         count(stat);
         P::DROP
     };
-    if !source_allowed(master, f.saddr) {
+    if !source_allowed::<I>(master, f.saddr) {
         return Err(drop_as(nat::stat::DROP_SOURCE_RANGE));
     }
     // No endpoint (anywhere, or on this node under externalTrafficPolicy Local): drop, as
@@ -406,11 +442,12 @@ fn new_flow<P: Packet>(
     if master.count == 0 {
         return Err(drop_as(nat::stat::DROP_NO_BACKEND));
     }
-    let Some((backend_id, b)) = choose_backend(fe, f, master, now) else {
+    let Some((backend_id, b)) = choose_backend::<I>(fe, f, master, now) else {
         return Err(drop_as(nat::stat::DROP_NO_BACKEND));
     };
     let snat = master.flags & flags::SNAT != 0 && b.flags & backend::flags::LOCAL == 0;
-    let mut reply = Ct4Value {
+    let reply = &mut w.reply;
+    *reply = CtValue {
         addr: f.daddr,
         port: f.dport,
         rev_nat_index: master.rev_nat_index,
@@ -418,20 +455,20 @@ fn new_flow<P: Packet>(
         last_seen_ns: now,
         ..Default::default()
     };
-    let (mut snat_addr, mut snat_port) = (0, 0);
+    let (mut snat_addr, mut snat_port) = (I::Addr::default(), 0);
     if snat {
-        let Some(addr) = snat_address(pkt, f, b.address) else {
+        let Some(addr) = snat_address::<P, I>(pkt, f, b.addr, &mut w.fib) else {
             return Err(drop_as(nat::stat::DROP_NAT));
         };
         reply.snat_addr = f.saddr;
         reply.snat_port = f.sport;
-        let Some(port) = claim_snat_port(f, &b, addr, &reply, now) else {
+        let Some(port) = claim_snat_port::<I>(f, &b, addr, reply, now) else {
             return Err(drop_as(nat::stat::DROP_NAT));
         };
         (snat_addr, snat_port) = (addr, port);
     } else {
-        let key = Ct4Key {
-            saddr: b.address,
+        let key = CtKey {
+            saddr: b.addr,
             daddr: f.saddr,
             sport: b.port,
             dport: f.sport,
@@ -439,12 +476,15 @@ fn new_flow<P: Packet>(
             dir: nat::dir::REPLY,
             _pad: [0; 2],
         };
-        if CT4.insert(key, reply, 0).is_err() {
+        // By reference: the entry stays in the scratch map instead of a stack copy.
+        let reply: &CtValue<I::Addr> = reply;
+        if I::ct().insert(key, reply, 0).is_err() {
             return Err(drop_as(nat::stat::DROP_NAT));
         }
     }
-    let forward = Ct4Value {
-        addr: b.address,
+    let forward = &mut w.forward;
+    *forward = CtValue {
+        addr: b.addr,
         port: b.port,
         rev_nat_index: master.rev_nat_index,
         snat_addr,
@@ -453,11 +493,14 @@ fn new_flow<P: Packet>(
         last_seen_ns: now,
         ..Default::default()
     };
-    if CT4.insert(f.key(nat::dir::FORWARD), forward, 0).is_err() {
+    if I::ct()
+        .insert(f.key(nat::dir::FORWARD), forward as &CtValue<I::Addr>, 0)
+        .is_err()
+    {
         return Err(drop_as(nat::stat::DROP_NAT));
     }
     count(nat::stat::NEW_FLOW);
-    Ok(forward)
+    Ok(())
 }
 
 /// The forward entry of a flow we already translate, if it still holds; refreshes both
@@ -466,17 +509,17 @@ fn new_flow<P: Packet>(
 /// expired or went to another flow (its SNAT port was reused), or when a closing TCP flow's
 /// client port opens a new connection.
 #[inline(always)]
-fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
-    let entry = CT4.get_ptr_mut(f.key(nat::dir::FORWARD))?;
-    // SAFETY: as in `reply_nat`: a live, aligned Ct4Value of plain integers, and the only
+fn known_flow<I: Ip>(f: &Flow<I::Addr>, now: u64, out: &mut CtValue<I::Addr>) -> Option<()> {
+    let entry = I::ct().get_ptr_mut(f.key(nat::dir::FORWARD))?;
+    // SAFETY: as in `reply_nat`: a live, aligned CtValue of plain integers, and the only
     // reference into it (`r` below is another key's entry: the direction differs).
     let e = unsafe { &mut *entry };
-    match BACKENDS4.lookup(e.backend_id) {
-        Some(b) if b.address == e.addr && b.port == e.port => {}
+    match I::backend(e.backend_id) {
+        Some(b) if I::same(&b.addr, &e.addr) && b.port == e.port => {}
         _ => return None,
     }
-    let snat = e.snat_addr != 0;
-    let reply_key = Ct4Key {
+    let snat = !I::is_zero(&e.snat_addr);
+    let reply_key = CtKey {
         saddr: e.addr,
         daddr: if snat { e.snat_addr } else { f.saddr },
         sport: e.port,
@@ -486,8 +529,8 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
         _pad: [0; 2],
     };
     // SAFETY: as for `e`; a REPLY key, so a different entry from `e`'s FORWARD one.
-    let r = unsafe { &mut *CT4.get_ptr_mut(reply_key)? };
-    let ours = !snat || (r.snat_addr == f.saddr && r.snat_port == f.sport);
+    let r = unsafe { &mut *I::ct().get_ptr_mut(reply_key)? };
+    let ours = !snat || (I::same(&r.snat_addr, &f.saddr) && r.snat_port == f.sport);
     let last_seen = if e.last_seen_ns > r.last_seen_ns {
         e.last_seen_ns
     } else {
@@ -504,7 +547,8 @@ fn known_flow(f: &Flow, now: u64) -> Option<Ct4Value> {
     e.flags = f.mark(e.flags);
     r.flags = f.mark(r.flags);
     count(nat::stat::TRANSLATED);
-    Some(*e)
+    *out = *e;
+    Some(())
 }
 
 /// Ingress on a node device (tc, or XDP ahead of it).
@@ -523,39 +567,61 @@ pub fn ingress_from_pod<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
     translate_ingress(pkt, true)
 }
 
+/// Which family's code a frame goes to; other EtherTypes (ARP, ...) are not ours.
+#[inline(always)]
+fn eth_proto<P: Packet>(pkt: &P) -> u16 {
+    pkt.load::<u16>(12).map(u16::from_be).unwrap_or(0)
+}
+
 #[inline(always)]
 fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> {
-    let Some(f) = parse(pkt) else {
+    match eth_proto(pkt) {
+        V4::ETH_P => translate_ingress_ip::<P, V4>(pkt, from_pod),
+        V6::ETH_P => translate_ingress_ip::<P, V6>(pkt, from_pod),
+        _ => Ok(P::PASS),
+    }
+}
+
+// Not inlined: each family's path gets a stack frame of its own, where inlined both would
+// share one and overflow the 512 bytes BPF allows.
+#[inline(never)]
+fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> {
+    let Some(Scratch { flow: f, work: w }) = scratch::<I>() else {
         return Ok(P::PASS);
     };
+    if parse::<P, I>(pkt, f).is_none() {
+        return Ok(P::PASS);
+    }
+    let f = &*f;
     let now = kernel::now_ns();
-    if let Some((nat, snat)) = reply_nat(&f, now) {
+    if let Some((nat, snat)) = reply_nat::<I>(f, now) {
         count(nat::stat::TRANSLATED);
         if snat {
-            return translate_and_redirect(pkt, &f, &nat);
+            return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
         }
-        apply(pkt, &f, &nat)?;
+        apply::<P, I>(pkt, f, &nat)?;
         return Ok(P::PASS);
     }
-    let Some((fe, master)) = frontend(&f, from_pod) else {
+    let Some(fe) = frontend::<I>(f, from_pod) else {
         return Ok(P::PASS);
     };
-    let e = match known_flow(&f, now) {
-        Some(e) => e,
-        None => match new_flow(pkt, &f, fe, &master, now) {
-            Ok(e) => e,
-            Err(verdict) => return Ok(verdict),
-        },
-    };
+    w.frontend = fe;
+    if known_flow::<I>(f, now, &mut w.forward).is_none()
+        && let Err(verdict) = new_flow::<P, I>(pkt, f, now, w)
+    {
+        return Ok(verdict);
+    }
+    let e = &w.forward;
+    let snat = !I::is_zero(&e.snat_addr);
     let nat = Nat {
         dst: Some((e.addr, e.port)),
-        src: (e.snat_addr != 0).then_some((e.snat_addr, e.snat_port)),
+        src: snat.then_some((e.snat_addr, e.snat_port)),
     };
-    if e.snat_addr != 0 {
-        return translate_and_redirect(pkt, &f, &nat);
+    if snat {
+        return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
     }
     // A local backend: the stack delivers it to the pod as it would any forwarded packet.
-    apply(pkt, &f, &nat)?;
+    apply::<P, I>(pkt, f, &nat)?;
     Ok(P::PASS)
 }
 
@@ -563,11 +629,24 @@ fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> 
 /// pod's device: replies to the pod, from wherever its backend is.
 #[inline(always)]
 pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
-    if let Some(f) = parse(pkt) {
+    match eth_proto(pkt) {
+        V4::ETH_P => egress_ip::<P, V4>(pkt),
+        V6::ETH_P => egress_ip::<P, V6>(pkt),
+        _ => Ok(P::PASS),
+    }
+}
+
+#[inline(never)]
+fn egress_ip<P: Packet, I: Ip>(pkt: &mut P) -> Result<i32, ()> {
+    let Some(s) = scratch::<I>() else {
+        return Ok(P::PASS);
+    };
+    if parse::<P, I>(pkt, &mut s.flow).is_some() {
+        let f = &s.flow;
         let now = kernel::now_ns();
-        if let Some((nat, _)) = reply_nat(&f, now) {
+        if let Some((nat, _)) = reply_nat::<I>(f, now) {
             count(nat::stat::TRANSLATED);
-            apply(pkt, &f, &nat)?;
+            apply::<P, I>(pkt, f, &nat)?;
         }
     }
     Ok(P::PASS)

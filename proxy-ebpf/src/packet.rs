@@ -15,6 +15,8 @@ use aya_ebpf::{
 };
 use bytemuck::Pod;
 
+use crate::ip::Ip;
+
 pub const FIB_SUCCESS: i64 = 0;
 pub const FIB_NOT_FWDED: i64 = 4;
 pub const FIB_NO_NEIGH: i64 = 7;
@@ -49,33 +51,33 @@ pub trait Packet {
     /// Sends the packet out of the FIB's device (MACs already set on success).
     fn redirect(&mut self, fib_ret: i64, ifindex: u32) -> i32;
 
-    /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device.
+    /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device; `p`
+    /// is filled in (the caller's, so the 64-byte struct is not copied around).
     #[inline(always)]
-    fn fib_lookup(
+    #[allow(clippy::too_many_arguments)]
+    fn fib_lookup<I: Ip>(
         &self,
+        p: &mut FibParams,
         proto: u8,
         sport: u16,
         dport: u16,
-        saddr: u32,
-        daddr: u32,
+        saddr: I::Addr,
+        daddr: I::Addr,
         tot_len: u16,
-    ) -> (i64, FibParams) {
+    ) -> i64 {
         // SAFETY: bpf_fib_lookup is integers and unions of integers: all zeros is a valid
         // value, and the one the helper expects in the fields we do not set.
-        let mut p: FibParams = unsafe { mem::zeroed() };
-        p.family = 2; // AF_INET
+        *p = unsafe { mem::zeroed() };
+        I::fib_params(p, saddr, daddr);
         p.l4_protocol = proto;
         p.sport = sport;
         p.dport = dport;
         p.__bindgen_anon_1.tot_len = tot_len;
         p.ifindex = self.ifindex();
-        p.__bindgen_anon_3.ipv4_src = saddr;
-        p.__bindgen_anon_4.ipv4_dst = daddr;
         let size = mem::size_of::<FibParams>() as i32;
         // SAFETY: our own program's context, and a live, exclusively borrowed parameter
         // struct of exactly the size passed, which is all the helper reads and writes.
-        let ret = unsafe { bpf_fib_lookup(self.as_ctx(), &mut p, size, 0) };
-        (ret, p)
+        unsafe { bpf_fib_lookup(self.as_ctx(), p, size, 0) }
     }
 }
 
@@ -160,6 +162,7 @@ impl Packet for XdpContext {
     // and it is far cheaper than a helper call per field.
     #[inline(always)]
     fn load<T: Pod>(&self, offset: usize) -> Option<T> {
+        let offset = bounded(offset)?;
         let ptr = self.data() + offset;
         if ptr + mem::size_of::<T>() > self.data_end() {
             return None;
@@ -172,6 +175,7 @@ impl Packet for XdpContext {
 
     #[inline(always)]
     fn store<T: Pod>(&mut self, offset: usize, value: &T) -> Result<(), ()> {
+        let offset = bounded(offset).ok_or(())?;
         let ptr = self.data() + offset;
         if ptr + mem::size_of::<T>() > self.data_end() {
             return Err(());
@@ -236,6 +240,14 @@ impl Packet for XdpContext {
     fn redirect(&mut self, _fib_ret: i64, _ifindex: u32) -> i32 {
         Self::PASS
     }
+}
+
+/// Headers lie in the first few hundred bytes. Offsets read back from a map (the flow in
+/// `nodeport::Scratch`) carry no bounds the verifier knows, and it allows no packet pointer
+/// arithmetic without them: this check gives them one.
+#[inline(always)]
+fn bounded(offset: usize) -> Option<usize> {
+    (offset <= 0xfff).then_some(offset)
 }
 
 /// RFC 1624 incremental update of a checksum (as stored, network order) for a field of

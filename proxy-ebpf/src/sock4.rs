@@ -3,18 +3,15 @@
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::programs::SockAddrContext;
-use proxy_common::{Service4Key, ServiceValue, SockRevNat4Key, SockRevNat4Value};
+use proxy_common::{SockRevNat4Key, SockRevNat4Value};
 
 use crate::{
+    ip::V4,
     lb::{self, Family},
-    maps::{BACKENDS4, Lookup, NODE_ADDRS4, SERVICES4, SOCK_REVNAT4},
+    maps::{Lookup, SOCK_REVNAT4},
 };
 
-pub struct V4;
-
 impl Family for V4 {
-    type Addr = u32;
-
     #[inline(always)]
     fn read_user(ctx: &SockAddrContext) -> (u32, u16) {
         let sa = ctx.sock_addr;
@@ -41,16 +38,6 @@ impl Family for V4 {
     }
 
     #[inline(always)]
-    fn service(addr: u32, port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
-        SERVICES4.lookup(Service4Key::new(addr, port, proto, slot))
-    }
-
-    #[inline(always)]
-    fn backend(id: u32) -> Option<(u32, u16)> {
-        BACKENDS4.lookup(id).map(|b| (b.address, b.port))
-    }
-
-    #[inline(always)]
     fn remember(cookie: u64, backend: (u32, u16), frontend: (u32, u16), rev: u16) {
         let key = SockRevNat4Key {
             cookie,
@@ -66,11 +53,6 @@ impl Family for V4 {
         // The map is an LRU: a failed insert only loses the reverse view, never the
         // connection itself.
         let _ = SOCK_REVNAT4.insert(key, value, 0);
-    }
-
-    #[inline(always)]
-    fn node_port_address(addr: u32) -> Option<u32> {
-        NODE_ADDRS4.lookup(addr).map(|_| 0)
     }
 
     #[inline(always)]

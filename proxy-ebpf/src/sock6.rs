@@ -3,32 +3,19 @@
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
 
 use aya_ebpf::programs::SockAddrContext;
-use proxy_common::{Service6Key, ServiceValue, SockRevNat6Key, SockRevNat6Value};
+use proxy_common::{Addr6, SockRevNat6Key, SockRevNat6Value};
 
 use crate::{
+    ip::{V6, bytes, words},
     lb::{self, Family},
-    maps::{BACKENDS6, Lookup, SERVICES6, SOCK_REVNAT6},
+    maps::{Lookup, SOCK_REVNAT6},
 };
 
-pub struct V6;
-
-/// The context holds the address as four network-order words; the maps as 16 bytes. Both are
-/// the same bytes in memory.
-#[inline(always)]
-fn words_to_bytes(w: [u32; 4]) -> [u8; 16] {
-    bytemuck::cast(w)
-}
-
-#[inline(always)]
-fn bytes_to_words(b: [u8; 16]) -> [u32; 4] {
-    bytemuck::cast(b)
-}
-
+// The context holds the address as four network-order words, as [`Addr6`] does; the
+// reverse-NAT map as 16 bytes. Both are the same bytes in memory (see `ip::words`).
 impl Family for V6 {
-    type Addr = [u8; 16];
-
     #[inline(always)]
-    fn read_user(ctx: &SockAddrContext) -> ([u8; 16], u16) {
+    fn read_user(ctx: &SockAddrContext) -> (Addr6, u16) {
         let sa = ctx.sock_addr;
         // SAFETY: `sa` is the context the kernel passed this program, valid for its whole
         // run; these are u32 reads, through raw pointers, of the four words of user_ip6 and
@@ -42,14 +29,13 @@ impl Family for V6 {
                 read_volatile(p.add(3)),
             ];
             let port = read_volatile(addr_of!((*sa).user_port));
-            (words_to_bytes(w), port as u16)
+            (w, port as u16)
         }
     }
 
     #[inline(always)]
-    fn write_user(ctx: &SockAddrContext, addr: [u8; 16], port: u16) {
+    fn write_user(ctx: &SockAddrContext, w: Addr6, port: u16) {
         let sa = ctx.sock_addr;
-        let w = bytes_to_words(addr);
         // SAFETY: as in `read_user`, as u32 writes, which connect, sendmsg, recvmsg and
         // getpeername programs may make; nothing holds a reference into the context.
         unsafe {
@@ -63,46 +49,30 @@ impl Family for V6 {
     }
 
     #[inline(always)]
-    fn service(addr: [u8; 16], port: u16, proto: u8, slot: u16) -> Option<ServiceValue> {
-        SERVICES6.lookup(Service6Key::new(addr, port, proto, slot))
-    }
-
-    #[inline(always)]
-    fn backend(id: u32) -> Option<([u8; 16], u16)> {
-        BACKENDS6.lookup(id).map(|b| (b.address, b.port))
-    }
-
-    #[inline(always)]
-    fn remember(cookie: u64, backend: ([u8; 16], u16), frontend: ([u8; 16], u16), rev: u16) {
+    fn remember(cookie: u64, backend: (Addr6, u16), frontend: (Addr6, u16), rev: u16) {
         let key = SockRevNat6Key {
             cookie,
-            address: backend.0,
+            address: bytes(backend.0),
             port: backend.1,
             _pad: [0; 6],
         };
         let value = SockRevNat6Value {
-            address: frontend.0,
+            address: bytes(frontend.0),
             port: frontend.1,
             rev_nat_index: rev,
         };
         let _ = SOCK_REVNAT6.insert(key, value, 0);
     }
 
-    // Node ports from the node itself: IPv4 only, like the packet path.
     #[inline(always)]
-    fn node_port_address(_addr: [u8; 16]) -> Option<[u8; 16]> {
-        None
-    }
-
-    #[inline(always)]
-    fn recall(cookie: u64, backend: ([u8; 16], u16)) -> Option<([u8; 16], u16)> {
+    fn recall(cookie: u64, backend: (Addr6, u16)) -> Option<(Addr6, u16)> {
         let key = SockRevNat6Key {
             cookie,
-            address: backend.0,
+            address: bytes(backend.0),
             port: backend.1,
             _pad: [0; 6],
         };
-        SOCK_REVNAT6.lookup(key).map(|v| (v.address, v.port))
+        SOCK_REVNAT6.lookup(key).map(|v| (words(v.address), v.port))
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::Arc,
@@ -35,27 +35,64 @@ pub fn node() -> proxy_userland::model::NodeInfo {
     }
 }
 
+/// The IPv6 ClusterIP of the dual-stack `demo/web` ([`web_manifest_dual`]), its two ports.
+pub const WEB6: &str = "[2001:db8:ff00::10]:80";
+pub const WEB6_DNS: &str = "[2001:db8:ff00::10]:53";
+
 /// Manifests for `demo/web` on [`WEB_IP`] (http TCP 80->8080, dns UDP 53->5353) with one
 /// EndpointSlice listing `pods` as ready endpoints.
 pub fn web_manifest(pods: &[Ipv4Addr]) -> String {
-    let mut yaml = String::from(
-        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: demo}\nspec:\n  \
-         clusterIP: 198.19.0.10\n  clusterIPs: [198.19.0.10]\n  ports:\n  \
-         - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n  \
-         - {name: dns, port: 53, targetPort: 5353, protocol: UDP}\n---\n\
-         apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-abc\n  \
-         namespace: demo\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\n\
-         ports:\n- {name: http, port: 8080, protocol: TCP}\n- {name: dns, port: 5353, protocol: UDP}\n\
-         endpoints:\n",
+    let ips: Vec<IpAddr> = pods.iter().map(|&ip| ip.into()).collect();
+    let mut yaml = web_service_yaml(&["198.19.0.10"]);
+    yaml.push_str(&web_slice_yaml("web-abc", "IPv4", &ips));
+    yaml
+}
+
+/// As [`web_manifest`], dual-stack: the ClusterIPs 198.19.0.10 and 2001:db8:ff00::10, and an
+/// EndpointSlice per family listing pods `pods` (by index) at [`pod_ip`] and [`pod_ip6`].
+pub fn web_manifest_dual(pods: &[u8]) -> String {
+    let v4: Vec<IpAddr> = pods.iter().map(|&i| pod_ip(i).into()).collect();
+    let v6: Vec<IpAddr> = pods.iter().map(|&i| pod_ip6(i).into()).collect();
+    let mut yaml = web_service_yaml(&["198.19.0.10", "2001:db8:ff00::10"]);
+    yaml.push_str(&web_slice_yaml("web-v4", "IPv4", &v4));
+    yaml.push_str("---\n");
+    yaml.push_str(&web_slice_yaml("web-v6", "IPv6", &v6));
+    yaml
+}
+
+/// The Service `demo/web` on `cluster_ips` (the first is its clusterIP) and a separator.
+fn web_service_yaml(cluster_ips: &[&str]) -> String {
+    let families: Vec<&str> = cluster_ips
+        .iter()
+        .map(|ip| if ip.contains(':') { "IPv6" } else { "IPv4" })
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: demo}}\nspec:\n  \
+         clusterIP: {first}\n  clusterIPs: [{all}]\n  ipFamilies: [{families}]\n  ports:\n  \
+         - {{name: http, port: 80, targetPort: 8080, protocol: TCP}}\n  \
+         - {{name: dns, port: 53, targetPort: 5353, protocol: UDP}}\n---\n",
+        first = cluster_ips[0],
+        all = cluster_ips.join(", "),
+        families = families.join(", "),
+    )
+}
+
+/// An EndpointSlice of `demo/web` listing `ips` as ready endpoints.
+fn web_slice_yaml(name: &str, address_type: &str, ips: &[IpAddr]) -> String {
+    let mut yaml = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  \
+         namespace: demo\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {address_type}\n\
+         ports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n"
     );
-    for ip in pods {
-        yaml.push_str(&format!(
-            "- addresses: [{ip}]\n  conditions: {{ready: true}}\n"
-        ));
+    if ips.is_empty() {
+        yaml.push_str("endpoints: []\n");
+    } else {
+        yaml.push_str("endpoints:\n");
     }
-    if pods.is_empty() {
-        yaml.push_str("[]\n");
-        yaml = yaml.replace("endpoints:\n[]", "endpoints: []");
+    for ip in ips {
+        yaml.push_str(&format!(
+            "- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n"
+        ));
     }
     yaml
 }
@@ -70,24 +107,49 @@ pub fn pod_ip(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(198, 18, 1, 10 + i)
 }
 
+/// Pod `i` of a dual-stack bed also lives at 2001:db8:1::(10+i) (hex).
+pub fn pod_ip6(i: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x10 + u16::from(i))
+}
+
 /// A test bed with `n` pods, each answering with its name ("pod-1", ...) on TCP 8080 and
 /// UDP 5353.
 pub fn bed_with_pods(tag: &str, n: u8) -> (Testbed, Vec<Pod>) {
-    bed_with_pods_serving(tag, n, &[])
+    bed_with_pods_serving(tag, n, &[], false)
 }
 
 /// As [`bed_with_pods`], the pods answering `NAME@<address they saw>` (see
 /// `Outcome::name` and `Outcome::seen_from`).
 pub fn bed_with_echoing_pods(tag: &str, n: u8) -> (Testbed, Vec<Pod>) {
-    bed_with_pods_serving(tag, n, &["--echo-peer"])
+    bed_with_pods_serving(tag, n, &["--echo-peer"], false)
 }
 
-fn bed_with_pods_serving(tag: &str, n: u8, extra: &[&str]) -> (Testbed, Vec<Pod>) {
+/// As [`bed_with_pods`] (with the servers' `extra` flags), each pod also at [`pod_ip6`]
+/// and serving there too.
+pub fn bed_with_dual_stack_pods(tag: &str, n: u8, extra: &[&str]) -> (Testbed, Vec<Pod>) {
+    bed_with_pods_serving(tag, n, extra, true)
+}
+
+/// Two serving pods (dual-stack with `dual`, see [`bed_with_dual_stack_pods`]) and a
+/// client pod that serves nothing at [`pod_ip`]`(9)` (and [`pod_ip6`]`(9)`).
+pub fn bed_with_client(tag: &str, dual: bool) -> (Testbed, Pod) {
+    let (mut bed, _pods) = if dual {
+        bed_with_dual_stack_pods(tag, 2, &[])
+    } else {
+        bed_with_pods(tag, 2)
+    };
+    let client = bed
+        .add_pod("client", pod_ip(9), dual.then(|| pod_ip6(9)))
+        .expect("client pod");
+    (bed, client)
+}
+
+fn bed_with_pods_serving(tag: &str, n: u8, extra: &[&str], v6: bool) -> (Testbed, Vec<Pod>) {
     let mut bed = Testbed::new(tag).expect("test bed");
     let mut pods = Vec::new();
     for i in 1..=n {
         let pod = bed
-            .add_pod(&format!("pod-{i}"), pod_ip(i), None)
+            .add_pod(&format!("pod-{i}"), pod_ip(i), v6.then(|| pod_ip6(i)))
             .expect("pod");
         let name = format!("pod-{i}");
         let mut args = vec![
@@ -98,6 +160,9 @@ fn bed_with_pods_serving(tag: &str, n: u8, extra: &[&str]) -> (Testbed, Vec<Pod>
             "--udp",
             "0.0.0.0:5353",
         ];
+        if v6 {
+            args.extend(["--tcp", "[::]:8080", "--udp", "[::]:5353"]);
+        }
         args.extend_from_slice(extra);
         bed.serve(probe(), &pod, &args).expect("pod server");
         pods.push(pod);

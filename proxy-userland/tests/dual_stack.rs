@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::IpAddr;
 
 use common::*;
 use proxy_userland::{
@@ -12,14 +12,10 @@ use proxy_userland::{
 };
 use xtask::testbed::Testbed;
 
-fn pod_ip6(i: u16) -> Ipv6Addr {
-    Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x10 + i)
-}
-
-fn ready6(i: u16) -> Endpoint {
+fn ready6(i: u8) -> Endpoint {
     Endpoint {
         ip: IpAddr::V6(pod_ip6(i)),
-        ..ready(pod_ip(i as u8))
+        ..ready(pod_ip(i))
     }
 }
 
@@ -28,7 +24,7 @@ fn dual_stack_service_balances_each_family_to_its_own_pods() {
     let mut bed = Testbed::new("dualstack").expect("test bed");
     for i in 1..=2u8 {
         let pod = bed
-            .add_pod(&format!("pod-{i}"), pod_ip(i), Some(pod_ip6(u16::from(i))))
+            .add_pod(&format!("pod-{i}"), pod_ip(i), Some(pod_ip6(i)))
             .unwrap();
         bed.serve(
             probe(),

@@ -143,14 +143,23 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
 /// stays on it. The client is a pod, so its UDP goes per packet through its device.
 #[test]
 fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
-    let (mut bed, _pods) = bed_with_pods("udpmove", 2);
-    let client_pod = bed.add_pod("client", pod_ip(9), None).expect("client pod");
-    let dir = manifest_dir("udpmove");
-    std::fs::write(
-        dir.0.join("web.yaml"),
-        web_manifest(&[pod_ip(1), pod_ip(2)]),
-    )
-    .unwrap();
+    let manifest = |pods: &[u8]| web_manifest(&pods.iter().map(|&i| pod_ip(i)).collect::<Vec<_>>());
+    udp_client_moves("udpmove", false, WEB_DNS, &manifest);
+}
+
+/// The same over IPv6 (a dual-stack Service, the client's socket on the v6 ClusterIP): the
+/// pod's v6 UDP goes per packet through its device as its v4 UDP does.
+#[test]
+fn a_connected_ipv6_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
+    udp_client_moves("udpmove6", true, WEB6_DNS, &web_manifest_dual);
+}
+
+/// The client, a pod (dual-stack with `dual`), sends to `target` through one connected
+/// socket; `manifest(pods)` serves `demo/web` with pods `pods` (by index).
+fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]) -> String) {
+    let (bed, client_pod) = bed_with_client(tag, dual);
+    let dir = manifest_dir(tag);
+    std::fs::write(dir.0.join("web.yaml"), manifest(&[1, 2])).unwrap();
     let daemon = Daemon::start(
         bed.cgroup_path(),
         &[
@@ -166,7 +175,7 @@ fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a
             "100ms",
         ],
     );
-    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "300"];
+    let udp_once = ["udp", target, "--count", "1", "--timeout-ms", "300"];
     assert!(
         eventually(20, || pod_probe(&bed, &client_pod, &udp_once)[0].is_ok()),
         "the ClusterIP never answered the pod; log:\n{}",
@@ -174,7 +183,7 @@ fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a
     );
 
     let mut cmd = pod_client(&bed, &client_pod);
-    cmd.args(["udp", WEB_DNS, "--connected", "--count", "150"]);
+    cmd.args(["udp", target, "--connected", "--count", "150"]);
     cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
     let client = Client::spawn(cmd);
     let mut before = Vec::new();
@@ -198,23 +207,19 @@ fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a
         );
         assert_eq!(
             from(o),
-            Some(WEB_DNS),
+            Some(target),
             "replies come from the ClusterIP: {before:?}"
         );
         assert_eq!(
             peer(o),
-            Some(WEB_DNS),
+            Some(target),
             "the socket's peer is the ClusterIP: {before:?}"
         );
     }
 
-    let survivor = if victim == "pod-1" {
-        pod_ip(2)
-    } else {
-        pod_ip(1)
-    };
+    let survivor = if victim == "pod-1" { 2 } else { 1 };
     let removed_at = Instant::now();
-    std::fs::write(dir.0.join("web.yaml"), web_manifest(&[survivor])).unwrap();
+    std::fs::write(dir.0.join("web.yaml"), manifest(&[survivor])).unwrap();
     let mut after = Vec::new();
     while let Ok((at, line)) = client.lines.recv_timeout(Duration::from_secs(5)) {
         after.push((at.duration_since(removed_at), line));
@@ -253,6 +258,6 @@ fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a
             o.is_ok() && o.reply() != Some(victim.as_str()),
             "back to {victim}: {after:?}"
         );
-        assert_eq!(from(o), Some(WEB_DNS), "{after:?}");
+        assert_eq!(from(o), Some(target), "{after:?}");
     }
 }

@@ -10,13 +10,17 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
-    Service6Key, ServiceValue, backend::flags as backend_flags, maps as names, nat, service::scope,
+    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
+    CtKey, CtValue, Service4Key, Service6Key, ServiceValue, backend::flags as backend_flags,
+    maps as names, nat, service::scope,
 };
 
 use crate::{
     dataplane::{
-        bpf::loader::PinLayout,
+        bpf::{
+            loader::PinLayout,
+            maps::{MapAddr, forward_entries, socket_addr},
+        },
         frontends::{BackendAddr, Frontend, FrontendScope},
     },
     model::Protocol,
@@ -48,8 +52,9 @@ pub struct Flow {
 /// One ClientIP affinity entry.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Affinity {
-    /// The client's address (packet path), or None for a socket-path entry, whose client is
-    /// a network namespace (by cookie).
+    /// The client's address (packet path, IPv4), or None for a socket-path entry, whose
+    /// client is a network namespace (by cookie), and for an IPv6 client, whose address the
+    /// key holds folded (both None then).
     pub client_ip: Option<IpAddr>,
     pub netns_cookie: Option<u64>,
     pub rev_nat_index: u16,
@@ -203,25 +208,14 @@ impl PinnedMaps {
         Ok(out)
     }
 
-    /// The packet path's flows, forward entries only (one per flow).
+    /// The packet path's flows, forward entries only (one per flow). Maps pinned by a
+    /// daemon without IPv6 flows have no IPv6 table, which is no error.
     pub fn flows(&self) -> anyhow::Result<Vec<Flow>> {
-        let ct: HashMap<_, Ct4Key, Ct4Value> = open(&self.dir, names::CT4)?;
-        let addr = |a: u32, p: u16| SocketAddr::new(IpAddr::V4(v4(a)), u16::from_be(p));
-        let mut flows: Vec<Flow> = ct
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, _)| k.dir == nat::dir::FORWARD)
-            .map(|(k, v)| Flow {
-                proto: proto(k.proto),
-                client: addr(k.saddr, k.sport),
-                frontend: addr(k.daddr, k.dport),
-                backend: addr(v.addr, v.port),
-                snat: (v.snat_addr != 0).then(|| addr(v.snat_addr, v.snat_port)),
-                seen_reply: v.flags & nat::ct_flags::SEEN_REPLY != 0,
-                closing: v.flags & nat::ct_flags::CLOSING != 0,
-                idle_secs: idle(v.last_seen_ns),
-            })
-            .collect();
+        let ct4: HashMap<_, Ct4Key, Ct4Value> = open(&self.dir, names::CT4)?;
+        let mut flows = flows_of(&ct4);
+        if let Ok(ct6) = open::<Ct6Key, Ct6Value>(&self.dir, names::CT6) {
+            flows.extend(flows_of(&ct6));
+        }
         flows.sort_by_key(|f| (f.frontend, f.client));
         Ok(flows)
     }
@@ -235,8 +229,9 @@ impl PinnedMaps {
             .filter_map(Result::ok)
             .map(|(k, v)| {
                 let by_ip = k.client & nat::AFFINITY_CLIENT_IP != 0;
+                let v6 = k.client & nat::AFFINITY_CLIENT_IP6 != 0;
                 Affinity {
-                    client_ip: by_ip.then(|| IpAddr::V4(v4(k.client as u32))),
+                    client_ip: (by_ip && !v6).then(|| IpAddr::V4(v4(k.client as u32))),
                     netns_cookie: (!by_ip).then_some(k.client),
                     rev_nat_index: k.rev_nat_index,
                     backend: backends.get(&v.backend_id).copied(),
@@ -247,4 +242,23 @@ impl PinnedMaps {
         out.sort_by_key(|a| (a.rev_nat_index, a.client_ip, a.netns_cookie));
         Ok(out)
     }
+}
+
+fn flows_of<A: MapAddr>(ct: &HashMap<MapData, CtKey<A>, CtValue<A>>) -> Vec<Flow>
+where
+    CtKey<A>: aya::Pod,
+    CtValue<A>: aya::Pod,
+{
+    forward_entries(ct)
+        .map(|(k, v)| Flow {
+            proto: proto(k.proto),
+            client: socket_addr(k.saddr, k.sport),
+            frontend: socket_addr(k.daddr, k.dport),
+            backend: socket_addr(v.addr, v.port),
+            snat: (v.snat_addr != A::default()).then(|| socket_addr(v.snat_addr, v.snat_port)),
+            seen_reply: v.flags & nat::ct_flags::SEEN_REPLY != 0,
+            closing: v.flags & nat::ct_flags::CLOSING != 0,
+            idle_secs: idle(v.last_seen_ns),
+        })
+        .collect()
 }

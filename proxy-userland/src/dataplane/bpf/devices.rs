@@ -6,17 +6,20 @@
 
 use std::{
     ffi::{CStr, CString},
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
 
-use crate::dataplane::netns::{self, NetnsError};
+use crate::dataplane::{
+    iptables::render::cidr_contains as contains,
+    netns::{self, NetnsError},
+};
 
 /// What the packet path is asked to cover.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PacketPathConfig {
     /// The devices' network namespace (a name under /run/netns); None: ours.
     pub netns: Option<String>,
-    /// Devices to attach to; empty: those of the IPv4 default routes.
+    /// Devices to attach to; empty: those of the default routes (IPv4 and IPv6).
     pub devices: Vec<String>,
     /// Node ports answer only on addresses in these ranges (kube-proxy's
     /// `--nodeport-addresses`); empty: on every address of the node.
@@ -30,7 +33,7 @@ pub struct PacketPathConfig {
 pub enum DeviceError {
     #[error(transparent)]
     Netns(#[from] NetnsError),
-    #[error("no device for node ports: none given and no IPv4 default route to take it from")]
+    #[error("no device for node ports: none given and no default route to take it from")]
     NoDevices,
     #[error("device {0:?} does not exist")]
     Unknown(String),
@@ -42,8 +45,10 @@ pub enum DeviceError {
 pub struct Device {
     pub name: String,
     pub ifindex: u32,
-    /// The address SNATed traffic leaves this device with: its first IPv4 address.
+    /// The addresses SNATed traffic leaves this device with: its first IPv4 address, and
+    /// its first IPv6 address that is not link-local.
     pub ipv4: Option<Ipv4Addr>,
+    pub ipv6: Option<Ipv6Addr>,
     /// Native XDP runs ahead of tc on it (set once attached).
     pub xdp: bool,
 }
@@ -52,7 +57,7 @@ pub struct Device {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeDevices {
     pub devices: Vec<Device>,
-    pub node_port_addrs: Vec<Ipv4Addr>,
+    pub node_port_addrs: Vec<IpAddr>,
 }
 
 impl NodeDevices {
@@ -60,11 +65,14 @@ impl NodeDevices {
         in_netns(cfg.netns.as_deref(), || read_here(cfg))?
     }
 
-    /// (ifindex, address) of every device that has an IPv4 address, for the SNAT map.
-    pub fn snat_addresses(&self) -> Vec<(u32, Ipv4Addr)> {
+    /// (ifindex, address) of every device's SNAT addresses, for the SNAT maps.
+    pub fn snat_addresses(&self) -> Vec<(u32, IpAddr)> {
         self.devices
             .iter()
-            .filter_map(|d| Some((d.ifindex, d.ipv4?)))
+            .flat_map(|d| {
+                let v4 = d.ipv4.map(|a| (d.ifindex, a.into()));
+                v4.into_iter().chain(d.ipv6.map(|a| (d.ifindex, a.into())))
+            })
             .collect()
     }
 }
@@ -82,15 +90,24 @@ fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
     let mut devices = Vec::new();
     for name in names {
         let ifindex = if_index(&name).ok_or_else(|| DeviceError::Unknown(name.clone()))?;
-        let ipv4 = addrs.iter().find(|(n, _)| *n == name).map(|(_, a)| *a);
+        let mine = || addrs.iter().filter(|(n, _)| *n == name).map(|(_, a)| *a);
+        let ipv4 = mine().find_map(|a| match a {
+            IpAddr::V4(a) => Some(a),
+            IpAddr::V6(_) => None,
+        });
+        let ipv6 = mine().find_map(|a| match a {
+            IpAddr::V6(a) => Some(a),
+            IpAddr::V4(_) => None,
+        });
         devices.push(Device {
             name,
             ifindex,
             ipv4,
+            ipv6,
             xdp: false,
         });
     }
-    let mut node_port_addrs: Vec<Ipv4Addr> = addrs
+    let mut node_port_addrs: Vec<IpAddr> = addrs
         .iter()
         .map(|(_, a)| *a)
         .filter(|a| !a.is_loopback())
@@ -106,12 +123,9 @@ fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
     })
 }
 
-fn contains((net, len): (IpAddr, u8), a: Ipv4Addr) -> bool {
-    let IpAddr::V4(net) = net else { return false };
-    let mask = u32::MAX
-        .checked_shl(32 - u32::from(len.min(32)))
-        .unwrap_or(0);
-    u32::from(net) & mask == u32::from(a) & mask
+/// fe80::/10: an address of one link only, never a node port's or a SNAT source.
+fn link_local(a: &IpAddr) -> bool {
+    matches!(a, IpAddr::V6(a) if a.segments()[0] & 0xffc0 == 0xfe80)
 }
 
 fn if_index(name: &str) -> Option<u32> {
@@ -121,8 +135,9 @@ fn if_index(name: &str) -> Option<u32> {
     (i != 0).then_some(i)
 }
 
-/// (interface name, IPv4 address) of every address in this thread's network namespace.
-fn interface_addresses() -> std::io::Result<Vec<(String, Ipv4Addr)>> {
+/// (interface name, address) of every IPv4 address and every IPv6 address that is not
+/// link-local in this thread's network namespace.
+fn interface_addresses() -> std::io::Result<Vec<(String, IpAddr)>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `head` with a list we free below.
     if unsafe { libc::getifaddrs(&mut head) } != 0 {
@@ -134,38 +149,58 @@ fn interface_addresses() -> std::io::Result<Vec<(String, Ipv4Addr)>> {
         // SAFETY: `cur` is a node of the list getifaddrs returned, not yet freed.
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null()
-            // SAFETY: non-null, so a sockaddr of the list; every sockaddr_* starts with it.
-            || i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET
-        {
+        if ifa.ifa_addr.is_null() {
             continue;
         }
-        // SAFETY: an AF_INET address is a sockaddr_in.
-        let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-        // SAFETY: getifaddrs gives every entry a NUL-terminated name, alive until the list
-        // is freed; we copy it out before then.
+        // SAFETY: a non-null ifa_addr points at a sockaddr of at least its family's size.
+        let addr: IpAddr = match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
+            libc::AF_INET => {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)).into()
+            }
+            libc::AF_INET6 => {
+                // SAFETY: an AF_INET6 address is a sockaddr_in6.
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                Ipv6Addr::from(sin6.sin6_addr.s6_addr).into()
+            }
+            _ => continue,
+        };
+        if link_local(&addr) {
+            continue;
+        }
+        // SAFETY: ifa_name is a NUL-terminated string of the list.
         let name = unsafe { CStr::from_ptr(ifa.ifa_name) }
             .to_string_lossy()
             .into_owned();
-        out.push((name, Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+        out.push((name, addr));
     }
     // SAFETY: the list came from getifaddrs and is freed once.
     unsafe { libc::freeifaddrs(head) };
     Ok(out)
 }
 
-/// The devices of the IPv4 default routes, from this thread's view of /proc/net/route.
+/// The devices of the default routes, from this thread's view of /proc/net/route and
+/// /proc/net/ipv6_route (where `lo` carries the unreachable defaults, which are not ours).
 fn default_route_devices() -> Vec<String> {
-    let table = std::fs::read_to_string("/proc/thread-self/net/route").unwrap_or_default();
-    let mut out: Vec<String> = table
-        .lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 7 && f[1] == "00000000" && f[7] == "00000000").then(|| f[0].to_string())
-        })
-        .collect();
-    out.dedup();
+    let read = |f: &str| std::fs::read_to_string(format!("/proc/thread-self/net/{f}"));
+    let v4 = read("route").unwrap_or_default();
+    let v6 = read("ipv6_route").unwrap_or_default();
+    let v4 = v4.lines().skip(1).filter_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() > 7 && f[1] == "00000000" && f[7] == "00000000").then(|| f[0].to_string())
+    });
+    let v6 = v6.lines().filter_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let default = f.len() == 10 && f[1] == "00" && f[0].bytes().all(|b| b == b'0');
+        (default && f[9] != "lo").then(|| f[9].to_string())
+    });
+    let mut out: Vec<String> = Vec::new();
+    for d in v4.chain(v6) {
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
     out
 }
 
@@ -191,15 +226,14 @@ mod tests {
     #[test]
     fn cidr_filter_matches_prefixes() {
         let net = ("198.18.0.0".parse().unwrap(), 16);
-        assert!(contains(net, Ipv4Addr::new(198, 18, 3, 4)));
-        assert!(!contains(net, Ipv4Addr::new(198, 19, 0, 1)));
-        assert!(contains(
-            ("0.0.0.0".parse().unwrap(), 0),
-            Ipv4Addr::new(198, 19, 0, 1)
-        ));
-        assert!(!contains(
-            ("2001:db8::".parse().unwrap(), 32),
-            Ipv4Addr::new(198, 19, 0, 1)
-        ));
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert!(contains(net, ip("198.18.3.4")));
+        assert!(!contains(net, ip("198.19.0.1")));
+        assert!(contains((ip("0.0.0.0"), 0), ip("198.19.0.1")));
+        assert!(!contains((ip("2001:db8::"), 32), ip("198.19.0.1")));
+        assert!(contains((ip("2001:db8::"), 32), ip("2001:db8:ff::1")));
+        assert!(!contains((ip("2001:db8::"), 48), ip("2001:db8:ff::1")));
+        assert!(!contains((ip("198.18.0.0"), 15), ip("2001:db8::1")));
+        assert!(link_local(&ip("fe80::1")) && !link_local(&ip("2001:db8::1")));
     }
 }

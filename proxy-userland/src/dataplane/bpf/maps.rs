@@ -3,7 +3,10 @@
 //! Everything the maps hold is in network byte order (see `proxy-common`), so conversions
 //! live here and nowhere else.
 
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+};
 
 use aya::{
     Ebpf,
@@ -13,9 +16,13 @@ use aya::{
     },
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Service4Key,
-    Service6Key, ServiceValue, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value,
-    SourceRange4, backend::flags as backend_flags, maps as names, nat, service::scope,
+    Addr6, AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Ct6Key,
+    Ct6Value, CtKey, CtValue, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
+    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange, SourceRange4, SourceRange6,
+    backend::flags as backend_flags,
+    maps as names,
+    nat::{self, addr6, octets6},
+    service::scope,
 };
 
 use crate::{dataplane::frontends::FrontendScope, model::Protocol};
@@ -42,10 +49,49 @@ pub struct ServiceMaps {
     // The packet path: flows (written by the programs), source ranges, node and device
     // addresses, and the programs' counters.
     ct4: HashMap<MapData, Ct4Key, Ct4Value>,
+    ct6: HashMap<MapData, Ct6Key, Ct6Value>,
     source_ranges4: LpmTrie<MapData, SourceRange4, u8>,
+    source_ranges6: LpmTrie<MapData, SourceRange6, u8>,
     node_addrs4: HashMap<MapData, u32, u32>,
+    node_addrs6: HashMap<MapData, Addr6, u32>,
     device_addrs4: HashMap<MapData, u32, u32>,
+    device_addrs6: HashMap<MapData, u32, Addr6>,
     stats: PerCpuArray<MapData, u64>,
+}
+
+/// An address as the maps hold it (network byte order): `u32` or `[u8; 16]`.
+pub trait MapAddr: Copy + Default + PartialEq + aya::Pod {
+    fn ip(self) -> IpAddr;
+}
+
+impl MapAddr for u32 {
+    fn ip(self) -> IpAddr {
+        Ipv4Addr::from(self.to_ne_bytes()).into()
+    }
+}
+
+impl MapAddr for Addr6 {
+    fn ip(self) -> IpAddr {
+        Ipv6Addr::from(octets6(self)).into()
+    }
+}
+
+/// `addr:port` of a map entry.
+pub fn socket_addr<A: MapAddr>(addr: A, port: u16) -> SocketAddr {
+    SocketAddr::new(addr.ip(), u16::from_be(port))
+}
+
+/// The forward entries (one per flow) of a flow table.
+pub fn forward_entries<A: MapAddr>(
+    ct: &HashMap<MapData, CtKey<A>, CtValue<A>>,
+) -> impl Iterator<Item = (CtKey<A>, CtValue<A>)> + '_
+where
+    CtKey<A>: aya::Pod,
+    CtValue<A>: aya::Pod,
+{
+    ct.iter()
+        .filter_map(Result::ok)
+        .filter(|(k, _)| k.dir == nat::dir::FORWARD)
 }
 
 /// One flow of the packet path, as its forward entry records it.
@@ -80,6 +126,14 @@ fn take<K: aya::Pod, V: aya::Pod>(
     HashMap::try_from(map).map_err(|source| LoadError::Map { name, source })
 }
 
+fn take_trie<K: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+) -> Result<LpmTrie<MapData, K, u8>, LoadError> {
+    let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+    LpmTrie::try_from(map).map_err(|source| LoadError::Map { name, source })
+}
+
 fn v4(ip: std::net::Ipv4Addr) -> u32 {
     u32::from_ne_bytes(ip.octets())
 }
@@ -111,13 +165,19 @@ fn key6(fe: &Frontend, ip: std::net::Ipv6Addr, slot: u16) -> Service6Key {
     )
 }
 
-fn source_range_key(rev_nat_index: u16, ip: std::net::Ipv4Addr, len: u8) -> LpmKey<SourceRange4> {
-    let data = SourceRange4 {
+fn source_range_key<A>(rev_nat_index: u16, addr: A, len: u8, bits: u8) -> LpmKey<SourceRange<A>>
+where
+    SourceRange<A>: aya::Pod,
+{
+    let data = SourceRange {
         rev_nat_index,
         _pad: 0,
-        addr: v4(ip),
+        addr,
     };
-    LpmKey::new(nat::SOURCE_RANGE_PREFIX_BITS + u32::from(len.min(32)), data)
+    LpmKey::new(
+        nat::SOURCE_RANGE_PREFIX_BITS + u32::from(len.min(bits)),
+        data,
+    )
 }
 
 impl ServiceMaps {
@@ -131,13 +191,13 @@ impl ServiceMaps {
             sock_revnat6: take(ebpf, names::SOCK_REVNAT6)?,
             affinity: take(ebpf, names::AFFINITY)?,
             ct4: take(ebpf, names::CT4)?,
-            source_ranges4: {
-                let name = names::SOURCE_RANGES4;
-                let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
-                LpmTrie::try_from(map).map_err(|source| LoadError::Map { name, source })?
-            },
+            ct6: take(ebpf, names::CT6)?,
+            source_ranges4: take_trie(ebpf, names::SOURCE_RANGES4)?,
+            source_ranges6: take_trie(ebpf, names::SOURCE_RANGES6)?,
             node_addrs4: take(ebpf, names::NODE_ADDRS4)?,
+            node_addrs6: take(ebpf, names::NODE_ADDRS6)?,
             device_addrs4: take(ebpf, names::DEVICE_ADDRS4)?,
+            device_addrs6: take(ebpf, names::DEVICE_ADDRS6)?,
             stats: {
                 let name = names::STATS;
                 let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
@@ -319,9 +379,17 @@ impl ServiceMaps {
         ranges: &[(IpAddr, u8)],
     ) -> Result<(), MapError> {
         for &(ip, len) in ranges {
-            if let IpAddr::V4(ip) = ip {
-                self.source_ranges4
-                    .insert(&source_range_key(rev_nat_index, ip, len), 1, 0)?;
+            match ip {
+                IpAddr::V4(ip) => self.source_ranges4.insert(
+                    &source_range_key(rev_nat_index, v4(ip), len, 32),
+                    1,
+                    0,
+                )?,
+                IpAddr::V6(ip) => self.source_ranges6.insert(
+                    &source_range_key(rev_nat_index, addr6(ip.octets()), len, 128),
+                    1,
+                    0,
+                )?,
             }
         }
         Ok(())
@@ -329,66 +397,61 @@ impl ServiceMaps {
 
     pub fn del_source_ranges(&mut self, rev_nat_index: u16, ranges: &[(IpAddr, u8)]) {
         for &(ip, len) in ranges {
-            if let IpAddr::V4(ip) = ip {
-                let _ = self
-                    .source_ranges4
-                    .remove(&source_range_key(rev_nat_index, ip, len));
-            }
+            let _ = match ip {
+                IpAddr::V4(ip) => {
+                    self.source_ranges4
+                        .remove(&source_range_key(rev_nat_index, v4(ip), len, 32))
+                }
+                IpAddr::V6(ip) => self.source_ranges6.remove(&source_range_key(
+                    rev_nat_index,
+                    addr6(ip.octets()),
+                    len,
+                    128,
+                )),
+            };
         }
     }
 
     /// Every source range: (frontend's reverse-NAT index, network, prefix length); for
     /// adopting pinned maps.
     pub fn source_range_entries(&self) -> Vec<(u16, (IpAddr, u8))> {
-        self.source_ranges4
-            .keys()
-            .filter_map(Result::ok)
-            .filter_map(|k| {
-                let len = k.prefix_len().checked_sub(nat::SOURCE_RANGE_PREFIX_BITS)?;
-                let d = k.data();
-                let ip = IpAddr::V4(std::net::Ipv4Addr::from(d.addr.to_ne_bytes()));
-                Some((d.rev_nat_index, (ip, len as u8)))
-            })
-            .collect()
+        let mut out = range_entries(&self.source_ranges4);
+        out.extend(range_entries(&self.source_ranges6));
+        out
     }
 
-    /// Makes the node-port addresses exactly `addrs`, and the SNAT address of each device
-    /// (ifindex) exactly `devices`.
+    /// Makes the node-port addresses exactly `addrs`, and the SNAT addresses of each device
+    /// (ifindex) exactly `devices` (one per family at most).
     pub fn set_node_addresses(
         &mut self,
-        addrs: &[std::net::Ipv4Addr],
-        devices: &[(u32, std::net::Ipv4Addr)],
+        addrs: &[IpAddr],
+        devices: &[(u32, IpAddr)],
     ) -> Result<(), MapError> {
-        replace_all(
-            &mut self.node_addrs4,
-            addrs.iter().map(|a| (v4(*a), 1)).collect(),
-        )?;
-        replace_all(
-            &mut self.device_addrs4,
-            devices.iter().map(|(i, a)| (*i, v4(*a))).collect(),
-        )
+        let (mut nodes4, mut nodes6) = (BTreeMap::new(), BTreeMap::new());
+        for a in addrs {
+            match a {
+                IpAddr::V4(a) => drop(nodes4.insert(v4(*a), 1)),
+                IpAddr::V6(a) => drop(nodes6.insert(addr6(a.octets()), 1)),
+            }
+        }
+        let (mut devices4, mut devices6) = (BTreeMap::new(), BTreeMap::new());
+        for (i, a) in devices {
+            match a {
+                IpAddr::V4(a) => drop(devices4.insert(*i, v4(*a))),
+                IpAddr::V6(a) => drop(devices6.insert(*i, addr6(a.octets()))),
+            }
+        }
+        replace_all(&mut self.node_addrs4, nodes4)?;
+        replace_all(&mut self.node_addrs6, nodes6)?;
+        replace_all(&mut self.device_addrs4, devices4)?;
+        replace_all(&mut self.device_addrs6, devices6)
     }
 
     /// Every flow the packet programs track: where it goes and the source it was given.
     pub fn packet_flows(&self) -> Vec<PacketFlow> {
-        let addr = |a: u32, p: u16| {
-            SocketAddr::new(
-                std::net::Ipv4Addr::from(a.to_ne_bytes()).into(),
-                u16::from_be(p),
-            )
-        };
-        self.ct4
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, _)| k.dir == nat::dir::FORWARD)
-            .map(|(k, v)| PacketFlow {
-                client: addr(k.saddr, k.sport),
-                frontend: addr(k.daddr, k.dport),
-                backend: addr(v.addr, v.port),
-                snat: (v.snat_addr != 0).then(|| addr(v.snat_addr, v.snat_port)),
-                closing: v.flags & nat::ct_flags::CLOSING != 0,
-            })
-            .collect()
+        let mut out = packet_flows(&self.ct4);
+        out.extend(packet_flows(&self.ct6));
+        out
     }
 
     /// The packet programs' counters, summed over CPUs.
@@ -419,7 +482,7 @@ impl ServiceMaps {
             backends: self.backends4.keys().count() + self.backends6.keys().count(),
             sock_revnat: self.sock_revnat4.keys().count() + self.sock_revnat6.keys().count(),
             affinity: self.affinity.keys().count(),
-            conntrack: self.ct4.keys().count(),
+            conntrack: self.ct4.keys().count() + self.ct6.keys().count(),
         }
     }
 }
@@ -451,15 +514,47 @@ fn backend_addr(ip: IpAddr, port: u16, proto: u8, flags: u8) -> Option<BackendAd
     })
 }
 
+fn packet_flows<A: MapAddr>(ct: &HashMap<MapData, CtKey<A>, CtValue<A>>) -> Vec<PacketFlow>
+where
+    CtKey<A>: aya::Pod,
+    CtValue<A>: aya::Pod,
+{
+    forward_entries(ct)
+        .map(|(k, v)| PacketFlow {
+            client: socket_addr(k.saddr, k.sport),
+            frontend: socket_addr(k.daddr, k.dport),
+            backend: socket_addr(v.addr, v.port),
+            snat: (v.snat_addr != A::default()).then(|| socket_addr(v.snat_addr, v.snat_port)),
+            closing: v.flags & nat::ct_flags::CLOSING != 0,
+        })
+        .collect()
+}
+
+fn range_entries<A: MapAddr>(
+    trie: &LpmTrie<MapData, SourceRange<A>, u8>,
+) -> Vec<(u16, (IpAddr, u8))>
+where
+    SourceRange<A>: aya::Pod,
+{
+    trie.keys()
+        .filter_map(Result::ok)
+        .filter_map(|k| {
+            let len = k.prefix_len().checked_sub(nat::SOURCE_RANGE_PREFIX_BITS)?;
+            let d = k.data();
+            Some((d.rev_nat_index, (d.addr.ip(), len as u8)))
+        })
+        .collect()
+}
+
 /// Makes `map` hold exactly `want`: writes every entry, then deletes the others.
-fn replace_all(
-    map: &mut HashMap<MapData, u32, u32>,
-    want: std::collections::BTreeMap<u32, u32>,
+fn replace_all<K: aya::Pod + Ord, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    want: BTreeMap<K, V>,
 ) -> Result<(), MapError> {
     for (k, v) in &want {
         map.insert(k, v, 0)?;
     }
-    let stale: Vec<u32> = map
+    let stale: Vec<K> = map
         .keys()
         .filter_map(Result::ok)
         .filter(|k| !want.contains_key(k))

@@ -131,16 +131,20 @@ impl BpfDataplane {
                     .devices
                     .iter()
                     .find(|f| f.name == d.name)
-                    .and_then(|f| f.ipv4)
+                    .map_or((None, None), |f| (f.ipv4, f.ipv6))
             })
             .collect();
         let unchanged = fresh.node_port_addrs == current.node_port_addrs
-            && current.devices.iter().zip(&snat).all(|(d, a)| d.ipv4 == *a);
+            && current
+                .devices
+                .iter()
+                .zip(&snat)
+                .all(|(d, a)| (d.ipv4, d.ipv6) == *a);
         if unchanged {
             return;
         }
-        for (d, a) in current.devices.iter_mut().zip(snat) {
-            d.ipv4 = a;
+        for (d, (v4, v6)) in current.devices.iter_mut().zip(snat) {
+            (d.ipv4, d.ipv6) = (v4, v6);
         }
         current.node_port_addrs = fresh.node_port_addrs;
         match self

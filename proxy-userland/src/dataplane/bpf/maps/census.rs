@@ -45,6 +45,7 @@ pub struct LruCensus {
     sock_revnat6: Walk,
     affinity: Walk,
     ct4: Walk,
+    ct6: Walk,
 }
 
 /// One map's key walk, type-erased so the census holds maps of different key types.
@@ -90,6 +91,7 @@ impl ServiceMaps {
             sock_revnat6: Walk::new(&self.sock_revnat6)?,
             affinity: Walk::new(&self.affinity)?,
             ct4: Walk::new(&self.ct4)?,
+            ct6: Walk::new(&self.ct6)?,
         })
     }
 }
@@ -101,7 +103,7 @@ impl LruCensus {
         LruCounts {
             sock_revnat: (self.sock_revnat4.0)(stop) + (self.sock_revnat6.0)(stop),
             affinity: (self.affinity.0)(stop),
-            conntrack: (self.ct4.0)(stop),
+            conntrack: (self.ct4.0)(stop) + (self.ct6.0)(stop),
         }
     }
 
