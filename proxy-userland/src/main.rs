@@ -21,7 +21,25 @@ fn main() -> std::process::ExitCode {
     // `fastpath node-setup FLAGS...`: only the node set-up (conntrack sysctls, as the
     // DaemonSet's privileged init container runs it), with the daemon's flags and config.
     let setup_only = first.is_some_and(|a| a == "node-setup");
+    one_heap_arena();
     daemon_main(setup_only)
+}
+
+/// One malloc arena for the whole daemon, set before any thread starts. glibc gives each
+/// allocating thread an arena of its own; the source's threads decode objects, the engine
+/// converts and keeps them, and every arena keeps its own free pages: at 10,000 services
+/// that slack was 13 MB of a 79 MB RSS (VmHWM 79 -> 66 MiB with one arena). The daemon
+/// allocates at most a few hundred times per change, so one arena's lock costs nothing
+/// measurable (the daemon bench's latency is unchanged). A `MALLOC_ARENA_MAX` in the
+/// environment is left to rule.
+fn one_heap_arena() {
+    #[cfg(target_env = "gnu")]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt only sets a glibc tunable; called before any other thread exists.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
+        }
+    }
 }
 
 #[tokio::main]
