@@ -182,6 +182,14 @@ pub fn ready(ip: Ipv4Addr) -> Endpoint {
     }
 }
 
+/// [`ready`] at pod `i`'s IPv6 address ([`pod_ip6`]).
+pub fn ready6(i: u8) -> Endpoint {
+    Endpoint {
+        ip: IpAddr::V6(pod_ip6(i)),
+        ..ready(pod_ip(i))
+    }
+}
+
 /// A service `demo/<name>` on `cluster_ip` with http TCP 80->8080 and dns UDP 53->5353.
 pub fn web_service(name: &str, cluster_ip: Ipv4Addr) -> Service {
     Service::cluster_ip(

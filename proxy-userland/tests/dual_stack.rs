@@ -3,21 +3,12 @@
 
 mod common;
 
-use std::net::IpAddr;
-
 use common::*;
 use proxy_userland::{
     dataplane::{Dataplane, Scope, bpf::BpfDataplane},
-    model::{Endpoint, NodeInfo},
+    model::NodeInfo,
 };
 use xtask::testbed::Testbed;
-
-fn ready6(i: u8) -> Endpoint {
-    Endpoint {
-        ip: IpAddr::V6(pod_ip6(i)),
-        ..ready(pod_ip(i))
-    }
-}
 
 #[test]
 fn dual_stack_service_balances_each_family_to_its_own_pods() {

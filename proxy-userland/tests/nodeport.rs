@@ -7,7 +7,7 @@ mod nat_common;
 
 use std::{
     collections::BTreeSet,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     thread,
     time::Duration,
 };
@@ -195,6 +195,81 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
     );
     let attempts = tcp_from(&ext, &format!("198.18.0.5:{NODE_PORT}"), 5);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+}
+
+/// The outside client's IPv6 address, beside its IPv4 one (see `external_client`).
+const EXT6: &str = "2001:db8:2::1";
+
+/// A dual-stack Service's node ports answer on the node's IPv6 address as on its IPv4
+/// one, each family served by the pods' addresses of that family, without SNAT for local
+/// pods, and the replies come from the node port.
+#[test]
+fn dual_stack_node_port_reaches_local_pods_over_both_families() {
+    let (mut bed, _pods) = bed_with_dual_stack_pods("npdual", 2, &["--echo-peer"]);
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
+        .expect("external client namespace");
+    let mut dp = attach(&bed, &[&ext.node_veth]);
+    let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());
+    let eps = web_endpoints(
+        [ready(pod_ip(1)), ready(pod_ip(2)), ready6(1), ready6(2)]
+            .into_iter()
+            .map(|e| on("node-a", e))
+            .collect(),
+    );
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let node6 = format!("[{}]", bed.node_ipv6());
+    // The first IPv6 packets wait on neighbour discovery; count from a path that is up.
+    let v6_once = format!("{node6}:{NODE_PORT}");
+    assert!(
+        eventually(10, || tcp_from(&ext, &v6_once, 1)[0].is_ok()),
+        "the IPv6 node port never answered"
+    );
+    for (node_ip, client) in [
+        (bed.node_ipv4().to_string(), ext.ipv4.to_string()),
+        (node6, format!("[{EXT6}]")),
+    ] {
+        let target = format!("{node_ip}:{NODE_PORT}");
+        let attempts = tcp_from(&ext, &target, 20);
+        assert_served(&attempts, &target, 2);
+        assert!(
+            attempts.iter().all(|a| a
+                .seen_from()
+                .is_some_and(|s| s.starts_with(&format!("{client}:")))),
+            "the pods see the client itself: {attempts:?}"
+        );
+        let udp_target = format!("{node_ip}:{UDP_NODE_PORT}");
+        let udp = probe_from(
+            &ext.netns,
+            &[
+                "udp",
+                &udp_target,
+                "--count",
+                "10",
+                "--timeout-ms",
+                "1000",
+                "--fresh-socket",
+            ],
+        );
+        assert!(
+            udp.iter().all(|a| from(a) == Some(udp_target.as_str())),
+            "replies from the node port: {udp:?}"
+        );
+        assert_eq!(names(&udp).len(), 2, "{udp:?}");
+    }
+    let flows = dp.programmer().maps().packet_flows();
+    assert!(
+        flows
+            .iter()
+            .any(|f| f.backend.ip() == IpAddr::V6(pod_ip6(1)))
+            && flows
+                .iter()
+                .all(|f| f.client.ip().is_ipv4() == f.backend.ip().is_ipv4()),
+        "{flows:?}"
+    );
 }
 
 #[test]
@@ -484,25 +559,100 @@ fn pinned_node_port_flows_survive_a_restart_of_the_daemon() {
 /// (198.18.3.1) behind it that answers with the address it saw; A's end of the link is the
 /// returned device name.
 fn add_node_b(bed: &mut Testbed) -> String {
-    let b = bed.add_peer_node("b", NODE_B).expect("node B");
-    let pod = bed.add_pod_on(&b, "pod-b", POD_B).expect("pod on node B");
-    bed.serve(
-        probe(),
-        &pod,
-        &[
-            "--tcp",
-            "0.0.0.0:8080",
-            "--udp",
-            "0.0.0.0:5353",
-            "--echo-peer",
-        ],
-    )
-    .expect("pod-b serves");
+    add_node_b_for(bed, false)
+}
+
+/// As [`add_node_b`]; `dual`: node B and its pod also at [`NODE_B6`] and [`POD_B6`].
+fn add_node_b_for(bed: &mut Testbed, dual: bool) -> String {
+    let b = bed
+        .add_dual_stack_peer_node("b", NODE_B, dual.then_some(NODE_B6))
+        .expect("node B");
+    let pod = bed
+        .add_dual_stack_pod_on(&b, "pod-b", POD_B, dual.then_some(POD_B6))
+        .expect("pod on node B");
+    let mut args = vec![
+        "--tcp",
+        "0.0.0.0:8080",
+        "--udp",
+        "0.0.0.0:5353",
+        "--echo-peer",
+    ];
+    if dual {
+        args.extend(["--tcp", "[::]:8080", "--udp", "[::]:5353"]);
+    }
+    bed.serve(probe(), &pod, &args).expect("pod-b serves");
     b.bed_veth
 }
 
 const NODE_B: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
 const POD_B: Ipv4Addr = Ipv4Addr::new(198, 18, 3, 1);
+const NODE_B6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0xff, 0, 0, 0, 0, 2);
+const POD_B6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 3, 0, 0, 0, 0, 1);
+
+/// The IPv6 twin of the test above: a dual-stack Service whose only endpoint is on node B;
+/// the client reaches node A's IPv6 node port, pod-b sees node A's IPv6 address (SNAT), and
+/// its replies come back through A.
+#[test]
+fn ipv6_node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
+    let (mut bed, _pods) = bed_with_pods("nptwo6", 1);
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
+        .expect("external client namespace");
+    let link = add_node_b_for(&mut bed, true);
+    let mut dp = attach(&bed, &[&ext.node_veth, &link]);
+    let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());
+    let pod_b6 = Endpoint {
+        ip: IpAddr::V6(POD_B6),
+        ..ready(POD_B)
+    };
+    let eps = web_endpoints(vec![on("node-b", ready(POD_B)), on("node-b", pod_b6)]);
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    let node_a = format!("[{}]", bed.node_ipv6());
+    let target = format!("{node_a}:{NODE_PORT}");
+    // The first IPv6 packets wait on neighbour discovery; count from a path that is up.
+    assert!(
+        eventually(10, || tcp_from(&ext, &target, 1)[0].is_ok()),
+        "the IPv6 node port never answered"
+    );
+    let attempts = tcp_from(&ext, &target, 20);
+    assert!(
+        attempts.iter().all(|a| a.name() == Some("pod-b")
+            && peer(a) == Some(target.as_str())
+            && a.seen_from()
+                .is_some_and(|s| s.starts_with(&format!("{node_a}:")))),
+        "{attempts:?}"
+    );
+    let udp_target = format!("{node_a}:{UDP_NODE_PORT}");
+    let udp = probe_from(
+        &ext.netns,
+        &[
+            "udp",
+            &udp_target,
+            "--count",
+            "5",
+            "--timeout-ms",
+            "1000",
+            "--fresh-socket",
+        ],
+    );
+    for a in &udp {
+        assert_eq!(
+            (a.name(), from(a)),
+            (Some("pod-b"), Some(udp_target.as_str())),
+            "{a:?}"
+        );
+    }
+    let flows = dp.programmer().maps().packet_flows();
+    assert!(flows.len() >= 25, "{flows:?}");
+    assert!(
+        flows.iter().all(|f| f.backend.ip() == IpAddr::V6(POD_B6)
+            && f.snat.map(|s| s.ip()) == Some(bed.node_ipv6().into())),
+        "{flows:?}"
+    );
+}
 
 #[test]
 fn node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {

@@ -86,8 +86,9 @@ pub struct PeerNode {
     pub name: String,
     /// Its network namespace (a name under /run/netns).
     pub netns: String,
-    /// Its address on its `eth0`; pods on it route the test ranges to it.
+    /// Its addresses on its `eth0`; pods on it route the test ranges to them.
     pub ipv4: Ipv4Addr,
+    pub ipv6: Option<Ipv6Addr>,
     /// The veth end in the bed's node namespace (`fpnK`; the peer's end is `eth0`).
     pub bed_veth: String,
 }
@@ -234,10 +235,24 @@ impl Testbed {
     /// so replies to anything in the bed return the way they came. Pods go on it with
     /// [`Testbed::add_pod_on`].
     pub fn add_peer_node(&mut self, name: &str, ipv4: Ipv4Addr) -> Result<PeerNode> {
+        self.add_dual_stack_peer_node(name, ipv4, None)
+    }
+
+    /// As [`Testbed::add_peer_node`], also at `ipv6` (in 2001:db8::/32) when given, routing
+    /// that test range back through the bed's node too.
+    pub fn add_dual_stack_peer_node(
+        &mut self,
+        name: &str,
+        ipv4: Ipv4Addr,
+        ipv6: Option<Ipv6Addr>,
+    ) -> Result<PeerNode> {
         check_name("peer node", name)?;
         check_test_ipv4(ipv4)?;
-        if ipv4 == NODE_IPV4 {
-            bail!("peer node {name}: {NODE_IPV4} belongs to the bed's node namespace");
+        if let Some(v6) = ipv6 {
+            check_test_ipv6(v6)?;
+        }
+        if ipv4 == NODE_IPV4 || ipv6 == Some(NODE_IPV6) {
+            bail!("peer node {name}: that address belongs to the bed's node namespace");
         }
         if let Some(other) = self
             .peers
@@ -256,17 +271,16 @@ impl Testbed {
             name: name.to_string(),
             netns: format!("{}-n-{name}", self.id),
             ipv4,
+            ipv6,
             bed_veth: format!("fpn{}", self.peers.len()),
         };
         self.add_netns(&node.netns)?;
         netns::sysctl(&node.netns, "net/ipv4/ip_forward", "1")?;
-        wire_veth(
-            &self.node_netns,
-            &node.bed_veth,
-            &node.netns,
-            &[(IpAddr::V4(NODE_IPV4), IpAddr::V4(ipv4))],
-        )
-        .with_context(|| format!("wiring peer node {name}"))?;
+        netns::sysctl(&node.netns, "net/ipv6/conf/all/forwarding", "1")?;
+        let mut pairs = vec![(IpAddr::V4(NODE_IPV4), IpAddr::V4(ipv4))];
+        pairs.extend(ipv6.map(|v6| (IpAddr::V6(NODE_IPV6), IpAddr::V6(v6))));
+        wire_veth(&self.node_netns, &node.bed_veth, &node.netns, &pairs)
+            .with_context(|| format!("wiring peer node {name}"))?;
         self.peers.push(Peer {
             node: node.clone(),
             veths: 0,
@@ -274,39 +288,63 @@ impl Testbed {
         Ok(node)
     }
 
-    /// Adds a pod (IPv4 only) on peer node `node`: like [`Testbed::add_pod`], but its veth
+    /// Adds a pod (IPv4 only; see [`Testbed::add_dual_stack_pod_on`]) on peer node `node`: like [`Testbed::add_pod`], but its veth
     /// pair joins it to the peer's namespace (the returned pod's `node_veth` names the end
     /// there), and the bed's node namespace routes `ipv4` via the peer. Pod names and
     /// addresses are unique across all nodes; [`Testbed::serve`] works on it as on any pod.
     pub fn add_pod_on(&mut self, node: &PeerNode, name: &str, ipv4: Ipv4Addr) -> Result<Pod> {
+        self.add_dual_stack_pod_on(node, name, ipv4, None)
+    }
+
+    /// As [`Testbed::add_pod_on`], also at `ipv6` when given (the peer node must have an
+    /// IPv6 address: see [`Testbed::add_dual_stack_peer_node`]).
+    pub fn add_dual_stack_pod_on(
+        &mut self,
+        node: &PeerNode,
+        name: &str,
+        ipv4: Ipv4Addr,
+        ipv6: Option<Ipv6Addr>,
+    ) -> Result<Pod> {
         let index = self
             .peers
             .iter()
             .position(|p| p.node.netns == node.netns)
             .ok_or_else(|| anyhow!("{} is not a peer node of this test bed", node.name))?;
-        self.check_new_pod(name, ipv4, None)?;
+        self.check_new_pod(name, ipv4, ipv6)?;
+        let node = self.peers[index].node.clone();
+        let v6 = match (ipv6, node.ipv6) {
+            (Some(pod), Some(peer)) => Some((pod, peer)),
+            (None, _) => None,
+            (Some(_), None) => bail!("pod {name}: peer node {} has no IPv6 address", node.name),
+        };
         let pod = Pod {
             name: name.to_string(),
             netns: format!("{}-p-{name}", self.id),
             ipv4,
-            ipv6: None,
+            ipv6,
             node_veth: format!("fpv{}", self.peers[index].veths),
         };
         self.peers[index].veths += 1;
-        let node = self.peers[index].node.clone();
         self.add_netns(&pod.netns)?;
-        let route = format!(
+        let mut pairs = vec![(IpAddr::V4(node.ipv4), IpAddr::V4(ipv4))];
+        let mut routes = vec![format!(
             "-n {} route add {ipv4}/32 via {} dev {}",
             self.node_netns, node.ipv4, node.bed_veth
-        );
-        wire_veth(
-            &node.netns,
-            &pod.node_veth,
-            &pod.netns,
-            &[(IpAddr::V4(node.ipv4), IpAddr::V4(ipv4))],
-        )
-        .and_then(|()| ip(route.split_whitespace()).map(drop))
-        .with_context(|| format!("wiring pod {name} on peer node {}", node.name))?;
+        )];
+        if let Some((pod_v6, peer_v6)) = v6 {
+            pairs.push((IpAddr::V6(peer_v6), IpAddr::V6(pod_v6)));
+            routes.push(format!(
+                "-n {} -6 route add {pod_v6}/128 via {peer_v6} dev {}",
+                self.node_netns, node.bed_veth
+            ));
+        }
+        wire_veth(&node.netns, &pod.node_veth, &pod.netns, &pairs)
+            .and_then(|()| {
+                routes
+                    .iter()
+                    .try_for_each(|r| ip(r.split_whitespace()).map(drop))
+            })
+            .with_context(|| format!("wiring pod {name} on peer node {}", node.name))?;
         self.pods.push(pod.clone());
         Ok(pod)
     }

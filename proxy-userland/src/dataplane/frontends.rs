@@ -181,10 +181,10 @@ fn backend_addrs(
 }
 
 /// Socket-scope frontends for the service's external and load-balancer IPs, and for its
-/// node ports on this node's addresses (stored under address 0; IPv4): connections from this
-/// node to them go straight to the Cluster endpoints, as kube-proxy short-circuits them
-/// (whatever externalTrafficPolicy says), instead of leaving the node for a load balancer
-/// that sends them back.
+/// node ports on this node's addresses (stored under the unspecified address of each of
+/// its families): connections from this node to them go straight to the Cluster
+/// endpoints, as kube-proxy short-circuits them (whatever externalTrafficPolicy says),
+/// instead of leaving the node for a load balancer that sends them back.
 pub fn desired_external_socket_frontends(
     svc: &Service,
     endpoints: Option<&EndpointSet>,
@@ -202,8 +202,9 @@ pub fn desired_external_socket_frontends(
             ..Default::default()
         };
         if let Some(np) = pe.port.node_port {
-            let any = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-            out.insert(Frontend::socket(any, np, pe.port.protocol), cluster(true));
+            for v4 in families(svc) {
+                out.insert(Frontend::socket(any(v4), np, pe.port.protocol), cluster(v4));
+            }
         }
         for &ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
             out.insert(
@@ -218,20 +219,60 @@ pub fn desired_external_socket_frontends(
 /// The frontends the packet path (tc programs on the node's devices) needs for traffic from
 /// other hosts: per port, the node port on every node address, and the port on each
 /// external IP and load-balancer IP, with the endpoints `externalTrafficPolicy` allows
-/// here. IPv4 only: the packet programs do not translate IPv6 yet.
+/// here. Each of the service's families (see [`families`]) on its own, as kube-proxy's
+/// per-family proxiers see it.
 pub fn desired_packet_frontends(
     svc: &Service,
     endpoints: Option<&EndpointSet>,
     node: &NodeInfo,
 ) -> BTreeMap<Frontend, DesiredFrontend> {
     let mut out = BTreeMap::new();
-    let v4 = |ips: &[IpAddr]| {
+    for v4 in families(svc) {
+        out.extend(packet_frontends_of(svc, endpoints, node, v4));
+    }
+    out
+}
+
+/// The families a service's node ports serve: those of its ClusterIPs (IPv4 when it has
+/// none), as kube-proxy's proxier of a family skips services without an address of it.
+fn families(svc: &Service) -> Vec<bool> {
+    let mut out: Vec<bool> = [true, false]
+        .into_iter()
+        .filter(|&v4| svc.cluster_ips.iter().any(|ip| ip.is_ipv4() == v4))
+        .collect();
+    if out.is_empty() {
+        out.push(true);
+    }
+    out
+}
+
+/// Where node ports are stored: the family's unspecified address.
+fn any(v4: bool) -> IpAddr {
+    if v4 {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    }
+}
+
+/// [`desired_packet_frontends`] of one family (`v4`: IPv4, else IPv6).
+fn packet_frontends_of(
+    svc: &Service,
+    endpoints: Option<&EndpointSet>,
+    node: &NodeInfo,
+    v4: bool,
+) -> BTreeMap<Frontend, DesiredFrontend> {
+    let mut out = BTreeMap::new();
+    let of_family = |ips: &[IpAddr]| {
         ips.iter()
             .copied()
-            .filter(IpAddr::is_ipv4)
+            .filter(|ip| ip.is_ipv4() == v4)
             .collect::<Vec<_>>()
     };
-    let (external_ips, lb_ips) = (v4(&svc.external_ips), v4(&svc.load_balancer_ips));
+    let (external_ips, lb_ips) = (
+        of_family(&svc.external_ips),
+        of_family(&svc.load_balancer_ips),
+    );
     if svc.ports.iter().all(|p| p.node_port.is_none())
         && external_ips.is_empty()
         && lb_ips.is_empty()
@@ -242,22 +283,21 @@ pub fn desired_packet_frontends(
         .load_balancer_source_ranges
         .iter()
         .copied()
-        .filter(|(ip, _)| ip.is_ipv4())
+        .filter(|(ip, _)| ip.is_ipv4() == v4)
         .collect();
     // Sorted as the maps give them back, so an adopted frontend compares equal.
     ranges.sort();
     ranges.dedup();
-    for pe in port_endpoints(svc, endpoints, node, Some(true)) {
+    for pe in port_endpoints(svc, endpoints, node, Some(v4)) {
         let port = pe.port;
         let want = |source_ranges: &[(IpAddr, u8)]| DesiredFrontend {
-            backends: backend_addrs(pe.categorized.external(svc), true, port, node),
+            backends: backend_addrs(pe.categorized.external(svc), v4, port, node),
             affinity_timeout: svc.affinity_timeout,
             snat: !svc.external_policy_local,
             source_ranges: source_ranges.to_vec(),
         };
         if let Some(np) = port.node_port {
-            let any = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-            out.insert(Frontend::packet(any, np, port.protocol), want(&[]));
+            out.insert(Frontend::packet(any(v4), np, port.protocol), want(&[]));
         }
         for &ip in &external_ips {
             out.insert(Frontend::packet(ip, port.port, port.protocol), want(&[]));

@@ -331,8 +331,10 @@ pub fn explain(
     } else {
         FrontendScope::Socket
     };
-    let fe_ip = if kind == "NodePort" {
+    let fe_ip = if kind == "NodePort" && v4 {
         IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+    } else if kind == "NodePort" {
+        IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
     } else {
         dst.ip()
     };
@@ -374,13 +376,6 @@ pub fn explain(
         ex.detail.push_str(
             "in eBPF mode a ClusterIP is translated at the client's socket, by the proxy on the \
              client's own node; a packet to it from another host is not touched here",
-        );
-        return ex;
-    }
-    if mode == "ebpf" && scope == FrontendScope::Packet && !v4 {
-        ex.verdict = "not-translated-here";
-        ex.detail.push_str(
-            "the eBPF packet path translates IPv4 only; IPv6 node traffic needs the iptables mode",
         );
         return ex;
     }
