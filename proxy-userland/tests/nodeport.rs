@@ -317,64 +317,108 @@ fn local_policy_uses_only_this_nodes_endpoints_and_drops_without_one() {
 
 #[test]
 fn external_and_load_balancer_ips_serve_and_source_ranges_keep_others_out() {
-    let (mut bed, _pods) = bed_with_pods("npextlb", 2);
-    let ext = external_client(&mut bed);
+    external_and_lb_ips_serve("npextlb", false);
+}
+
+/// The same with the Service dual-stack and its external and load-balancer IPs IPv6.
+#[test]
+fn ipv6_external_and_load_balancer_ips_serve_and_source_ranges_keep_others_out() {
+    external_and_lb_ips_serve("npextlb6", true);
+}
+
+/// An external IP serves every client; a load-balancer IP only those in its
+/// loadBalancerSourceRanges. `v6`: the addresses (clients' included) are IPv6.
+fn external_and_lb_ips_serve(tag: &str, v6: bool) {
+    let (mut bed, _pods) = bed_with_dual_stack_pods(tag, 2, &[]);
+    let ip = |v4: &str, v6_ip: &str| -> IpAddr { if v6 { v6_ip } else { v4 }.parse().unwrap() };
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
+        .expect("external client namespace");
     // A second outside client, in a range the load balancer does not allow.
     let stranger = bed
-        .add_pod("stranger", Ipv4Addr::new(198, 18, 4, 1), None)
+        .add_pod(
+            "stranger",
+            Ipv4Addr::new(198, 18, 4, 1),
+            "2001:db8:4::1".parse().ok(),
+        )
         .expect("client");
     let mut dp = attach(&bed, &[&ext.node_veth, &stranger.node_veth]);
     let mut svc = web_service("web", WEB_IP);
-    svc.external_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 1))];
-    svc.load_balancer_ips = vec![IpAddr::V4(Ipv4Addr::new(198, 19, 1, 2))];
-    svc.load_balancer_source_ranges = vec![(IpAddr::V4(Ipv4Addr::new(198, 18, 2, 0)), 24)];
-    let report = dp.sync(
-        &state_of(vec![(svc, Some(local_pods()))]),
-        &node(),
-        Scope::Full,
-    );
+    svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());
+    svc.external_ips = vec![ip("198.19.1.1", "2001:db8:ff01::1")];
+    svc.load_balancer_ips = vec![ip("198.19.1.2", "2001:db8:ff01::2")];
+    let (range, len) = if v6 {
+        ("2001:db8:2::", 48)
+    } else {
+        ("198.18.2.0", 24)
+    };
+    svc.load_balancer_source_ranges = vec![(range.parse().unwrap(), len)];
+    let eps = [ready(pod_ip(1)), ready(pod_ip(2)), ready6(1), ready6(2)];
+    let eps = web_endpoints(eps.into_iter().map(|e| on("node-a", e)).collect());
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");
 
+    let external = SocketAddr::new(ip("198.19.1.1", "2001:db8:ff01::1"), 80).to_string();
+    let lb = SocketAddr::new(ip("198.19.1.2", "2001:db8:ff01::2"), 80).to_string();
     for client in [&ext, &stranger] {
-        let attempts = tcp_from(client, "198.19.1.1:80", 10);
+        // The first IPv6 packets wait on neighbour discovery; count from a path that is up.
+        assert!(
+            !v6 || eventually(10, || tcp_from(client, &external, 1)[0].is_ok()),
+            "the IPv6 external IP never answered"
+        );
+        let attempts = tcp_from(client, &external, 10);
         assert!(
             attempts.iter().all(|a| a.is_ok()),
             "external IP serves everyone: {attempts:?}"
         );
         assert!(
-            attempts.iter().all(|a| peer(a) == Some("198.19.1.1:80")),
+            attempts.iter().all(|a| peer(a) == Some(external.as_str())),
             "{attempts:?}"
         );
     }
-    let attempts = tcp_from(&ext, "198.19.1.2:80", 20);
+    let attempts = tcp_from(&ext, &lb, 20);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
     assert_eq!(names(&attempts).len(), 2, "{attempts:?}");
 
-    let attempts = tcp_from(&stranger, "198.19.1.2:80", 2);
+    let before = dp.programmer().maps().packet_stats().dropped_source_range;
+    let attempts = tcp_from(&stranger, &lb, 2);
     assert!(
         attempts.iter().all(|a| !a.is_ok()),
         "outside loadBalancerSourceRanges: {attempts:?}"
     );
-    assert!(dp.programmer().maps().packet_stats().dropped_source_range > 0);
+    assert!(dp.programmer().maps().packet_stats().dropped_source_range > before);
 }
 
 #[test]
 fn client_ip_affinity_holds_for_traffic_from_outside() {
-    let (mut bed, _pods) = bed_with_pods("npaff", 3);
-    let ext = external_client(&mut bed);
+    let (mut bed, _pods) = bed_with_dual_stack_pods("npaff", 3, &[]);
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
+        .expect("external client namespace");
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());
     svc.affinity_timeout = Some(600);
-    let eps = web_endpoints((1..=3).map(|i| on("node-a", ready(pod_ip(i)))).collect());
+    let eps = (1..=3).flat_map(|i| [ready(pod_ip(i)), ready6(i)]);
+    let eps = web_endpoints(eps.map(|e| on("node-a", e)).collect());
     dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
 
-    let attempts = tcp_from(&ext, &node_addr(&bed, NODE_PORT), 20);
-    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
-    assert_eq!(
-        names(&attempts).len(),
-        1,
-        "one client, one backend: {attempts:?}"
-    );
+    // Each family on its own: the IPv6 client (its address folded into the key) too.
+    for node_ip in [IpAddr::V4(bed.node_ipv4()), IpAddr::V6(bed.node_ipv6())] {
+        let target = SocketAddr::new(node_ip, NODE_PORT).to_string();
+        // The first IPv6 packets wait on neighbour discovery; count from a path that is up.
+        assert!(
+            eventually(10, || tcp_from(&ext, &target, 1)[0].is_ok()),
+            "{target} never answered"
+        );
+        let attempts = tcp_from(&ext, &target, 20);
+        assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+        assert_eq!(
+            names(&attempts).len(),
+            1,
+            "one client, one backend: {attempts:?}"
+        );
+    }
 }
 
 #[test]
