@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeSet,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -226,7 +226,10 @@ pub fn web_endpoints(endpoints: Vec<Endpoint>) -> EndpointSet {
         },
     ];
     EndpointSet {
-        slices: BTreeMap::from([("slice-a".to_string(), SliceInfo { ports, endpoints })]),
+        slices: proxy_userland::model::Slices::from([(
+            "slice-a".to_string(),
+            SliceInfo { ports, endpoints },
+        )]),
     }
 }
 

@@ -283,7 +283,7 @@ mod tests {
             },
         ];
         let set = EndpointSet {
-            slices: BTreeMap::from([("s".into(), SliceInfo { ports, endpoints })]),
+            slices: crate::model::Slices::from([("s".into(), SliceInfo { ports, endpoints })]),
         };
         let mut st = ProxyState::default();
         for svc in services {

@@ -1,8 +1,8 @@
 //! Endpoints, normalized from discovery.k8s.io/v1 EndpointSlice.
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::net::IpAddr;
 
-use super::service::Protocol;
+use super::{service::Protocol, slices::Slices};
 
 /// A port as an EndpointSlice lists it: every endpoint of that slice serves it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -38,7 +38,7 @@ pub struct SliceInfo {
 /// several slices, and an address may appear in more than one.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EndpointSet {
-    pub slices: BTreeMap<String, SliceInfo>,
+    pub slices: Slices,
 }
 
 /// An endpoint resolved for one service port: where to send, plus the conditions that

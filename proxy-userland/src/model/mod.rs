@@ -9,6 +9,7 @@ pub mod convert;
 pub mod endpoint;
 pub mod select;
 pub mod service;
+pub mod slices;
 pub mod tracker;
 pub mod validate;
 
@@ -18,6 +19,7 @@ use imbl::OrdMap;
 
 pub use endpoint::{Endpoint, EndpointSet, SliceInfo, SlicePort};
 pub use service::{Protocol, Service, ServiceKey, ServicePort};
+pub use slices::Slices;
 
 /// What this node must program: every service that is ours, and the endpoints of each.
 ///

@@ -702,7 +702,6 @@ impl Programmer {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
 
     use super::*;
     use crate::model::{Endpoint, ServicePort, SliceInfo, SlicePort};
@@ -762,7 +761,7 @@ mod tests {
             },
         ];
         EndpointSet {
-            slices: BTreeMap::from([("s".into(), SliceInfo { ports, endpoints })]),
+            slices: crate::model::Slices::from([("s".into(), SliceInfo { ports, endpoints })]),
         }
     }
 

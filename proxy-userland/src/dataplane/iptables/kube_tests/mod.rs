@@ -22,7 +22,7 @@ mod proxier_test;
 mod sync_test;
 mod tracer;
 
-use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
+use std::{net::IpAddr, sync::Arc};
 
 use super::render::{Family, RenderConfig, render};
 use crate::model::{
@@ -141,7 +141,10 @@ pub fn slice(endpoints: Vec<Endpoint>, ports: &[(&str, u16, Protocol)]) -> Endpo
         })
         .collect();
     EndpointSet {
-        slices: BTreeMap::from([("slice-1".to_string(), SliceInfo { ports, endpoints })]),
+        slices: crate::model::Slices::from([(
+            "slice-1".to_string(),
+            SliceInfo { ports, endpoints },
+        )]),
     }
 }
 

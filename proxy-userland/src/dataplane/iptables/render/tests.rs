@@ -1,6 +1,6 @@
 //! The renderer's unit tests: rules checked as text.
 
-use std::{collections::BTreeMap, sync::Arc};
+use std::sync::Arc;
 
 use super::*;
 use crate::model::{
@@ -39,7 +39,7 @@ fn eps(list: Vec<Endpoint>) -> EndpointSet {
         protocol: Protocol::Tcp,
     }];
     EndpointSet {
-        slices: BTreeMap::from([(
+        slices: crate::model::Slices::from([(
             "s".into(),
             SliceInfo {
                 ports,

@@ -1,0 +1,143 @@
+//! [`Slices`]: the slices of one service by name, as a sorted vector.
+//!
+//! Almost every service has one slice (a slice holds up to 100 endpoints), and a
+//! `BTreeMap` allocates a node for eleven entries even for one: ~800 bytes per service, 8 MB
+//! of the model at 10,000 services. A sorted vector holds what is there and keeps the map's
+//! order and lookups (binary search over a handful of names).
+
+use std::{collections::BTreeMap, ops::Index};
+
+use super::endpoint::SliceInfo;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slices(Vec<(String, SliceInfo)>);
+
+impl Slices {
+    fn find(&self, name: &str) -> Result<usize, usize> {
+        self.0.binary_search_by(|(n, _)| n.as_str().cmp(name))
+    }
+
+    /// Sets slice `name`; returns the slice it replaced.
+    pub fn insert(&mut self, name: String, slice: SliceInfo) -> Option<SliceInfo> {
+        match self.find(&name) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, slice)),
+            Err(i) => {
+                self.0.insert(i, (name, slice));
+                None
+            }
+        }
+    }
+
+    pub fn remove(&mut self, name: &str) -> Option<SliceInfo> {
+        self.find(name).ok().map(|i| self.0.remove(i).1)
+    }
+
+    pub fn get(&self, name: &str) -> Option<&SliceInfo> {
+        self.find(name).ok().map(|i| &self.0[i].1)
+    }
+
+    pub fn contains_key(&self, name: &str) -> bool {
+        self.find(name).is_ok()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Slice names, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &String> {
+        self.0.iter().map(|(n, _)| n)
+    }
+
+    /// Slices, in the order of their names.
+    pub fn values(&self) -> impl Iterator<Item = &SliceInfo> {
+        self.0.iter().map(|(_, s)| s)
+    }
+
+    /// (name, slice), in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &SliceInfo)> {
+        self.0.iter().map(|(n, s)| (n, s))
+    }
+}
+
+impl FromIterator<(String, SliceInfo)> for Slices {
+    /// A name given twice keeps its last slice, as collecting into a map would.
+    fn from_iter<I: IntoIterator<Item = (String, SliceInfo)>>(iter: I) -> Self {
+        let mut slices = Slices::default();
+        for (name, slice) in iter {
+            slices.insert(name, slice);
+        }
+        slices.0.shrink_to_fit();
+        slices
+    }
+}
+
+impl<const N: usize> From<[(String, SliceInfo); N]> for Slices {
+    fn from(slices: [(String, SliceInfo); N]) -> Self {
+        slices.into_iter().collect()
+    }
+}
+
+impl Index<&str> for Slices {
+    type Output = SliceInfo;
+
+    fn index(&self, name: &str) -> &SliceInfo {
+        self.get(name)
+            .unwrap_or_else(|| panic!("no slice named {name:?}"))
+    }
+}
+
+/// As a map of name to slice (what /debug/model has always shown).
+impl serde::Serialize for Slices {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.iter())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Slices {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        BTreeMap::<String, SliceInfo>::deserialize(d).map(|m| m.into_iter().collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slice(n: u16) -> SliceInfo {
+        SliceInfo {
+            ports: vec![super::super::SlicePort {
+                name: String::new(),
+                port: n,
+                protocol: super::super::Protocol::Tcp,
+            }],
+            endpoints: vec![],
+        }
+    }
+
+    #[test]
+    fn behaves_as_a_sorted_map() {
+        let mut s = Slices::default();
+        assert_eq!(s.insert("b".into(), slice(2)), None);
+        assert_eq!(s.insert("a".into(), slice(1)), None);
+        assert_eq!(s.insert("c".into(), slice(3)), None);
+        assert_eq!(s.insert("b".into(), slice(20)), Some(slice(2)));
+        assert_eq!(s.keys().cloned().collect::<Vec<_>>(), ["a", "b", "c"]);
+        assert_eq!(s["b"], slice(20));
+        assert!(s.contains_key("c") && !s.contains_key("d"));
+        assert_eq!(s.remove("a"), Some(slice(1)));
+        assert_eq!(s.remove("a"), None);
+        assert_eq!(s.len(), 2);
+        let json = serde_json::to_string(&s).unwrap();
+        let back: Slices = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
+        let from_pairs: Slices = [("c".to_string(), slice(3)), ("b".to_string(), slice(20))]
+            .into_iter()
+            .collect();
+        assert_eq!(from_pairs, s);
+    }
+}
