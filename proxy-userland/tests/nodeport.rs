@@ -803,19 +803,29 @@ fn with_xdp_a_pod_on_another_node_is_still_reached_through_tc() {
 
 #[test]
 fn the_node_itself_reaches_its_node_ports_on_cluster_endpoints() {
-    let (mut bed, _pods) = bed_with_pods("npself", 2);
+    let (mut bed, _pods) = bed_with_dual_stack_pods("npself", 2, &[]);
     let ext = external_client(&mut bed);
     let mut dp = attach(&bed, &[&ext.node_veth]);
     // Local policy, and pod-2 runs elsewhere: from the node itself every endpoint serves, as
-    // with kube-proxy.
+    // with kube-proxy. Dual-stack: the node's IPv6 address too.
     let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());
     svc.external_policy_local = true;
     let eps = web_endpoints(vec![
         on("node-a", ready(pod_ip(1))),
         on("node-b", ready(pod_ip(2))),
+        on("node-a", ready6(1)),
+        on("node-b", ready6(2)),
     ]);
     dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
 
-    let target = node_addr(&bed, NODE_PORT);
-    assert_served(&tcp(&bed, &target, 30), &target, 2);
+    for node_ip in [IpAddr::V4(bed.node_ipv4()), IpAddr::V6(bed.node_ipv6())] {
+        let target = SocketAddr::new(node_ip, NODE_PORT).to_string();
+        // The first IPv6 packets wait on neighbour discovery; count from a path that is up.
+        assert!(
+            eventually(10, || tcp(&bed, &target, 1)[0].is_ok()),
+            "{target} never answered"
+        );
+        assert_served(&tcp(&bed, &target, 30), &target, 2);
+    }
 }
