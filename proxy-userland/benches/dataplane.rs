@@ -6,8 +6,10 @@
 //! (median and p99; at most 200, and no more than a minute of them), and the growth of this
 //! process's resident memory. Data path: new TCP connections (connect, one reply line,
 //! close with a reset) from a client namespace to a ClusterIP through eBPF and through the
-//! iptables mode, against the same pod dialled directly, with 1 service and at every size.
-//! The three paths take turns in every round (in a rotating order), and only one dataplane
+//! iptables mode, against the same pod dialled directly, with 1 service and at every size;
+//! and from a pod outside the socket hooks' cgroup, the ClusterIP translated per packet on
+//! the pod's device (the pod path) against that pod dialling the pod IP.
+//! The paths take turns in every round (in a rotating order), and only one dataplane
 //! is installed at a time, so noise and drift hit all alike; the table has the median of
 //! the rounds and their spread, and eBPF against direct round by round. Every run checks
 //! its own conditions (support/conditions.rs: failed connections, ports held in the client
@@ -33,12 +35,12 @@ use anyhow::{Context as _, Result};
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::BpfDataplane,
+        bpf::{AttachOptions, BpfDataplane, PodPathConfig},
         iptables::{Family, IptablesConfig, IptablesDataplane, apply::Backend},
     },
     model::{NodeInfo, ProxyState, ServiceKey},
 };
-use xtask::testbed::Testbed;
+use xtask::testbed::{Pod, Testbed};
 
 const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
 const UPDATES: usize = 200;
@@ -206,8 +208,23 @@ impl DataRow {
 /// `count` connections, one probe process, timed per attempt by the probe itself; the rate
 /// is over the attempts' own time, so the probe's start-up does not count.
 fn connections(bed: &Testbed, target: &str, count: usize) -> Result<Attempts> {
-    let out = bed
-        .client(Path::new(PROBE))
+    connections_with(bed.client(Path::new(PROBE)), target, count)
+}
+
+/// As [`connections`], from a pod's namespace: outside the cgroup the socket hooks are
+/// attached to, so only the pod path (tc on the pod's device) can translate.
+fn connections_from_pod(pod: &Pod, target: &str, count: usize) -> Result<Attempts> {
+    let mut probe = std::process::Command::new(PROBE);
+    probe.arg("--netns").arg(&pod.netns);
+    connections_with(probe, target, count)
+}
+
+fn connections_with(
+    mut probe: std::process::Command,
+    target: &str,
+    count: usize,
+) -> Result<Attempts> {
+    let out = probe
         // --reset: each connection closes with a RST, so none lingers in TIME_WAIT holding
         // an ephemeral port (thousands per run to one destination would exhaust them).
         .args([
@@ -251,6 +268,8 @@ fn iptables(bed: &Testbed, backend: Backend) -> Result<IptablesDataplane> {
 const DIRECT: &str = "direct to pod IP";
 const EBPF: &str = "ClusterIP via eBPF";
 const IPTABLES: &str = "ClusterIP via iptables";
+const POD_DIRECT: &str = "from a pod: direct to pod IP";
+const POD_PATH: &str = "from a pod: ClusterIP via pod path (tc)";
 
 /// The paths the data-path table compares. To add one (a per-packet ClusterIP translation,
 /// say), add a variant here, its label in `label`, and how one run is made in
@@ -260,16 +279,30 @@ enum PathKind {
     Direct,
     Ebpf,
     Iptables,
+    /// From a pod outside the socket hooks' cgroup, straight to the pod IP: the pod path's
+    /// baseline, one veth hop longer than the node's own sockets take.
+    PodDirect,
+    /// The same pod to the ClusterIP, translated per packet on its device
+    /// (`--pod-interface-name-prefix`).
+    PodPath,
 }
 
 impl PathKind {
-    const ALL: [PathKind; 3] = [PathKind::Direct, PathKind::Ebpf, PathKind::Iptables];
+    const ALL: [PathKind; 5] = [
+        PathKind::Direct,
+        PathKind::Ebpf,
+        PathKind::Iptables,
+        PathKind::PodDirect,
+        PathKind::PodPath,
+    ];
 
     fn label(self) -> &'static str {
         match self {
             PathKind::Direct => DIRECT,
             PathKind::Ebpf => EBPF,
             PathKind::Iptables => IPTABLES,
+            PathKind::PodDirect => POD_DIRECT,
+            PathKind::PodPath => POD_PATH,
         }
     }
 }
@@ -286,13 +319,24 @@ impl PathKind {
 /// run's conditions are checked (support/conditions.rs) and a row with a bad run is FAILED.
 fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>> {
     let max_load = conditions::max_load();
-    let (bed, _pods) = common::bed_with_pods("bench", 1);
+    let (mut bed, _pods) = common::bed_with_pods("bench", 1);
+    let client_pod = bed.add_pod("client", common::pod_ip(9), None)?;
+    let pod_path = AttachOptions {
+        pods: Some(PodPathConfig {
+            netns: Some(bed.node_netns().to_string()),
+            // The bed's pods' host-side devices are fpv0, fpv1, ...
+            prefixes: vec!["fpv".into()],
+            host_namespace_only: false,
+        }),
+        ..AttachOptions::default()
+    };
     let (ipt_bed, _ipt_pods) = common::bed_with_pods("benchipt", 1);
     // iptables translates after routing: the node needs a route for service addresses.
     nat_common::route_services(&ipt_bed);
     // Warm up (page cache, neighbour entries) so the first round is not penalised.
     connections(&bed, POD, conns.min(200))?;
     connections(&ipt_bed, POD, conns.min(200))?;
+    connections_from_pod(&client_pod, POD, conns.min(200))?;
     let node = NodeInfo::default();
     let mut rows = Vec::new();
     for &n in sizes {
@@ -332,6 +376,29 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                     PathKind::Iptables => {
                         let watch = Watch::start(&[ipt_bed.node_netns()]);
                         (connections(&ipt_bed, CLUSTER_IP, conns)?, watch)
+                    }
+                    PathKind::PodDirect => {
+                        let watch = Watch::start(&[&client_pod.netns]);
+                        (connections_from_pod(&client_pod, POD, conns)?, watch)
+                    }
+                    PathKind::PodPath => {
+                        let mut dp = BpfDataplane::attach_with(bed.cgroup_path(), &pod_path)?;
+                        let report = dp.sync(&state, &node, Scope::Full);
+                        anyhow::ensure!(
+                            report.failed.is_empty(),
+                            "eBPF sync failed: {:?}",
+                            report.failed.first()
+                        );
+                        let watch = Watch::start(&[&client_pod.netns]);
+                        let attempts = connections_from_pod(&client_pod, CLUSTER_IP, conns)?;
+                        // Every connection must have been translated on the pod's device,
+                        // or the row measures something else.
+                        let flows = dp.programmer().maps().packet_stats().new_flows;
+                        anyhow::ensure!(
+                            flows >= (conns - attempts.failures) as u64,
+                            "the pod path translated {flows} of {conns} connections"
+                        );
+                        (attempts, watch)
                     }
                 };
                 let c = watch.finish(attempts.failures);
@@ -490,11 +557,18 @@ fn control_table(out: &mut String, control: &[ControlRow]) {
     }
 }
 
-/// `row`'s rate over direct's, round by round (the runs of a round are neighbours in time).
+/// The direct path a row is compared with: the same client dialling the pod IP.
+fn baseline(path: &str) -> &'static str {
+    if path == POD_PATH { POD_DIRECT } else { DIRECT }
+}
+
+/// `row`'s rate over its direct baseline's, round by round (the runs of a round are
+/// neighbours in time).
 fn ratios(row: &DataRow, data: &[DataRow]) -> Vec<f64> {
+    let base = baseline(row.path);
     let Some(direct) = data
         .iter()
-        .find(|d| d.services == row.services && d.path == DIRECT)
+        .find(|d| d.services == row.services && d.path == base)
     else {
         return Vec::new();
     };
@@ -531,7 +605,7 @@ fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize) {
         let mut vs = ratios(r, data);
         let (vlo, vhi) = spread(&vs);
         let pct = |x: f64| format!("{:+.1}%", (x - 1.0) * 100.0);
-        let (vs_median, vs_range) = if r.path == DIRECT || vs.is_empty() {
+        let (vs_median, vs_range) = if r.path == DIRECT || r.path == POD_DIRECT || vs.is_empty() {
             (String::new(), String::new())
         } else {
             (
@@ -608,16 +682,17 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
             );
         }
     }
-    for r in data.iter().filter(|r| r.path == EBPF) {
+    for r in data.iter().filter(|r| r.path == EBPF || r.path == POD_PATH) {
         let mut vs = ratios(r, data);
         if vs.is_empty() {
             continue;
         }
         let m = median(&mut vs);
         let (lo, hi) = spread(&vs);
+        let base = baseline(r.path);
         let direct_failed = data
             .iter()
-            .any(|d| d.services == r.services && d.path == DIRECT && d.failed());
+            .any(|d| d.services == r.services && d.path == base && d.failed());
         let verdict = if r.failed() || direct_failed {
             "NOT judged (a run's conditions failed it, see the row; rerun on a quiet machine)"
         } else if (m - 1.0).abs() <= 0.05 {
@@ -627,9 +702,14 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
         } else {
             "NOT met"
         };
+        let what = if r.path == EBPF {
+            "eBPF (socket) within 5% of direct"
+        } else {
+            "pod path (tc) within 5% of a pod's direct connections"
+        };
         let _ = writeln!(
             out,
-            "- eBPF within 5% of direct at {} services: {verdict} (median of rounds {:+.1}%, rounds {:+.1}% to {:+.1}%).",
+            "- {what} at {} services: {verdict} (median of rounds {:+.1}%, rounds {:+.1}% to {:+.1}%).",
             r.services,
             (m - 1.0) * 100.0,
             (lo - 1.0) * 100.0,
