@@ -127,7 +127,8 @@ pub struct Args {
     #[arg(long, value_name = "IP", default_value = "0.0.0.0")]
     pub healthcheck_bind_address: IpAddr,
 
-    /// kube-proxy's --bind-address; accepted and checked, unused by the eBPF dataplane.
+    /// kube-proxy's --bind-address: when not unspecified, the node's primary IP of its
+    /// family for `--nodeport-addresses primary`; the proxies themselves do not bind to it.
     #[arg(long, value_name = "IP")]
     pub bind_address: Option<IpAddr>,
 
@@ -155,7 +156,9 @@ pub struct Args {
           value_parser = clap::value_parser!(u8).range(0..=31))]
     pub masquerade_bit: u8,
 
-    /// Addresses node ports are served on: CIDRs, or "primary" (default: all).
+    /// Addresses node ports are served on: CIDRs, or "primary" (default: all): the node's
+    /// primary IP per family, from --bind-address, else the Node's addresses, else the
+    /// default route's device; decided at start-up, which fails if none is found.
     #[arg(
         long = "nodeport-addresses",
         value_name = "CIDR",

@@ -50,6 +50,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     // The admin state first: the Kubernetes source reports the node's eligibility to it.
     let admin = AdminState::new(args.health_timeout());
     let mut recorder = EventRecorder::disabled();
+    let mut node_client = None;
     let source = match &args.manifests {
         Some(path) => {
             info!(path = %path.display(), "reading Services and EndpointSlices from manifests");
@@ -68,6 +69,7 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
             let client = kube::client(&cfg).await?;
             info!("watching Services and EndpointSlices on the API server");
             recorder = EventRecorder::new(client.clone(), &node.name);
+            node_client = Some(client.clone());
             tokio::spawn(kube::run(
                 client,
                 node.name.clone(),
@@ -91,7 +93,11 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
 
     // The mode: --proxy-mode (or the config file's), else the best the node can run.
     // Probing and loading block (bpf(), iptables), so not on the runtime.
-    let start = StartOptions::from_args(&args)
+    let primary = match primary_needed(&args) {
+        true => resolve_primary(&args, node_client.as_ref(), &node.name).await?,
+        false => Vec::new(),
+    };
+    let start = StartOptions::from_args(&args, &primary)
         .map_err(anyhow::Error::msg)
         .context("cannot start the dataplane")?;
     let requested = args.proxy_mode.or(args.file_mode);
@@ -140,6 +146,55 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     }
     info!("bye");
     Ok(())
+}
+
+fn primary_needed(args: &Args) -> bool {
+    args.node_port_addresses
+        .contains(&crate::config::NodePortAddress::Primary)
+}
+
+/// How long start-up waits for the Node before `primary` falls back to the default
+/// route's device: a node whose kubelet has not registered yet still gets a proxy.
+const NODE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `--nodeport-addresses primary` as CIDRs: --bind-address, else the Node's addresses
+/// (kube source), else the default route's device (the file source, or no Node in time).
+async fn resolve_primary(
+    args: &Args,
+    client: Option<&::kube::Client>,
+    node_name: &str,
+) -> anyhow::Result<Vec<(std::net::IpAddr, u8)>> {
+    use dataplane::primary::{PrimarySources, node_host_ips, resolve};
+    let node_ips = match client {
+        Some(client) => {
+            let get = kube::node_addresses(client.clone(), node_name);
+            match tokio::time::timeout(NODE_WAIT, get).await {
+                Ok(Some(addrs)) => Some(node_host_ips(
+                    addrs.iter().map(|(t, a)| (t.as_str(), a.as_str())),
+                )),
+                Ok(None) => None,
+                Err(_) => {
+                    warn!("no answer for Node {node_name} within {NODE_WAIT:?}");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let sources = PrimarySources {
+        bind_address: args.bind_address,
+        node_ips,
+    };
+    let netns = args.netns.clone();
+    // Reading the routes may enter a network namespace on a thread: not on the runtime.
+    tokio::task::spawn_blocking(move || {
+        resolve(sources, || {
+            dataplane::bpf::devices::default_route_addresses(netns.as_deref())
+        })
+    })
+    .await
+    .context("resolving --nodeport-addresses primary")?
+    .map_err(anyhow::Error::new)
 }
 
 /// `--cleanup`: remove every mode's leftovers on this node (or in --netns), then exit.

@@ -80,6 +80,12 @@ async fn daemon_main(setup_only: bool) -> std::process::ExitCode {
     }
     match daemon::run(args, shutdown::signal_received()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        // A setting start-up cannot make sense of: the status of a bad flag.
+        Err(e) if e.is::<proxy_userland::dataplane::primary::PrimaryError>() => {
+            tracing::error!("{e:#}");
+            eprintln!("fastpath: {e}");
+            std::process::ExitCode::from(2)
+        }
         Err(e) => {
             tracing::error!("{e:#}");
             std::process::ExitCode::FAILURE

@@ -17,6 +17,7 @@ pub mod frontends;
 pub mod iptables;
 pub mod mode;
 pub mod netns;
+pub mod primary;
 pub mod start;
 pub mod userspace;
 

@@ -146,21 +146,30 @@ pub fn select_and_start(
 }
 
 impl StartOptions {
-    /// The options the daemon's flags ask for.
-    pub fn from_args(args: &crate::config::Args) -> Result<StartOptions, String> {
+    /// The options the daemon's flags ask for. `primary`: what `--nodeport-addresses
+    /// primary` resolved to ([`super::primary::resolve`]); it must not be empty when the
+    /// flag says primary, or node ports would answer on every address.
+    pub fn from_args(
+        args: &crate::config::Args,
+        primary: &[(std::net::IpAddr, u8)],
+    ) -> Result<StartOptions, String> {
         let cluster_cidrs = args
             .cluster_cidr
             .iter()
             .map(|c| (c.addr, c.prefix))
             .collect();
-        let node_port_cidrs: Vec<(std::net::IpAddr, u8)> = args
-            .node_port_addresses
-            .iter()
-            .filter_map(|a| match a {
-                crate::config::NodePortAddress::Cidr(c) => Some((c.addr, c.prefix)),
-                crate::config::NodePortAddress::Primary => None,
-            })
-            .collect();
+        let mut node_port_cidrs: Vec<(std::net::IpAddr, u8)> = Vec::new();
+        for a in &args.node_port_addresses {
+            match a {
+                crate::config::NodePortAddress::Cidr(c) => node_port_cidrs.push((c.addr, c.prefix)),
+                crate::config::NodePortAddress::Primary if primary.is_empty() => {
+                    return Err("--nodeport-addresses primary was not resolved".into());
+                }
+                crate::config::NodePortAddress::Primary => {
+                    node_port_cidrs.extend_from_slice(primary)
+                }
+            }
+        }
         let devices: Vec<String> = args
             .nodeport_devices
             .iter()
@@ -210,12 +219,31 @@ mod tests {
 
     use super::*;
 
-    fn opts(flags: &[&str]) -> StartOptions {
-        let args = crate::config::Args::try_parse_from(
+    fn args(flags: &[&str]) -> crate::config::Args {
+        crate::config::Args::try_parse_from(
             std::iter::once("fastpath").chain(flags.iter().copied()),
         )
-        .expect("flags parse");
-        StartOptions::from_args(&args).expect("options")
+        .expect("flags parse")
+    }
+
+    fn opts(flags: &[&str]) -> StartOptions {
+        StartOptions::from_args(&args(flags), &[("198.19.0.1".parse().unwrap(), 32)])
+            .expect("options")
+    }
+
+    #[test]
+    fn nodeport_addresses_primary_is_never_dropped() {
+        let primary = args(&["--nodeport-addresses", "primary"]);
+        let err = StartOptions::from_args(&primary, &[]).unwrap_err();
+        assert!(err.contains("--nodeport-addresses primary"), "{err}");
+        let on = StartOptions::from_args(&primary, &[("198.18.0.1".parse().unwrap(), 32)])
+            .expect("options");
+        let want = [("198.18.0.1".parse().unwrap(), 32)];
+        assert_eq!(on.render.nodeport_addresses, want);
+        assert_eq!(on.packet.expect("on").node_port_cidrs, want);
+        // No primary: nothing is added, and every address stays a node port's.
+        let all = StartOptions::from_args(&args(&[]), &[]).expect("options");
+        assert!(all.render.nodeport_addresses.is_empty());
     }
 
     #[test]
@@ -239,7 +267,10 @@ mod tests {
         assert_eq!(packet.devices, ["eth1", "eth2"]);
         assert_eq!(
             packet.node_port_cidrs,
-            [("198.18.0.0".parse().unwrap(), 15)]
+            [
+                ("198.18.0.0".parse().unwrap(), 15),
+                ("198.19.0.1".parse().unwrap(), 32)
+            ]
         );
 
         // The last occurrence wins, so a wrapper can turn it off, or on again.

@@ -94,6 +94,26 @@ pub fn label_selector(proxy_name: Option<&str>) -> String {
 /// Runs the three watchers until `shutdown` resolves or the receiver goes away. Objects
 /// that cannot be converted get a Warning Event through `events`; the node's eligibility
 /// goes straight to `admin` (it changes what /healthz answers, not what is programmed).
+/// The addresses of Node `name` (status.addresses as (type, address)), read once; None if
+/// it cannot be read. For `--nodeport-addresses primary`, decided before the dataplane
+/// starts, so it does not wait for the watch.
+pub async fn node_addresses(client: Client, name: &str) -> Option<Vec<(String, String)>> {
+    match Api::<v1::Node>::all(client).get(name).await {
+        Ok(node) => Some(
+            node.status
+                .and_then(|s| s.addresses)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|a| (a.type_, a.address))
+                .collect(),
+        ),
+        Err(e) => {
+            warn!("reading Node {name} for its addresses: {e}");
+            None
+        }
+    }
+}
+
 pub async fn run(
     client: Client,
     node_name: String,

@@ -123,6 +123,26 @@ fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
     })
 }
 
+/// The addresses of the first default route's device in `netns` (None: ours), IPv4 ones
+/// first: the fallback for `--nodeport-addresses primary` when nothing names the node's IP.
+pub fn default_route_addresses(netns: Option<&str>) -> Result<Vec<IpAddr>, String> {
+    in_netns(netns, || {
+        let Some(dev) = default_route_devices().into_iter().next() else {
+            return Err("no default route".to_string());
+        };
+        let addrs = interface_addresses().map_err(|e| format!("reading addresses: {e}"))?;
+        let mut mine: Vec<IpAddr> = addrs
+            .into_iter()
+            .filter(|(n, a)| *n == dev && !a.is_loopback())
+            .map(|(_, a)| a)
+            .collect();
+        // Stable: each family keeps the kernel's order, whose first is the primary one.
+        mine.sort_by_key(|a| a.is_ipv6());
+        Ok(mine)
+    })
+    .map_err(|e| e.to_string())?
+}
+
 /// fe80::/10: an address of one link only, never a node port's or a SNAT source.
 fn link_local(a: &IpAddr) -> bool {
     matches!(a, IpAddr::V6(a) if a.segments()[0] & 0xffc0 == 0xfe80)
