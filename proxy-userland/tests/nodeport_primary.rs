@@ -154,3 +154,61 @@ fn primary_without_any_address_fails_start_up() {
         d.log()
     );
 }
+
+/// The Kubernetes source, no --bind-address: the Node's InternalIP, even listed after an
+/// ExternalIP (utilnode.GetNodeHostIPs), here the node's second address.
+#[test]
+fn primary_is_the_nodes_internal_ip() {
+    use serde_json::json;
+    let (bed, _pods, ext) = bed("npprimk");
+    let api = xtask::apiserver::ApiServer::start().expect("test API server");
+    let node_ip = bed.node_ipv4().to_string();
+    api.create(
+        "nodes",
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
+               "status": {"addresses": [
+                   {"type": "Hostname", "address": "node-a"},
+                   {"type": "ExternalIP", "address": node_ip},
+                   {"type": "InternalIP", "address": OTHER}]}}),
+    );
+    api.create(
+        "services",
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "web", "namespace": "demo"},
+               "spec": {"type": "NodePort", "clusterIP": "198.19.0.10",
+                        "clusterIPs": ["198.19.0.10"],
+                        "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                                   "protocol": "TCP", "nodePort": NODE_PORT}]}}),
+    );
+    api.create(
+        "endpointslices",
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "web-1", "namespace": "demo",
+                            "labels": {"kubernetes.io/service-name": "web"}},
+               "addressType": "IPv4",
+               "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+               "endpoints": [{"addresses": [pod_ip(1).to_string()],
+                              "conditions": {"ready": true}, "nodeName": "node-a"}]}),
+    );
+    let kubeconfig = bed.dir().join("kubeconfig.yaml");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    let d = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "iptables",
+            "--netns",
+            bed.node_netns(),
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--nodeport-addresses",
+            "primary",
+        ],
+    );
+    assert_only_on(&d, &ext, OTHER, &node_ip);
+    let log = d.log();
+    assert!(
+        log.contains("--nodeport-addresses primary resolved") && !log.contains("default route"),
+        "{log}"
+    );
+}
