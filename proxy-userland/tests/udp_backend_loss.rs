@@ -55,15 +55,6 @@ fn strip_ansi(s: &str) -> String {
 /// counted, not skipped in silence, since the client is then cut off.
 #[test]
 fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
-    let (bed, _pods) = bed_with_pods("rstfail", 2);
-    let dir = manifest_dir("rstfail");
-    std::fs::write(
-        dir.0.join("web.yaml"),
-        web_manifest(&[pod_ip(1), pod_ip(2)]),
-    )
-    .unwrap();
-    let metrics_port = free_port();
-    let metrics_addr = format!("127.0.0.1:{metrics_port}");
     // Without CAP_SYS_ADMIN the daemon still loads and attaches its programs (CAP_BPF,
     // CAP_NET_ADMIN), but cannot enter the client's network namespace.
     let no_sys_admin = [
@@ -72,8 +63,40 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
         "--bounding-set=-sys_admin",
         "--",
     ];
+    reset_cannot_be_done("rstfail", &no_sys_admin, "namespaces=1");
+}
+
+/// A DaemonSet without `hostPID`: the daemon's PID namespace shows the clients in the
+/// cgroup as pid 0, so their network namespaces cannot be found, let alone entered. Said
+/// and counted too, with the fix in the warning.
+#[test]
+fn a_daemon_that_cannot_see_the_clients_pids_says_so() {
+    let own_pid_namespace = [
+        "unshare",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        "--",
+    ];
+    reset_cannot_be_done("rstpid", &own_pid_namespace, "hostPID");
+}
+
+/// The daemon, run through `wrapper`, loses a UDP client's backend and cannot reset the
+/// client's socket: a failed reset is counted, none done, and a warning naming the service
+/// and containing `why` is logged.
+fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
+    let (bed, _pods) = bed_with_pods(tag, 2);
+    let dir = manifest_dir(tag);
+    std::fs::write(
+        dir.0.join("web.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
+    let metrics_port = free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
     let daemon = Daemon::start_wrapped(
-        &no_sys_admin,
+        wrapper,
         bed.cgroup_path(),
         &[
             "--proxy-mode",
@@ -130,10 +153,7 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
         warning.contains("demo/web"),
         "the warning names the service: {warning}"
     );
-    assert!(
-        warning.contains("namespaces=1"),
-        "and how many namespaces it concerns: {warning}"
-    );
+    assert!(warning.contains(why), "and why ({why}): {warning}");
 }
 
 /// What statsd clients and DNS stubs do: one connected UDP socket, never reconnected, send

@@ -293,7 +293,8 @@ impl Metrics {
         );
         registry.register(
             "fastpath_packets",
-            "Packets from other hosts the eBPF packet path handled, by what became of them: \
+            "Packets the eBPF packet path handled (from other hosts, and from pods on their \
+             devices with the pod path), by what became of them: \
              new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat; \
              xdp counts those XDP translated itself",
             m.packets.clone(),

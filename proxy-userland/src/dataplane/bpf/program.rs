@@ -341,7 +341,18 @@ impl Programmer {
         let services: BTreeSet<String> = departed.values().map(ToString::to_string).collect();
         let services = services.into_iter().collect::<Vec<_>>().join(",");
         let (mut done, mut failed) = (0, 0);
-        for ns in stale_sockets::client_namespaces(cgroup) {
+        let namespaces = stale_sockets::client_namespaces(cgroup);
+        if namespaces.hidden > 0 {
+            failed += namespaces.hidden;
+            tracing::warn!(
+                service = %services,
+                processes = namespaces.hidden,
+                "cannot reset connected UDP sockets of removed backends: processes in the cgroup \
+                 are in a PID namespace this daemon cannot see (run it with hostPID: true); \
+                 their sockets keep sending to a backend that is gone"
+            );
+        }
+        for ns in namespaces.found {
             match stale_sockets::destroy_in(&ns, &peers, &ours) {
                 Ok((r, err)) => {
                     done += r.done;

@@ -98,21 +98,37 @@ pub struct UdpSocketInfo {
     family: u8,
 }
 
+/// The network namespaces of the processes in a cgroup tree.
+#[derive(Debug, Default)]
+pub struct ClientNamespaces {
+    /// Each namespace once.
+    pub found: Vec<File>,
+    /// Processes listed as pid 0: they are in a PID namespace we cannot see into (the
+    /// daemon runs in a container without `hostPID`), so their sockets cannot be reached.
+    pub hidden: usize,
+}
+
 /// The network namespaces of every process in `cgroup` and below, once each.
-pub fn client_namespaces(cgroup: &Path) -> Vec<File> {
+pub fn client_namespaces(cgroup: &Path) -> ClientNamespaces {
     let mut seen = BTreeSet::new();
-    let mut out = Vec::new();
+    let mut out = ClientNamespaces::default();
     let mut dirs = vec![cgroup.to_path_buf()];
     // Bounded: cgroup trees are shallow, but a loop in a bind mount must not hang us.
     while let Some(dir) = dirs.pop().filter(|_| seen.len() < 100_000) {
         if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
             for pid in procs.lines() {
+                // The kernel lists a process outside our PID namespace as 0.
+                if pid == "0" {
+                    out.hidden += 1;
+                    continue;
+                }
+                // Any other failure is a process that exited meanwhile.
                 let Ok(ns) = File::open(format!("/proc/{pid}/ns/net")) else {
                     continue;
                 };
                 let Ok(meta) = ns.metadata() else { continue };
                 if seen.insert((meta.dev(), meta.ino())) {
-                    out.push(ns);
+                    out.found.push(ns);
                 }
             }
         }
