@@ -468,3 +468,34 @@ fn node_reaches_a_local_lb_ip_through_source_ranges_and_node_ports_keep_to_their
         "not a node port address: {elsewhere:?}"
     );
 }
+
+/// A node where nothing has made the nat table yet, with enough services that the restore
+/// starts by listing the table (how a big restore avoids iptables-nft's quadratic chain
+/// bookkeeping): the first sync programs every service. The listing once made iptables-nft
+/// take the nat table's base chains for existing, and every restore failed on the jumps
+/// into them ("RULE_INSERT failed ... rule in chain OUTPUT"), on every sync, for good.
+#[test]
+fn a_big_first_restore_on_a_node_without_a_nat_table_programs_every_service() {
+    let (bed, _pods) = bed_with_pods("iptbig", 1);
+    let mut dp = proxier(&bed);
+    let mut entries: Vec<_> = (0..150u8)
+        .map(|i| {
+            let ip = Ipv4Addr::new(198, 19, 2, i);
+            let eps = (0..10u8)
+                .map(|j| ready(Ipv4Addr::new(198, 18, 100 + i / 25, (i % 25) * 10 + j)))
+                .collect();
+            (
+                web_service(&format!("svc-{i}"), ip),
+                Some(web_endpoints(eps)),
+            )
+        })
+        .collect();
+    entries.push((
+        web_service("web", WEB_IP),
+        Some(web_endpoints(vec![ready(pod_ip(1))])),
+    ));
+    let report = dp.sync(&state_of(entries), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{:?}", report.failed.first());
+    let attempts = tcp(&bed, WEB, 5);
+    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
+}

@@ -515,7 +515,15 @@ pub fn render_service(
 /// a full restore of 10,000 services took more than five minutes here. A command without a
 /// chain makes it fetch every chain instead and skip that list; listing the table (`-S`)
 /// is one that changes nothing. Its output, the table before the restore, is discarded.
-pub const LIST_FIRST: &str = "-S\n";
+///
+/// On a node where nothing has made the nat table yet, the listing shows the base chains
+/// and iptables-nft then takes them for existing: every jump into them fails ("RULE_INSERT
+/// failed (No such file or directory): rule in chain OUTPUT"), on every restore. So the
+/// base chains we jump from are declared after it, which creates them when missing. In a
+/// `--noflush` restore that keeps their rules and sets only the policy, and a nat chain's
+/// policy is ACCEPT (kube-proxy never writes another).
+pub const LIST_FIRST: &str =
+    "-S\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n";
 
 /// Whether a restore declaring `chains` chains into a nat table that holds about `rules`
 /// rules should start with [`LIST_FIRST`]: on iptables-nft, when its per-chain bookkeeping
