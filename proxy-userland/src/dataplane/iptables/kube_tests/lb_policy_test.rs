@@ -5,14 +5,13 @@
 //! as in the table of mod.rs.
 
 use super::{
-    tracer::{Dump, Flow, check_rule_jumps, run_packet_flow_tests},
+    proxier_test::{P80, UNNAMED_80, v4},
+    tracer::{Flow, run_packet_flow_tests},
     *,
 };
 use crate::model::Protocol::Tcp;
 
-const UNNAMED_80: &[(&str, u16, Protocol)] = &[("", 80, Tcp)];
-const P80: &[(&str, u16, Protocol)] = &[("p80", 80, Tcp)];
-
+/// Every flow here goes to port 80.
 fn flow<'a>(
     name: &'a str,
     source: &'a str,
@@ -20,23 +19,7 @@ fn flow<'a>(
     output: &'a str,
     masq: bool,
 ) -> Flow<'a> {
-    Flow {
-        name,
-        source,
-        protocol: "",
-        dest,
-        port: 80,
-        output,
-        masq,
-    }
-}
-
-fn v4(st: &ProxyState) -> Dump {
-    let text = sync_text(st, Family::V4, &fake_config(Family::V4));
-    if let Err(e) = check_rule_jumps(&text) {
-        panic!("{e}\n{text}");
-    }
-    Dump::parse(&text)
+    super::proxier_test::flow(name, source, dest, 80, output, masq)
 }
 
 /// With Cluster traffic policies, ready endpoints anywhere are used; only when none is

@@ -8,10 +8,10 @@ use super::{
 };
 use crate::model::Protocol::{Sctp, Tcp, Udp};
 
-const P80: &[(&str, u16, Protocol)] = &[("p80", 80, Tcp)];
-const UNNAMED_80: &[(&str, u16, Protocol)] = &[("", 80, Tcp)];
+pub(super) const P80: &[(&str, u16, Protocol)] = &[("p80", 80, Tcp)];
+pub(super) const UNNAMED_80: &[(&str, u16, Protocol)] = &[("", 80, Tcp)];
 
-fn flow<'a>(
+pub(super) fn flow<'a>(
     name: &'a str,
     source: &'a str,
     dest: &'a str,
@@ -40,7 +40,7 @@ fn synced(st: &ProxyState, family: Family, cfg: &RenderConfig) -> Dump {
     Dump::parse(&text)
 }
 
-fn v4(st: &ProxyState) -> Dump {
+pub(super) fn v4(st: &ProxyState) -> Dump {
     synced(st, Family::V4, &fake_config(Family::V4))
 }
 
