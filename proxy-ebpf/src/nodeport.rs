@@ -233,7 +233,10 @@ fn redirect_translated<P: Packet, I: Ip>(
     // The tuple as it will leave.
     let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
     let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
-    let tot_len = I::tot_len(pkt);
+    // On tc, no length: the kernel then checks the socket buffer against the device's MTU,
+    // segment by segment for a GSO packet, whose IP length counts all its segments and
+    // would fail the check (a client's TSO burst, dropped whole).
+    let tot_len = if P::XDP { I::tot_len(pkt) } else { 0 };
     let ret = pkt.fib_lookup::<I>(fib, f.proto, sport, dport, saddr, daddr, tot_len);
     if ret == FIB_NOT_FWDED {
         apply::<P, I>(pkt, f, nat)?;
