@@ -71,7 +71,20 @@ pub trait Ip {
     /// For a TCP or UDP packet of this family that is no fragment and carries no extension
     /// header: its protocol and the offset of its L4 header. None for anything else, which
     /// the stack handles as it would without us.
-    fn l4<P: Packet>(pkt: &P) -> Option<(u8, usize)>;
+    #[inline(always)]
+    fn l4<P: Packet>(pkt: &P) -> Option<(u8, usize)> {
+        Self::header_at(pkt, ETH_HLEN).filter(|&(proto, _)| tcp_or_udp(proto))
+    }
+    /// For the IP header of this family at `at` (the packet's own, or the one an ICMP error
+    /// quotes), if it heads no fragment but the first and no extension header follows it:
+    /// the next protocol and its offset.
+    fn header_at<P: Packet>(pkt: &P, at: usize) -> Option<(u8, usize)>;
+    /// This family's ICMP protocol number.
+    const ICMP: u8;
+    /// Whether the ICMP checksum covers the IP addresses (ICMPv6's pseudo header).
+    const ICMP_PSEUDO: bool;
+    /// Whether ICMP type `ty` is an error that quotes the packet it is about.
+    fn icmp_error(ty: u8) -> bool;
     /// The packet's IP length (header and payload), for the FIB's MTU check.
     fn tot_len<P: Packet>(pkt: &P) -> u16;
     /// Sets the FIB lookup's family and addresses.
@@ -119,9 +132,18 @@ impl Ip for V4 {
         *a
     }
 
+    const ICMP: u8 = 1;
+    const ICMP_PSEUDO: bool = false;
+
+    /// Destination unreachable (fragmentation needed among its codes) and time exceeded.
     #[inline(always)]
-    fn l4<P: Packet>(pkt: &P) -> Option<(u8, usize)> {
-        let ver_ihl: u8 = pkt.load(ETH_HLEN)?;
+    fn icmp_error(ty: u8) -> bool {
+        ty == 3 || ty == 11
+    }
+
+    #[inline(always)]
+    fn header_at<P: Packet>(pkt: &P, at: usize) -> Option<(u8, usize)> {
+        let ver_ihl: u8 = pkt.load(at)?;
         if ver_ihl >> 4 != 4 {
             return None;
         }
@@ -130,12 +152,12 @@ impl Ip for V4 {
             return None;
         }
         // Fragments carry no ports after the first; leave them to the stack.
-        let frag: u16 = pkt.load(ETH_HLEN + 6)?;
+        let frag: u16 = pkt.load(at + 6)?;
         if u16::from_be(frag) & 0x3fff != 0 {
             return None;
         }
-        let proto: u8 = pkt.load(ETH_HLEN + 9)?;
-        tcp_or_udp(proto).then_some((proto, ETH_HLEN + ihl))
+        let proto: u8 = pkt.load(at + 9)?;
+        Some((proto, at + ihl))
     }
 
     #[inline(always)]
@@ -219,16 +241,25 @@ impl Ip for V6 {
         a[i & 3]
     }
 
+    const ICMP: u8 = 58;
+    const ICMP_PSEUDO: bool = true;
+
+    /// Destination unreachable, packet too big, time exceeded, parameter problem.
+    #[inline(always)]
+    fn icmp_error(ty: u8) -> bool {
+        (1..=4).contains(&ty)
+    }
+
     // Extension headers (fragments among them) are left to the stack: Services see plain
     // TCP and UDP, and walking a chain of headers costs the verifier a loop per packet.
     #[inline(always)]
-    fn l4<P: Packet>(pkt: &P) -> Option<(u8, usize)> {
-        let ver: u8 = pkt.load(ETH_HLEN)?;
+    fn header_at<P: Packet>(pkt: &P, at: usize) -> Option<(u8, usize)> {
+        let ver: u8 = pkt.load(at)?;
         if ver >> 4 != 6 {
             return None;
         }
-        let next: u8 = pkt.load(ETH_HLEN + 6)?;
-        tcp_or_udp(next).then_some((next, ETH_HLEN + IP6_HLEN))
+        let next: u8 = pkt.load(at + 6)?;
+        Some((next, at + IP6_HLEN))
     }
 
     #[inline(always)]

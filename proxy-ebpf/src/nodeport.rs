@@ -21,6 +21,7 @@ use proxy_common::{
 };
 
 use crate::{
+    icmp,
     ip::{Backend, Ip, V4, V6},
     kernel,
     lb::pick_slot,
@@ -34,15 +35,15 @@ const SNAT_TRIES: u32 = 8;
 /// The tuple of one TCP or UDP packet, addresses and ports as in the packet.
 #[derive(Clone, Copy)]
 pub struct Flow<A> {
-    saddr: A,
-    daddr: A,
-    sport: u16,
-    dport: u16,
-    proto: u8,
+    pub(crate) saddr: A,
+    pub(crate) daddr: A,
+    pub(crate) sport: u16,
+    pub(crate) dport: u16,
+    pub(crate) proto: u8,
     /// Offset of the L4 header.
-    l4: usize,
+    pub(crate) l4: usize,
     /// TCP flags (0 for UDP).
-    tcp_flags: u8,
+    pub(crate) tcp_flags: u8,
 }
 
 const TCP_FIN: u8 = 0x01;
@@ -64,7 +65,7 @@ impl<A: Copy> Flow<A> {
     }
 
     /// Whether an entry last seen at `last_seen` with `flags` is past its time.
-    fn expired(&self, last_seen: u64, flags: u16, now: u64) -> bool {
+    pub(crate) fn expired(&self, last_seen: u64, flags: u16, now: u64) -> bool {
         now.wrapping_sub(last_seen) > nat::ct_timeout_ns(self.proto, flags)
     }
 
@@ -94,16 +95,16 @@ impl<A: Copy> Flow<A> {
 /// program runs to its end on its CPU before the next one there starts (softirq), so one
 /// entry per CPU is enough.
 pub struct Scratch<A> {
-    flow: Flow<A>,
-    work: Work<A>,
+    pub(crate) flow: Flow<A>,
+    pub(crate) work: Work<A>,
 }
 
 /// The parts of [`Scratch`] a new flow and a redirect fill in.
-struct Work<A> {
+pub(crate) struct Work<A> {
     frontend: Frontend<A>,
-    fib: FibParams,
+    pub(crate) fib: FibParams,
     reply: CtValue<A>,
-    forward: CtValue<A>,
+    pub(crate) forward: CtValue<A>,
 }
 
 /// What to turn a packet into: a new destination, and maybe a new source.
@@ -133,7 +134,7 @@ fn parse<P: Packet, I: Ip>(pkt: &P, f: &mut Flow<I::Addr>) -> Option<()> {
 
 /// This CPU's scratch entry (see [`Scratch`]).
 #[inline(always)]
-fn scratch<I: Ip>() -> Option<&'static mut Scratch<I::Addr>> {
+pub(crate) fn scratch<I: Ip>() -> Option<&'static mut Scratch<I::Addr>> {
     // SAFETY: a non-null lookup result is this CPU's entry of the map, a `Scratch` that
     // stays allocated while we run (see `maps::Lookup`); programs on one CPU run one at a
     // time (see `Scratch`), so this is the only reference into it.
@@ -579,6 +580,13 @@ fn eth_proto<P: Packet>(pkt: &P) -> u16 {
 #[inline(always)]
 fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> {
     match eth_proto(pkt) {
+        // XDP cannot send the translated error on (see `Packet::can_redirect`): tc does.
+        V4::ETH_P if icmp::is_icmp::<P, V4>(pkt) && !P::XDP => {
+            Ok(icmp::translate::<P, V4>(pkt, true))
+        }
+        V6::ETH_P if icmp::is_icmp::<P, V6>(pkt) && !P::XDP => {
+            Ok(icmp::translate::<P, V6>(pkt, true))
+        }
         V4::ETH_P => translate_ingress_ip::<P, V4>(pkt, from_pod),
         V6::ETH_P => translate_ingress_ip::<P, V6>(pkt, from_pod),
         _ => Ok(P::PASS),
@@ -633,6 +641,8 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
 #[inline(always)]
 pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
     match eth_proto(pkt) {
+        V4::ETH_P if icmp::is_icmp::<P, V4>(pkt) => Ok(icmp::translate::<P, V4>(pkt, false)),
+        V6::ETH_P if icmp::is_icmp::<P, V6>(pkt) => Ok(icmp::translate::<P, V6>(pkt, false)),
         V4::ETH_P => egress_ip::<P, V4>(pkt),
         V6::ETH_P => egress_ip::<P, V6>(pkt),
         _ => Ok(P::PASS),

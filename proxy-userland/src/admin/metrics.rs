@@ -295,8 +295,9 @@ impl Metrics {
             "fastpath_packets",
             "Packets the eBPF packet path handled (from other hosts, and from pods on their \
              devices with the pod path), by what became of them: \
-             new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat; \
-             xdp counts those XDP translated itself",
+             new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat, \
+             icmp_translated (ICMP errors about a flow, translated back), icmp_dropped; xdp \
+             counts those XDP translated itself",
             m.packets.clone(),
         );
         registry.register(
@@ -355,6 +356,8 @@ impl Metrics {
             ("dropped_source_range", s.dropped_source_range),
             ("dropped_nat", s.dropped_nat),
             ("xdp", s.xdp),
+            ("icmp_translated", s.icmp_translated),
+            ("icmp_dropped", s.icmp_dropped),
         ];
         for (result, n) in all {
             Self::catch_up(&self.packets.get_or_create(&ResultLabel { result }), n);

@@ -116,6 +116,10 @@ pub struct PacketStats {
     pub dropped_nat: u64,
     /// Packets XDP translated ahead of tc.
     pub xdp: u64,
+    /// ICMP errors about translated flows, translated back.
+    pub icmp_translated: u64,
+    /// ICMP errors translated back that could not be sent on.
+    pub icmp_dropped: u64,
 }
 
 fn take<K: aya::Pod, V: aya::Pod>(
@@ -469,6 +473,8 @@ impl ServiceMaps {
             dropped_source_range: get(nat::stat::DROP_SOURCE_RANGE),
             dropped_nat: get(nat::stat::DROP_NAT),
             xdp: get(nat::stat::XDP),
+            icmp_translated: get(nat::stat::ICMP_TRANSLATED),
+            icmp_dropped: get(nat::stat::ICMP_DROPPED),
         }
     }
 
