@@ -200,7 +200,7 @@ pub mod stat {
     pub const DROP_NAT: u32 = 4;
     /// Packets XDP translated itself (the rest of the ingress work was tc's).
     pub const XDP: u32 = 5;
-    /// ICMP errors about a translated flow, translated back for its other end (PMTU
+    /// ICMP "too big" errors about a translated flow, translated back for its other end (PMTU
     /// discovery through node ports).
     pub const ICMP_TRANSLATED: u32 = 6;
     /// Dropped: an ICMP error translated back but with no route to send it on.

@@ -1,5 +1,6 @@
-//! ICMP and ICMPv6 errors about a flow [`crate::nodeport`] translates, translated back so
-//! they reach the end that sent the packet they quote.
+//! ICMP "fragmentation needed" and ICMPv6 "packet too big" errors about a flow
+//! [`crate::nodeport`] translates, translated back so they reach the end that sent the
+//! packet they quote.
 //!
 //! Path MTU discovery depends on it: a router between this node and a backend on another
 //! node answers a packet too big for its next link with an error to the packet's source,
@@ -108,8 +109,8 @@ fn translate_error<P: Packet, I: Ip>(pkt: &mut P, ingress: bool) -> Result<i32, 
 #[inline(always)]
 fn quoted<P: Packet, I: Ip>(pkt: &P, q: &mut Flow<I::Addr>) -> Option<usize> {
     let (p, icmp) = I::header_at(pkt, ETH_HLEN)?;
-    let ty: u8 = pkt.load(icmp)?;
-    if p != I::ICMP || !I::icmp_error(ty) {
+    let (ty, code): (u8, u8) = (pkt.load(icmp)?, pkt.load(icmp + 1)?);
+    if p != I::ICMP || !I::icmp_error(ty, code) {
         return None;
     }
     let ip = icmp + QUOTE;

@@ -83,8 +83,11 @@ pub trait Ip {
     const ICMP: u8;
     /// Whether the ICMP checksum covers the IP addresses (ICMPv6's pseudo header).
     const ICMP_PSEUDO: bool;
-    /// Whether ICMP type `ty` is an error that quotes the packet it is about.
-    fn icmp_error(ty: u8) -> bool;
+    /// Whether ICMP type `ty`, code `code` is an error we translate back: the one path MTU
+    /// discovery needs. Others (unreachable, time exceeded) are left to the stack, as
+    /// before: passed on, they would turn a client's retried connection attempt into a
+    /// hard failure where it now retries.
+    fn icmp_error(ty: u8, code: u8) -> bool;
     /// The packet's IP length (header and payload), for the FIB's MTU check.
     fn tot_len<P: Packet>(pkt: &P) -> u16;
     /// Sets the FIB lookup's family and addresses.
@@ -135,10 +138,10 @@ impl Ip for V4 {
     const ICMP: u8 = 1;
     const ICMP_PSEUDO: bool = false;
 
-    /// Destination unreachable (fragmentation needed among its codes) and time exceeded.
+    /// Destination unreachable, fragmentation needed.
     #[inline(always)]
-    fn icmp_error(ty: u8) -> bool {
-        ty == 3 || ty == 11
+    fn icmp_error(ty: u8, code: u8) -> bool {
+        ty == 3 && code == 4
     }
 
     #[inline(always)]
@@ -244,10 +247,10 @@ impl Ip for V6 {
     const ICMP: u8 = 58;
     const ICMP_PSEUDO: bool = true;
 
-    /// Destination unreachable, packet too big, time exceeded, parameter problem.
+    /// Packet too big.
     #[inline(always)]
-    fn icmp_error(ty: u8) -> bool {
-        (1..=4).contains(&ty)
+    fn icmp_error(ty: u8, _code: u8) -> bool {
+        ty == 2
     }
 
     // Extension headers (fragments among them) are left to the stack: Services see plain

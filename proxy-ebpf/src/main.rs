@@ -7,7 +7,7 @@
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
 //!   The same per-packet translation on the pods' devices serves pods whose sockets the
 //!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
-//! - [`icmp`]: ICMP errors about those flows, translated back for the other end.
+//! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
 //! - [`ip`]: what differs between IPv4 and IPv6, for the socket and the packet hooks.

@@ -296,7 +296,7 @@ impl Metrics {
             "Packets the eBPF packet path handled (from other hosts, and from pods on their \
              devices with the pod path), by what became of them: \
              new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat, \
-             icmp_translated (ICMP errors about a flow, translated back), icmp_dropped; xdp \
+             icmp_translated (ICMP 'too big' errors about a flow, translated back), icmp_dropped; xdp \
              counts those XDP translated itself",
             m.packets.clone(),
         );
