@@ -22,10 +22,20 @@ pub fn exists(name: &str) -> bool {
     path(name).exists()
 }
 
-/// Creates a named network namespace and brings its loopback up.
+/// Creates a named network namespace and brings its loopback up. Devices made in it later
+/// skip IPv6 duplicate address detection, link-local addresses included: a veth's
+/// link-local address stays tentative for about a second otherwise, and the first IPv6
+/// packets to a pod behind it (neighbour discovery) were lost now and then, failing tests
+/// on a SYN that is resent only after a second.
 pub fn add(name: &str) -> Result<()> {
     cmd::ip(["netns", "add", name])?;
     cmd::ip(["-n", name, "link", "set", "lo", "up"])?;
+    for key in [
+        "net/ipv6/conf/all/accept_dad",
+        "net/ipv6/conf/default/accept_dad",
+    ] {
+        sysctl(name, key, "0")?;
+    }
     Ok(())
 }
 
