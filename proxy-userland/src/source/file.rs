@@ -256,6 +256,21 @@ fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// One document as a value. JSON (what `kubectl get -o json` writes, and how big generated
+/// folders come) goes through serde_json first: the YAML reader took ~3 s for 10,000
+/// services of JSON, and a change to one file waited for all of them. JSON that serde_json
+/// refuses (or nests deeper than its 128 levels) falls back to the YAML reader, whose
+/// message and limits then apply as for any document.
+fn parse_document(doc: &str) -> Result<Value, serde_saphyr::Error> {
+    let head = doc.trim_start();
+    if (head.starts_with('{') || head.starts_with('['))
+        && let Ok(value) = serde_json::from_str(doc)
+    {
+        return Ok(value);
+    }
+    serde_saphyr::from_str_with_options(doc, yaml_options())
+}
+
 /// Splits a multi-document YAML text into (first line, text) per document.
 ///
 /// A multi-document iterator cannot be used for this: after a syntax error one
@@ -335,7 +350,7 @@ impl Loaded {
                 line,
                 item: None,
             };
-            let value: Value = match serde_saphyr::from_str_with_options(doc, yaml_options()) {
+            let value: Value = match parse_document(doc) {
                 Ok(value) => value,
                 Err(e) => {
                     let source = serde_saphyr::from_str_with_options::<Value>(
