@@ -496,7 +496,7 @@ impl Loaded {
 #[derive(Debug, PartialEq, Eq)]
 struct Fingerprint(Vec<(PathBuf, Option<Stamp>)>);
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Stamp {
     modified: Option<SystemTime>,
     len: u64,
@@ -529,6 +529,62 @@ fn fingerprint(path: &Path) -> Fingerprint {
     )
 }
 
+/// What each file of a watched folder held when last read, by path, with the stamp it had
+/// then: a change re-reads only the files whose stamp changed. A folder of 10,000 services
+/// took a second to re-read in full for one changed endpoint.
+#[derive(Default)]
+struct FileCache(std::collections::HashMap<PathBuf, (Stamp, Loaded)>);
+
+impl FileCache {
+    /// `path` as [`load`] reads it, with `now` its fingerprint. Problems are reported for the
+    /// files read this time only (the others' were reported when they were read).
+    fn load(&mut self, path: &Path, now: &Fingerprint) -> Loaded {
+        let listed = path.is_dir() && now.0.iter().all(|(file, _)| file != path);
+        if !listed {
+            self.0.clear();
+            return load(path);
+        }
+        let node_ips = node_addresses();
+        self.0
+            .retain(|file, _| now.0.iter().any(|(f, _)| f == file));
+        let mut all = Loaded {
+            node_ips: node_ips.clone(),
+            ..Loaded::default()
+        };
+        for (file, stamp) in &now.0 {
+            let cached = self
+                .0
+                .get_mut(file)
+                .filter(|(s, _)| Some(s) == stamp.as_ref());
+            let loaded = match (cached, stamp) {
+                (Some((_, loaded)), _) => loaded,
+                (None, stamp) => {
+                    let mut fresh = load_for_node(file, &node_ips);
+                    all.errors.append(&mut fresh.errors);
+                    match stamp {
+                        Some(stamp) => {
+                            self.0.insert(file.clone(), (stamp.clone(), fresh));
+                            &self.0[file].1
+                        }
+                        // No stamp (it vanished meanwhile): read again next time.
+                        None => {
+                            self.0.remove(file);
+                            all.services.extend(fresh.services);
+                            all.slices.extend(fresh.slices);
+                            all.skipped += fresh.skipped;
+                            continue;
+                        }
+                    }
+                }
+            };
+            all.services.extend(loaded.services.iter().cloned());
+            all.slices.extend(loaded.slices.iter().cloned());
+            all.skipped += loaded.skipped;
+        }
+        all
+    }
+}
+
 /// Polls below this would spin; a watched manifest folder does not need it.
 const MIN_POLL: Duration = Duration::from_millis(10);
 
@@ -549,6 +605,7 @@ pub async fn watch(
     let mut ticker = tokio::time::interval(poll.max(MIN_POLL));
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut last: Option<Fingerprint> = None;
+    let mut cache = FileCache::default();
 
     loop {
         tokio::select! {
@@ -559,16 +616,20 @@ pub async fn watch(
         let (p, previous) = (path.clone(), last.take());
         // Fingerprint before loading: a change during the load is then seen by the next
         // poll instead of being lost.
+        let mut files = std::mem::take(&mut cache);
         let work = tokio::task::spawn_blocking(move || {
             let now = fingerprint(&p);
-            let loaded = (previous.as_ref() != Some(&now)).then(|| load(&p));
-            (now, loaded)
+            let loaded = (previous.as_ref() != Some(&now)).then(|| files.load(&p, &now));
+            (now, loaded, files)
         });
         let (now, loaded) = tokio::select! {
             biased;
             () = &mut shutdown => return,
             done = work => match done {
-                Ok(done) => done,
+                Ok((now, loaded, files)) => {
+                    cache = files;
+                    (now, loaded)
+                }
                 Err(e) => {
                     error!(path = %path.display(), "loading manifests failed: {e}");
                     continue;
@@ -989,6 +1050,35 @@ items:
             .await
             .expect("watch stops on shutdown")
             .unwrap();
+    }
+
+    /// A change re-reads the changed file only, and the result still holds every file's
+    /// objects; a file's problem is reported when that file is read, not on every change.
+    #[test]
+    fn the_file_cache_rereads_only_changed_files() {
+        let dir = TempDir::new();
+        dir.write("a.yaml", &service_yaml("web", "198.19.96.1"));
+        let broken = dir.write("b.yaml", "kind: [\n");
+        let mut cache = FileCache::default();
+        let first = cache.load(&dir.0, &fingerprint(&dir.0));
+        assert_eq!(names(&first).0, ["shop/web"]);
+        assert_eq!(first.errors.len(), 1);
+
+        // b.yaml is fixed. a.yaml is given its old stamp, as if unchanged: were it read
+        // again, it would now say "api".
+        let a = dir.0.join("a.yaml");
+        fs::write(&a, service_yaml("api", "198.19.96.2")).unwrap();
+        fs::write(&broken, service_yaml("db", "198.19.96.3")).unwrap();
+        let mut now = fingerprint(&dir.0);
+        now.0[0].1 = cache.0.get(&a).map(|(s, _)| s.clone());
+        let second = cache.load(&dir.0, &now);
+        assert_eq!(names(&second).0, ["shop/web", "shop/db"]);
+        assert!(second.errors.is_empty(), "{:?}", second.errors);
+
+        // A removed file leaves, a changed one is read again.
+        fs::remove_file(&broken).unwrap();
+        let third = cache.load(&dir.0, &fingerprint(&dir.0));
+        assert_eq!(names(&third).0, ["shop/api"]);
     }
 
     #[tokio::test]
