@@ -698,7 +698,7 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
         } else if (m - 1.0).abs() <= 0.05 {
             "met"
         } else if m > 1.0 {
-            "NOT met (eBPF faster than direct by more than 5%: noise between runs, the paths do the same work)"
+            "NOT met (faster than its direct baseline by more than 5%: the bench measures something besides the path)"
         } else {
             "NOT met"
         };
