@@ -19,10 +19,16 @@ use crate::{
 
 /// Where the daemon's programs and pins are, for explanations; set once at start.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DebugContext {
     pub cgroup: Option<PathBuf>,
     pub bpf_pin_dir: Option<PathBuf>,
     pub nodeport_devices: Vec<String>,
+    /// The network namespace the iptables and userspace proxiers program (--netns), so
+    /// that `inspect` reads the rules and conntrack table of the same one.
+    pub netns: Option<String>,
+    /// --iptables-backend: which iptables-save shows what the daemon restored.
+    pub iptables_backend: String,
 }
 
 impl DebugContext {
@@ -31,6 +37,8 @@ impl DebugContext {
             cgroup: args.cgroup_path.clone(),
             bpf_pin_dir: args.bpf_pin_dir.clone(),
             nodeport_devices: args.nodeport_devices.clone(),
+            netns: args.netns.clone(),
+            iptables_backend: args.iptables_backend.clone(),
         }
     }
 }

@@ -1,9 +1,16 @@
 //! `fastpath inspect` and `fastpath explain`: an operator's view of what the proxy on this
 //! node does, from the running daemon's model (`/debug/model` on its metrics address, which
-//! knows the Services' names and endpoint conditions) and, in eBPF mode, from the pinned
-//! maps (`--bpf-pin-dir`, which hold what the programs really read).
+//! knows the Services' names and endpoint conditions) and from what is really programmed:
+//! in eBPF mode the pinned maps (`--bpf-pin-dir`, which the programs read), in iptables mode
+//! the rules (`iptables-save`) and the conntrack table of the daemon's network namespace.
 //!
-//! - [`view`]: `inspect services | flows | affinity` as rows.
+//! These are short-lived tools with no async runtime: running iptables-save and conntrack
+//! blocks nothing but the tool itself.
+//!
+//! - [`view`]: `inspect services` as rows, and what the views read ([`view::Inputs`]).
+//! - [`flows`]: `inspect flows | affinity`: the eBPF flow table and affinity entries, or in
+//!   iptables mode the conntrack entries the rules translated.
+//! - [`rules`]: iptables mode: what the nat and filter tables really hold, per frontend.
 //! - [`explain`]: which frontend a destination matches, which backends are eligible and why.
 //! - [`maps`]: reading the pinned maps.
 //! - [`table`]: the plain-text table both print.
@@ -12,7 +19,9 @@
 //! collide with them.
 
 pub mod explain;
+pub mod flows;
 pub mod maps;
+pub mod rules;
 pub mod table;
 pub mod view;
 
@@ -73,7 +82,8 @@ enum Cmd {
 enum What {
     /// Frontends (address, port, protocol, scope) with their backends and policies.
     Services,
-    /// The packet path's flow table: client, frontend, backend, SNAT, idle time.
+    /// Translated connections: client, frontend, backend, SNAT, state, idle time (eBPF
+    /// packet path) or time to expiry (iptables mode: the conntrack table).
     Flows,
     /// ClientIP affinity entries: which client sticks to which backend.
     Affinity,
@@ -94,6 +104,10 @@ pub struct Source {
     /// Where the daemon pins its maps (its --bpf-pin-dir).
     #[arg(long, global = true, default_value = "/sys/fs/bpf/fastpath")]
     pub bpf_pin_dir: PathBuf,
+    /// iptables mode: the network namespace (`/run/netns/NAME`) whose rules and conntrack
+    /// table to read; default: the daemon's --netns, else this one.
+    #[arg(long, global = true, value_name = "NAME", value_parser = crate::config::values::netns_name)]
+    pub netns: Option<String>,
     /// Output format.
     #[arg(short = 'o', long, global = true, value_enum, default_value = "table")]
     pub output: Output,
@@ -151,7 +165,7 @@ fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Inspect { what, source } => {
-            let inputs = view::Inputs::read(&source, matches!(what, What::Services))?;
+            let inputs = view::Inputs::read(&source, matches!(what, What::Flows))?;
             let json = source.output == Output::Json;
             match what {
                 What::Services => {
@@ -163,19 +177,19 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
                 What::Flows => {
-                    let rows = view::flows(&inputs)?;
+                    let rows = flows::flows(&inputs)?;
                     if json {
                         print_json(&rows)?
                     } else {
-                        print!("{}", view::flows_table(&rows))
+                        print!("{}", flows::flows_table(&rows))
                     }
                 }
                 What::Affinity => {
-                    let rows = view::affinity(&inputs)?;
+                    let rows = flows::affinity(&inputs)?;
                     if json {
                         print_json(&rows)?
                     } else {
-                        print!("{}", view::affinity_table(&rows))
+                        print!("{}", flows::affinity_table(&rows))
                     }
                 }
             }

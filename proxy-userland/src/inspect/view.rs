@@ -2,33 +2,44 @@
 //! maps hold. Frontends come from the same code the dataplanes program from
 //! ([`crate::dataplane::frontends`]), so a frontend here is spelt as the maps key it.
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+};
 
 use serde::Serialize;
 
 use super::{
     Source,
     maps::{PinnedMaps, ProgrammedFrontend},
+    rules::{self, Programmed},
     table::Table,
 };
 use crate::{
     admin::debug::ModelDump,
     dataplane::{
         frontends::{self, BackendAddr, DesiredFrontend, Frontend, FrontendScope},
-        iptables::names::{PortChains, service_port_name},
+        iptables::{conntrack::Entry, names::service_port_name},
     },
     model::{Endpoint, EndpointSet, Service, ServicePort, select},
 };
 
-/// What the views are built from; either part may be missing.
+/// What the views are built from; any part may be missing.
 pub struct Inputs {
     pub model: Option<ModelDump>,
     pub maps: Option<PinnedMaps>,
+    /// iptables mode: what the nat and filter tables hold.
+    pub rules: Option<Programmed>,
+    /// iptables mode, for `inspect flows`: the conntrack table.
+    pub conntrack: Option<Vec<Entry>>,
     pub warnings: Vec<String>,
 }
 
 impl Inputs {
-    pub fn read(source: &Source, _services: bool) -> anyhow::Result<Self> {
+    /// Reads the daemon's model and what its mode programmed: the pinned maps (eBPF), the
+    /// rules (iptables; and `flows`: the conntrack table). Without the daemon, the maps,
+    /// else the rules of `--netns`.
+    pub fn read(source: &Source, flows: bool) -> anyhow::Result<Self> {
         let mut warnings = Vec::new();
         let model = match super::fetch_model(&source.admin) {
             Ok(m) => Some(m),
@@ -49,12 +60,47 @@ impl Inputs {
         } else {
             None
         };
-        if model.is_none() && maps.is_none() {
+        let want_rules = match &model {
+            Some(m) => m.mode == "iptables",
+            None => maps.is_none(),
+        };
+        let (mut rules, mut conntrack) = (None, None);
+        if want_rules {
+            let netns = source
+                .netns
+                .clone()
+                .or_else(|| model.as_ref().and_then(|m| m.context.netns.clone()));
+            let backend = model
+                .as_ref()
+                .map_or("system", |m| m.context.iptables_backend.as_str());
+            let tools = rules::runners(netns.as_deref(), backend);
+            match Programmed::read(&tools) {
+                Ok((p, failed)) => {
+                    // Tools that ran and failed: a family this node does not have, say.
+                    warnings.extend(failed.into_iter().map(|f| format!("rules not read: {f}")));
+                    rules = Some(p);
+                }
+                Err(e) => warnings.push(format!("{e:#}")),
+            }
+            if flows && rules.is_some() {
+                let mut all = Vec::new();
+                for t in &tools {
+                    match t.conntrack_entries() {
+                        Ok(e) => all.extend(e),
+                        Err(e) => warnings.push(format!("conntrack ({:?}): {e}", t.family())),
+                    }
+                }
+                conntrack = Some(all);
+            }
+        }
+        if model.is_none() && maps.is_none() && rules.is_none() {
             anyhow::bail!("nothing to read: {}", warnings.join("; "));
         }
         Ok(Self {
             model,
             maps,
+            rules,
+            conntrack,
             warnings,
         })
     }
@@ -132,6 +178,10 @@ pub struct BackendRow {
     pub state: String,
     pub node: Option<String>,
     pub local: bool,
+    /// iptables: the share of new connections the balancing rules give it.
+    pub probability: Option<f64>,
+    /// iptables: its KUBE-SEP chain.
+    pub chain: Option<String>,
 }
 
 #[derive(Serialize, Clone, Debug)]
@@ -139,7 +189,7 @@ pub struct ServiceRow {
     pub frontend: String,
     /// socket (connections made on this node) or packet (traffic from other hosts).
     pub scope: &'static str,
-    /// `namespace/name:port`, when the daemon answered.
+    /// `namespace/name:port`, when the daemon answered (or the rules' comment says).
     pub service: Option<String>,
     /// The traffic policy that picks this frontend's backends.
     pub policy: Option<String>,
@@ -147,14 +197,17 @@ pub struct ServiceRow {
     pub source_ranges: Vec<String>,
     /// Packet path: the source becomes the node's address towards other nodes' backends.
     pub snat: bool,
-    /// What the dataplane sends to: the maps' backends in eBPF mode, else the model's.
+    /// What the dataplane sends to: the maps' or the rules' backends, else the model's.
     pub backends: Vec<BackendRow>,
     /// With no backend: what happens to a connection.
-    pub no_backends: Option<&'static str>,
-    /// iptables mode: the chain the service port's traffic jumps to.
+    pub no_backends: Option<String>,
+    /// iptables mode: the chains the frontend's traffic passes (`KUBE-EXT-x -> KUBE-SVC-x`).
     pub chain: Option<String>,
-    /// eBPF mode with both sources: whether the maps hold what the model asks for.
+    /// With the model and what is programmed: whether they agree.
     pub in_sync: Option<bool>,
+    /// How what is programmed differs from the model, e.g. "programmed: 2 backends,
+    /// model: 3; not programmed: 198.18.1.13:8080".
+    pub difference: Option<String>,
 }
 
 fn backend_row(b: &BackendAddr, m: Option<&ModelFrontend>) -> BackendRow {
@@ -164,7 +217,7 @@ fn backend_row(b: &BackendAddr, m: Option<&ModelFrontend>) -> BackendRow {
             .into_iter()
             .find(|pe| pe.ip == b.ip && pe.port == b.port)
     });
-    let address = std::net::SocketAddr::new(b.ip, b.port).to_string();
+    let address = SocketAddr::new(b.ip, b.port).to_string();
     BackendRow {
         address,
         state: ep
@@ -173,6 +226,8 @@ fn backend_row(b: &BackendAddr, m: Option<&ModelFrontend>) -> BackendRow {
             .to_string(),
         node: ep.and_then(|pe| pe.endpoint.node_name),
         local: b.local,
+        probability: None,
+        chain: None,
     }
 }
 
@@ -211,14 +266,43 @@ fn no_backend_outcome(scope: FrontendScope, mode: &str, m: Option<&ModelFrontend
     }
 }
 
+/// The parts of a row that come from the model alone.
+fn model_row(fe: &Frontend, m: Option<&ModelFrontend>) -> ServiceRow {
+    ServiceRow {
+        frontend: fe.to_string(),
+        scope: scope_word(fe.scope),
+        service: m.map(|m| service_port_name(m.svc, m.port)),
+        policy: m.map(|m| policy_of(m, fe)),
+        affinity_timeout: m.and_then(|m| m.desired.affinity_timeout),
+        source_ranges: m
+            .map(|m| {
+                m.desired
+                    .source_ranges
+                    .iter()
+                    .map(|(ip, len)| format!("{ip}/{len}"))
+                    .collect()
+            })
+            .unwrap_or_default(),
+        snat: m.is_some_and(|m| m.desired.snat),
+        backends: vec![],
+        no_backends: None,
+        chain: None,
+        in_sync: None,
+        difference: None,
+    }
+}
+
 /// `inspect services`.
 pub fn services(inputs: &Inputs) -> anyhow::Result<Vec<ServiceRow>> {
-    let mode = inputs.model.as_ref().map_or("ebpf", |m| m.mode.as_str());
     let model = inputs
         .model
         .as_ref()
         .map(model_frontends)
         .unwrap_or_default();
+    if let Some(rules) = &inputs.rules {
+        return Ok(rule_rows(&model, rules));
+    }
+    let mode = inputs.model.as_ref().map_or("ebpf", |m| m.mode.as_str());
     let programmed: Option<BTreeMap<Frontend, ProgrammedFrontend>> = inputs
         .maps
         .as_ref()
@@ -239,64 +323,173 @@ pub fn services(inputs: &Inputs) -> anyhow::Result<Vec<ServiceRow>> {
             (None, Some(m)) if programmed.is_none() => m.desired.backends.clone(),
             (None, _) => vec![],
         };
-        let in_sync = match (&programmed, m) {
-            (Some(_), Some(m)) => Some(p.is_some_and(|p| {
-                let mut a = p.backends.clone();
-                a.sort();
-                a == m.desired.backends
-            })),
-            _ => None,
-        };
-        let chain = (mode == "iptables").then(|| {
-            m.map(|m| {
-                let c = PortChains::new(&service_port_name(m.svc, m.port), m.port.protocol);
-                match fe.scope {
-                    FrontendScope::Packet => c.ext,
-                    FrontendScope::Socket if m.svc.cluster_ips.contains(&fe.ip) => {
-                        if m.svc.internal_policy_local {
-                            c.svl
-                        } else {
-                            c.svc
-                        }
-                    }
-                    FrontendScope::Socket => c.svc,
-                }
-            })
-        });
-        rows.push(ServiceRow {
-            frontend: fe.to_string(),
-            scope: scope_word(fe.scope),
-            service: m.map(|m| service_port_name(m.svc, m.port)),
-            policy: m.map(|m| policy_of(m, &fe)),
-            affinity_timeout: m
-                .and_then(|m| m.desired.affinity_timeout)
-                .or(p.map(|p| p.affinity_timeout).filter(|t| *t > 0)),
-            source_ranges: m
-                .map(|m| {
-                    m.desired
-                        .source_ranges
-                        .iter()
-                        .map(|(ip, len)| format!("{ip}/{len}"))
-                        .collect()
-                })
-                .unwrap_or_default(),
-            snat: m.is_some_and(|m| m.desired.snat),
-            no_backends: backends
-                .is_empty()
-                .then(|| no_backend_outcome(fe.scope, mode, m)),
-            backends: backends.iter().map(|b| backend_row(b, m)).collect(),
-            chain: chain.flatten(),
-            in_sync,
-        });
+        let mut row = model_row(&fe, m);
+        if row.affinity_timeout.is_none() {
+            row.affinity_timeout = p.map(|p| p.affinity_timeout).filter(|t| *t > 0);
+        }
+        if let (Some(_), Some(m)) = (&programmed, m) {
+            let mut have: Vec<BackendAddr> = p.map(|p| p.backends.clone()).unwrap_or_default();
+            have.sort();
+            let have: BTreeSet<SocketAddr> = have.iter().map(sockaddr).collect();
+            let want: BTreeSet<SocketAddr> = m.desired.backends.iter().map(sockaddr).collect();
+            row.difference = backend_difference(&have, &want);
+            row.in_sync = Some(row.difference.is_none());
+        }
+        row.no_backends = backends
+            .is_empty()
+            .then(|| no_backend_outcome(fe.scope, mode, m).to_string());
+        row.backends = backends.iter().map(|b| backend_row(b, m)).collect();
+        rows.push(row);
     }
     Ok(rows)
 }
 
+fn sockaddr(b: &BackendAddr) -> SocketAddr {
+    SocketAddr::new(b.ip, b.port)
+}
+
+/// "programmed: 2 backends, model: 3; not programmed: X" when the sets differ.
+fn backend_difference(have: &BTreeSet<SocketAddr>, want: &BTreeSet<SocketAddr>) -> Option<String> {
+    if have == want {
+        return None;
+    }
+    let list = |s: Vec<&SocketAddr>| s.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let mut d = vec![format!(
+        "programmed: {} backend{}, model: {}",
+        have.len(),
+        if have.len() == 1 { "" } else { "s" },
+        want.len()
+    )];
+    let missing = list(want.difference(have).collect());
+    if !missing.is_empty() {
+        d.push(format!("not programmed: {}", missing.join(", ")));
+    }
+    let extra = list(have.difference(want).collect());
+    if !extra.is_empty() {
+        d.push(format!("not in the model: {}", extra.join(", ")));
+    }
+    Some(d.join("; "))
+}
+
+/// iptables mode: each frontend of the model, and each the rules have that the model lacks,
+/// with the backends the rules really send to.
+fn rule_rows(model: &BTreeMap<Frontend, ModelFrontend>, rules: &Programmed) -> Vec<ServiceRow> {
+    let mut fronts: Vec<(Frontend, Option<&ModelFrontend>)> =
+        model.iter().map(|(fe, m)| (*fe, Some(m))).collect();
+    let known: BTreeSet<rules::Key> = model.keys().map(|f| (f.ip, f.port, f.proto)).collect();
+    for (&(ip, port, proto), rf) in &rules.frontends {
+        if !known.contains(&(ip, port, proto)) {
+            let scope = if rf.kind == "cluster IP" {
+                FrontendScope::Socket
+            } else {
+                FrontendScope::Packet
+            };
+            fronts.push((
+                Frontend {
+                    ip,
+                    port,
+                    proto,
+                    scope,
+                },
+                None,
+            ));
+        }
+    }
+    fronts.sort_by_key(|(fe, _)| (fe.scope, fe.ip, fe.port, fe.proto));
+    let mut rows = Vec::new();
+    for (fe, m) in fronts {
+        let key = (fe.ip, fe.port, fe.proto);
+        let rf = rules.frontends.get(&key);
+        // From this node, an external address or node port goes the way of local sources.
+        let from_node = fe.scope == FrontendScope::Socket
+            && m.is_none_or(|m| !m.svc.cluster_ips.contains(&fe.ip));
+        let resolved = rules.resolve(&key, from_node);
+        let mut row = model_row(&fe, m);
+        if row.service.is_none() {
+            row.service = rf.and_then(|r| r.service.clone());
+        }
+        let mut have = BTreeSet::new();
+        if let Some(r) = &resolved {
+            row.chain = Some(r.path.join(" -> "));
+            if !r.source_ranges.is_empty() {
+                row.source_ranges = r.source_ranges.clone();
+            }
+            for b in &r.backends {
+                let mut br = match b.addr {
+                    Some(a) => {
+                        have.insert(a);
+                        let local = m.is_some_and(|m| {
+                            m.desired
+                                .backends
+                                .iter()
+                                .any(|d| sockaddr(d) == a && d.local)
+                        });
+                        let addr = BackendAddr {
+                            ip: a.ip(),
+                            port: a.port(),
+                            proto: fe.proto,
+                            local,
+                        };
+                        backend_row(&addr, m)
+                    }
+                    None => BackendRow {
+                        address: format!("(no DNAT rule in {})", b.sep),
+                        state: "unknown".into(),
+                        node: None,
+                        local: false,
+                        probability: None,
+                        chain: None,
+                    },
+                };
+                br.probability = Some((b.probability * 10_000.0).round() / 10_000.0);
+                br.chain = Some(b.sep.clone());
+                row.backends.push(br);
+            }
+        }
+        let programmed_affinity = resolved.as_ref().and_then(|r| r.affinity_timeout);
+        if let Some(m) = m {
+            let want: BTreeSet<SocketAddr> = m.desired.backends.iter().map(sockaddr).collect();
+            let mut diff: Vec<String> = backend_difference(&have, &want).into_iter().collect();
+            if !have.is_empty() && programmed_affinity != m.desired.affinity_timeout {
+                diff.push(format!(
+                    "affinity programmed: {}, model: {}",
+                    programmed_affinity.map_or("none".into(), |t| format!("{t}s")),
+                    m.desired
+                        .affinity_timeout
+                        .map_or("none".into(), |t| format!("{t}s"))
+                ));
+            }
+            row.difference = (!diff.is_empty()).then(|| diff.join("; "));
+            row.in_sync = Some(diff.is_empty());
+        } else {
+            row.difference = Some("the model has no such frontend".into());
+            row.in_sync = Some(false);
+        }
+        row.affinity_timeout = programmed_affinity;
+        if row.backends.is_empty() {
+            row.no_backends = Some(match rules.refused.get(&key) {
+                Some((verdict, why)) => format!("{verdict} by the filter table: {why}"),
+                None if rf.is_some() => "not translated (the chains lead to no backend)".into(),
+                None => "not translated (no rule for it)".into(),
+            });
+        }
+        rows.push(row);
+    }
+    rows
+}
+
 pub fn services_table(rows: &[ServiceRow]) -> String {
     let iptables = rows.iter().any(|r| r.chain.is_some());
+    let shares = rows
+        .iter()
+        .any(|r| r.backends.iter().any(|b| b.probability.is_some()));
     let mut head = vec![
-        "FRONTEND", "SCOPE", "SERVICE", "POLICY", "AFFINITY", "BACKEND", "STATE", "NODE",
+        "FRONTEND", "SCOPE", "SERVICE", "POLICY", "AFFINITY", "BACKEND",
     ];
+    if shares {
+        head.push("SHARE");
+    }
+    head.extend(["STATE", "NODE"]);
     if iptables {
         head.push("CHAIN");
     }
@@ -314,31 +507,41 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
                 }
                 + if r.snat { " snat" } else { "" }
                 + match r.in_sync {
-                    Some(false) => " (maps differ from the model)",
+                    Some(false) => " (DIFFERS, see below)",
                     _ => "",
                 },
             r.affinity_timeout
                 .map_or("-".into(), |t| format!("ClientIP {t}s")),
         ];
         let backend = |b: &BackendRow| {
-            vec![
-                b.address.clone(),
-                b.state.clone(),
-                b.node.clone().unwrap_or_else(|| {
-                    if b.local {
-                        "(this node)".into()
-                    } else {
-                        "-".into()
-                    }
-                }),
-            ]
+            let mut cells = vec![b.address.clone()];
+            if shares {
+                cells.push(
+                    b.probability
+                        .map_or("-".into(), |p| format!("{:.1}%", p * 100.0)),
+                );
+            }
+            cells.push(b.state.clone());
+            cells.push(b.node.clone().unwrap_or_else(|| {
+                if b.local {
+                    "(this node)".into()
+                } else {
+                    "-".into()
+                }
+            }));
+            cells
         };
         match r.backends.split_first() {
-            None => first.extend([
-                format!("(none: {})", r.no_backends.unwrap_or("")),
-                String::new(),
-                String::new(),
-            ]),
+            None => {
+                first.push(format!(
+                    "(none: {})",
+                    r.no_backends.as_deref().unwrap_or("")
+                ));
+                first.extend(std::iter::repeat_n(
+                    String::new(),
+                    if shares { 3 } else { 2 },
+                ));
+            }
             Some((b, _)) => first.extend(backend(b)),
         }
         if iptables {
@@ -351,165 +554,13 @@ pub fn services_table(rows: &[ServiceRow]) -> String {
             t.row(row);
         }
     }
-    t.render()
-}
-
-#[derive(Serialize, Clone, Debug)]
-pub struct FlowRow {
-    pub proto: String,
-    pub client: String,
-    pub frontend: String,
-    pub service: Option<String>,
-    pub backend: String,
-    pub snat: Option<String>,
-    /// unanswered, established or closing.
-    pub state: &'static str,
-    pub idle_secs: f64,
-}
-
-/// The service port a packet-path destination belongs to.
-fn packet_service(
-    model: &ModelDump,
-    dst: std::net::SocketAddr,
-    proto: crate::model::Protocol,
-) -> Option<String> {
-    model.services.iter().find_map(|svc| {
-        let external = svc
-            .external_ips
-            .iter()
-            .chain(&svc.load_balancer_ips)
-            .any(|ip| *ip == dst.ip());
-        let port = svc.ports.iter().find(|p| {
-            p.protocol == proto
-                && ((external && p.port == dst.port()) || p.node_port == Some(dst.port()))
-        })?;
-        Some(service_port_name(svc, port))
-    })
-}
-
-/// `inspect flows`: the packet path's flow table (eBPF mode).
-pub fn flows(inputs: &Inputs) -> anyhow::Result<Vec<FlowRow>> {
-    let Some(maps) = &inputs.maps else {
-        anyhow::bail!(
-            "the flow table is the eBPF packet path's; in {} mode the kernel's conntrack holds \
-             the flows (`conntrack -L`)",
-            inputs.model.as_ref().map_or("this", |m| m.mode.as_str())
-        );
-    };
-    Ok(maps
-        .flows()?
-        .into_iter()
-        .map(|f| FlowRow {
-            proto: f.proto.map_or("?".into(), |p| p.to_string()),
-            client: f.client.to_string(),
-            frontend: f.frontend.to_string(),
-            service: inputs
-                .model
-                .as_ref()
-                .zip(f.proto)
-                .and_then(|(m, p)| packet_service(m, f.frontend, p)),
-            backend: f.backend.to_string(),
-            snat: f.snat.map(|s| s.to_string()),
-            state: if f.closing {
-                "closing"
-            } else if f.seen_reply {
-                "established"
-            } else {
-                "unanswered"
-            },
-            idle_secs: (f.idle_secs * 10.0).round() / 10.0,
-        })
-        .collect())
-}
-
-pub fn flows_table(rows: &[FlowRow]) -> String {
-    let mut t = Table::new(&[
-        "PROTO", "CLIENT", "FRONTEND", "SERVICE", "BACKEND", "SNAT", "STATE", "IDLE",
-    ]);
+    let mut out = t.render();
     for r in rows {
-        t.row(vec![
-            r.proto.clone(),
-            r.client.clone(),
-            r.frontend.clone(),
-            r.service.clone().unwrap_or_else(|| "?".into()),
-            r.backend.clone(),
-            r.snat.clone().unwrap_or_else(|| "-".into()),
-            r.state.to_string(),
-            format!("{:.1}s", r.idle_secs),
-        ]);
+        if let Some(d) = &r.difference {
+            out.push_str(&format!("{} differs: {d}\n", r.frontend));
+        }
     }
-    t.render()
-}
-
-#[derive(Serialize, Clone, Debug)]
-pub struct AffinityRow {
-    /// The client: its address (packet path) or `netns:<cookie>` (socket path).
-    pub client: String,
-    pub frontend: Option<String>,
-    pub service: Option<String>,
-    pub backend: Option<String>,
-    pub idle_secs: f64,
-    pub timeout_secs: Option<u32>,
-}
-
-/// `inspect affinity` (eBPF mode).
-pub fn affinity(inputs: &Inputs) -> anyhow::Result<Vec<AffinityRow>> {
-    let Some(maps) = &inputs.maps else {
-        anyhow::bail!(
-            "affinity entries are the eBPF maps'; in iptables mode they are the `recent` match's \
-             lists, /proc/net/xt_recent/KUBE-SEP-*"
-        );
-    };
-    let fronts = maps.frontends()?;
-    let model = inputs
-        .model
-        .as_ref()
-        .map(model_frontends)
-        .unwrap_or_default();
-    let by_index: BTreeMap<u16, (&Frontend, &ProgrammedFrontend)> = fronts
-        .iter()
-        .map(|(fe, p)| (p.rev_nat_index, (fe, p)))
-        .collect();
-    Ok(maps
-        .affinity()?
-        .into_iter()
-        .map(|a| {
-            let fe = by_index.get(&a.rev_nat_index);
-            AffinityRow {
-                client: match (a.client_ip, a.netns_cookie) {
-                    (Some(ip), _) => ip.to_string(),
-                    (None, Some(c)) => format!("netns:{c}"),
-                    (None, None) => "?".into(),
-                },
-                frontend: fe.map(|(f, _)| f.to_string()),
-                service: fe
-                    .and_then(|(f, _)| model.get(f))
-                    .map(|m| service_port_name(m.svc, m.port)),
-                backend: a
-                    .backend
-                    .map(|b| std::net::SocketAddr::new(b.ip, b.port).to_string()),
-                idle_secs: (a.idle_secs * 10.0).round() / 10.0,
-                timeout_secs: fe.map(|(_, p)| p.affinity_timeout),
-            }
-        })
-        .collect())
-}
-
-pub fn affinity_table(rows: &[AffinityRow]) -> String {
-    let mut t = Table::new(&[
-        "CLIENT", "FRONTEND", "SERVICE", "BACKEND", "IDLE", "TIMEOUT",
-    ]);
-    for r in rows {
-        t.row(vec![
-            r.client.clone(),
-            r.frontend.clone().unwrap_or_else(|| "?".into()),
-            r.service.clone().unwrap_or_else(|| "?".into()),
-            r.backend.clone().unwrap_or_else(|| "(gone)".into()),
-            format!("{:.1}s", r.idle_secs),
-            r.timeout_secs.map_or("-".into(), |t| format!("{t}s")),
-        ]);
-    }
-    t.render()
+    out
 }
 
 /// Whether `ip` is one of the model's pods on its node.

@@ -227,6 +227,8 @@ pub trait Tools: Send {
     fn version(&self) -> Result<String, ApplyError>;
     /// The UDP entries of this family's conntrack table.
     fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError>;
+    /// Every entry of this family's conntrack table (`fastpath inspect flows`).
+    fn conntrack_entries(&self) -> Result<Vec<conntrack::Entry>, ApplyError>;
     /// Deletes one UDP conntrack entry (gone already is no error).
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError>;
     /// The node's addresses of this family (loopback included).
@@ -253,6 +255,12 @@ impl Tools for Runner {
         let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
         cmd.args(["-L", "-p", "udp", "-f", self.family_flag()]);
         self.run(cmd, None).map(|out| conntrack::parse_list(&out))
+    }
+    fn conntrack_entries(&self) -> Result<Vec<conntrack::Entry>, ApplyError> {
+        let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
+        cmd.args(["-L", "-f", self.family_flag()]);
+        self.run(cmd, None)
+            .map(|out| conntrack::parse_entries(&out))
     }
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
         let mut cmd = netns::command(self.netns.as_deref(), "conntrack");

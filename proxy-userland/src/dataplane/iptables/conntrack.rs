@@ -56,20 +56,69 @@ impl Flow {
     }
 }
 
-/// The UDP entries in `conntrack -L -p udp` output. Each line holds the original tuple
-/// (`src= dst= sport= dport=`) and then the reply tuple; lines that do not parse are skipped.
+/// The UDP entries in `conntrack -L -p udp` output; lines that do not parse are skipped.
 pub fn parse_list(text: &str) -> Vec<Flow> {
-    text.lines().filter_map(parse_line).collect()
+    parse_entries(text)
+        .into_iter()
+        .filter(|e| e.proto == "udp")
+        .map(|e| Flow {
+            orig_src: e.orig.src.ip(),
+            orig_dst: e.orig.dst.ip(),
+            orig_sport: e.orig.src.port(),
+            orig_dport: e.orig.dst.port(),
+            reply_src: e.reply.src.ip(),
+            reply_sport: e.reply.src.port(),
+        })
+        .collect()
 }
 
-fn parse_line(line: &str) -> Option<Flow> {
+/// One direction of a conntrack entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuple {
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
+}
+
+/// One entry of `conntrack -L`, any protocol with ports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// `tcp`, `udp`, `sctp`.
+    pub proto: String,
+    /// Seconds until the entry expires unless another packet comes.
+    pub timeout_secs: u64,
+    /// The protocol's state (`ESTABLISHED`, `TIME_WAIT`; none for UDP).
+    pub state: Option<String>,
+    pub orig: Tuple,
+    /// Where replies come from and go to: the backend, and the client or the SNAT address.
+    pub reply: Tuple,
+    pub unreplied: bool,
+    pub assured: bool,
+}
+
+/// The entries in `conntrack -L` output: `PROTO NUM TIMEOUT [STATE] src= dst= sport= dport=
+/// [[UNREPLIED]] src= dst= sport= dport= [[ASSURED]] ...`. Lines without two tuples with
+/// ports (ICMP, the summary) are skipped.
+pub fn parse_entries(text: &str) -> Vec<Entry> {
+    text.lines().filter_map(parse_entry).collect()
+}
+
+fn parse_entry(line: &str) -> Option<Entry> {
     let mut words = line.split_whitespace();
-    if words.next()? != "udp" {
-        return None;
-    }
+    let proto = words.next()?.to_string();
+    let _number: u8 = words.next()?.parse().ok()?;
+    let timeout_secs: u64 = words.next()?.parse().ok()?;
     let (mut src, mut dst, mut sport, mut dport) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut state, mut unreplied, mut assured) = (None, false, false);
     for w in words {
         let Some((k, v)) = w.split_once('=') else {
+            match w {
+                "[UNREPLIED]" => unreplied = true,
+                "[ASSURED]" => assured = true,
+                _ if src.is_empty() && w.chars().all(|c| c.is_ascii_uppercase() || c == '_') => {
+                    state = Some(w.to_string())
+                }
+                _ => {}
+            }
             continue;
         };
         match k {
@@ -80,13 +129,20 @@ fn parse_line(line: &str) -> Option<Flow> {
             _ => {}
         }
     }
-    Some(Flow {
-        orig_src: *src.first()?,
-        orig_dst: *dst.first()?,
-        orig_sport: *sport.first()?,
-        orig_dport: *dport.first()?,
-        reply_src: *src.get(1)?,
-        reply_sport: *sport.get(1)?,
+    let tuple = |i: usize| -> Option<Tuple> {
+        Some(Tuple {
+            src: SocketAddr::new(*src.get(i)?, *sport.get(i)?),
+            dst: SocketAddr::new(*dst.get(i)?, *dport.get(i)?),
+        })
+    };
+    Some(Entry {
+        proto,
+        timeout_secs,
+        state,
+        orig: tuple(0)?,
+        reply: tuple(1)?,
+        unreplied,
+        assured,
     })
 }
 
@@ -190,6 +246,16 @@ conntrack v1.4.7 (conntrack-tools): 5 flow entries have been shown.
             (12345, 53, 53)
         );
         assert!(flows[0].translated() && !flows[1].translated());
+        let all = parse_entries(LIST);
+        assert_eq!(all.len(), 5, "the summary is skipped");
+        let tcp = &all[4];
+        assert_eq!(
+            (tcp.proto.as_str(), tcp.timeout_secs, tcp.state.as_deref()),
+            ("tcp", 431999, Some("ESTABLISHED"))
+        );
+        assert_eq!(tcp.reply.src, sa("198.18.1.11:80"));
+        assert!(tcp.assured && !tcp.unreplied);
+        assert!(all[1].unreplied && all[1].state.is_none());
         assert_eq!(
             flows[0].filter_args().join(" "),
             "--orig-src 198.18.0.2 --orig-dst 198.19.0.10 --orig-port-src 12345 --orig-port-dst 53 \

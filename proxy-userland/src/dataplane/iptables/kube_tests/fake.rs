@@ -285,6 +285,11 @@ impl Tools for FakeTools {
     fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError> {
         Ok(self.state.lock().unwrap().flows.clone())
     }
+    fn conntrack_entries(
+        &self,
+    ) -> Result<Vec<crate::dataplane::iptables::conntrack::Entry>, ApplyError> {
+        Ok(Vec::new())
+    }
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
         let mut s = self.state.lock().unwrap();
         s.flows.retain(|f| f != flow);
