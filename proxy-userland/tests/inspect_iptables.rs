@@ -192,6 +192,12 @@ fn inspect_in_iptables_mode_shows_the_rules_and_conntrack_and_tampering() {
             .any(|l| l.contains("demo/web:http cluster IP") && l.ends_with(&format!("-j {chain}"))),
         "{chain} not in:\n{saved}"
     );
+    let ex = json(&["explain", "tcp", WEB, "--admin", &admin]);
+    assert_eq!(
+        ex["programmed"],
+        serde_json::json!(["198.18.1.11:8080", "198.18.1.12:8080"]),
+        "{ex:#}"
+    );
     let sticky = row(&rows, "198.19.0.13:80/TCP");
     assert_eq!(sticky["affinity_timeout"], 300, "{sticky:#}");
     assert_eq!(addresses(sticky), want);
@@ -264,6 +270,19 @@ fn inspect_in_iptables_mode_shows_the_rules_and_conntrack_and_tampering() {
         "{table}"
     );
     eprintln!("$ fastpath inspect services   # after the rule was deleted\n{table}");
+    // explain answers from the model, and says the rules differ.
+    let ex = json(&["explain", "tcp", WEB, "--admin", &admin]);
+    assert_eq!(
+        ex["programmed"],
+        serde_json::json!(["198.18.1.12:8080"]),
+        "{ex:#}"
+    );
+    assert!(
+        ex["detail"].as_str().unwrap().contains("the rules send"),
+        "{ex:#}"
+    );
+    let text = tool(&["explain", "tcp", WEB, "--admin", &admin]);
+    eprintln!("$ fastpath explain tcp {WEB}   # after the rule was deleted\n{text}");
     let after = tcp(&bed, WEB, 10);
     assert!(after.iter().all(|o| o.name() == Some("pod-2")), "{after:?}");
 

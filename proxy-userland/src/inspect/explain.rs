@@ -61,7 +61,7 @@ pub struct Explanation {
     pub candidates: Vec<Candidate>,
     /// `ip:port` of the backends a connection may reach.
     pub eligible: Vec<String>,
-    /// eBPF mode: the backends the maps hold for the frontend, to compare.
+    /// The backends the maps (eBPF) or the rules (iptables) hold for the frontend, to compare.
     pub programmed: Option<Vec<String>>,
     pub affinity_timeout: Option<u32>,
     /// translated, refused, rejected, dropped, not-a-service or not-translated-here.
@@ -427,9 +427,17 @@ pub fn explain(
         let mut want = ex.eligible.clone();
         want.sort();
         if got != want {
+            let (what, why) = if mode == "iptables" {
+                (
+                    "the rules send",
+                    "a sync is pending or failed, or someone changed the rules",
+                )
+            } else {
+                ("the maps hold", "a sync is pending or failed")
+            };
             let _ = write!(
                 ex.detail,
-                "the maps hold {got:?} for this frontend, not the model's {want:?} (a sync is pending or failed). "
+                "{what} {got:?} for this frontend, not the model's {want:?} ({why}). "
             );
         }
         ex.programmed = Some(got);
@@ -561,7 +569,12 @@ impl Explanation {
         if let Some(p) = &self.programmed {
             let _ = writeln!(
                 s,
-                "  maps:     {}",
+                "  {:<9} {}",
+                if self.mode == "iptables" {
+                    "rules:"
+                } else {
+                    "maps:"
+                },
                 if p.is_empty() {
                     "no backend".into()
                 } else {

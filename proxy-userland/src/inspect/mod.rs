@@ -205,12 +205,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             source,
         } => {
             let model = fetch_model(&source.admin)?;
-            let programmed = if model.mode == "ebpf" {
-                maps::PinnedMaps::open(&source.bpf_pin_dir)
+            // What is really programmed, to compare with the model's answer.
+            let programmed = match model.mode.as_str() {
+                "ebpf" => maps::PinnedMaps::open(&source.bpf_pin_dir)
                     .and_then(|m| m.frontends())
-                    .ok()
-            } else {
-                None
+                    .ok(),
+                "iptables" => {
+                    let netns = source.netns.clone().or(model.context.netns.clone());
+                    rules::read_node(netns.as_deref(), &model.context.iptables_backend)
+                        .ok()
+                        .map(|(r, _)| r.as_frontends())
+                }
+                _ => None,
             };
             let ex = explain::explain(&model, programmed.as_ref(), proto, destination, from);
             if source.output == Output::Json {

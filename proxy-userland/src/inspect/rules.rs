@@ -12,11 +12,15 @@ use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
 };
 
+use super::maps::ProgrammedFrontend;
 use crate::{
-    dataplane::iptables::{
-        Family, Table,
-        apply::{Saved, SavedTable, Tools},
-        render::{KUBE_EXTERNAL_SERVICES, KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_SERVICES},
+    dataplane::{
+        frontends::{BackendAddr, Frontend, FrontendScope},
+        iptables::{
+            Family, Table,
+            apply::{Saved, SavedTable, Tools},
+            render::{KUBE_EXTERNAL_SERVICES, KUBE_MARK_MASQ, KUBE_NODEPORTS, KUBE_SERVICES},
+        },
     },
     model::Protocol,
 };
@@ -324,6 +328,47 @@ impl Programmed {
             });
             left *= 1.0 - p;
         }
+    }
+
+    /// The frontends as explain looks them up: from this node (socket scope) and from other
+    /// hosts (packet scope), each with the backends the rules send that traffic to.
+    pub fn as_frontends(&self) -> BTreeMap<Frontend, ProgrammedFrontend> {
+        let mut out = BTreeMap::new();
+        for &(ip, port, proto) in self.frontends.keys() {
+            for (scope, from_node) in [
+                (FrontendScope::Socket, true),
+                (FrontendScope::Packet, false),
+            ] {
+                let Some(r) = self.resolve(&(ip, port, proto), from_node) else {
+                    continue;
+                };
+                let backends = r
+                    .backends
+                    .iter()
+                    .filter_map(|b| b.addr)
+                    .map(|a| BackendAddr {
+                        ip: a.ip(),
+                        port: a.port(),
+                        proto,
+                        local: false,
+                    })
+                    .collect();
+                out.insert(
+                    Frontend {
+                        ip,
+                        port,
+                        proto,
+                        scope,
+                    },
+                    ProgrammedFrontend {
+                        rev_nat_index: 0,
+                        affinity_timeout: r.affinity_timeout.unwrap_or(0),
+                        backends,
+                    },
+                );
+            }
+        }
+        out
     }
 
     /// Every address a KUBE-SEP chain DNATs to, with the service port of its frontend.
