@@ -221,6 +221,26 @@ fn inspect_in_iptables_mode_shows_the_rules_and_conntrack_and_tampering() {
     let flows = json(&["inspect", "flows", "--admin", &admin]);
     assert_flows_match(&flows, &web_conns, WEB, "demo/web:http");
     assert_flows_match(&flows, &sticky_conns, STICKY, "demo/sticky:http");
+    // The affinity the sticky connections left: the `recent` list of the pod they stuck to.
+    let affinity = json(&["inspect", "affinity", "--admin", &admin]);
+    let client = sticky_conns[0]
+        .seen_from()
+        .unwrap()
+        .rsplit_once(':')
+        .unwrap()
+        .0;
+    let stuck_to = pod_backend(stuck.iter().next().unwrap());
+    let entries = affinity.as_array().unwrap();
+    assert_eq!(entries.len(), 1, "{affinity:#}");
+    assert_eq!(entries[0]["client"], client, "{affinity:#}");
+    assert_eq!(entries[0]["backend"], stuck_to.as_str(), "{affinity:#}");
+    assert_eq!(entries[0]["frontend"], "198.19.0.13:80/TCP");
+    assert_eq!(entries[0]["service"], "demo/sticky:http");
+    assert_eq!(entries[0]["timeout_secs"], 300);
+    eprintln!(
+        "$ fastpath inspect affinity\n{}",
+        tool(&["inspect", "affinity", "--admin", &admin])
+    );
     let table = tool(&["inspect", "flows", "--admin", &admin]);
     assert!(
         table.starts_with("PROTO") && table.contains("EXPIRES"),

@@ -4,11 +4,12 @@
 
 use std::{collections::BTreeMap, net::SocketAddr};
 
+use anyhow::Context as _;
 use serde::Serialize;
 
 use super::{
     maps::ProgrammedFrontend,
-    rules::Programmed,
+    rules::{Programmed, parse_recent},
     table::Table,
     view::{Inputs, model_frontends},
 };
@@ -56,9 +57,23 @@ fn packet_service(model: &ModelDump, dst: SocketAddr, proto: Protocol) -> Option
 
 /// `inspect flows`: the packet path's flow table (eBPF mode), or the conntrack entries the
 /// rules translated (iptables mode).
-pub fn flows(inputs: &Inputs) -> anyhow::Result<Vec<FlowRow>> {
-    if let (Some(rules), Some(entries)) = (&inputs.rules, &inputs.conntrack) {
-        return Ok(conntrack_flows(rules, entries));
+pub fn flows(inputs: &mut Inputs) -> anyhow::Result<Vec<FlowRow>> {
+    if let Some(rules) = &inputs.rules {
+        let (mut entries, mut failed) = (Vec::new(), Vec::new());
+        for t in &inputs.tools {
+            match t.conntrack_entries() {
+                Ok(e) => entries.extend(e),
+                Err(e) => failed.push(format!("conntrack ({:?}): {e}", t.family())),
+            }
+        }
+        anyhow::ensure!(
+            failed.len() < inputs.tools.len(),
+            "cannot list the conntrack table: {}",
+            failed.join("; ")
+        );
+        let rows = conntrack_flows(rules, &entries);
+        inputs.warnings.extend(failed);
+        return Ok(rows);
     }
     let Some(maps) = &inputs.maps else {
         anyhow::bail!(
@@ -174,17 +189,43 @@ pub struct AffinityRow {
     pub frontend: Option<String>,
     pub service: Option<String>,
     pub backend: Option<String>,
-    pub idle_secs: f64,
+    /// eBPF: seconds since the client's last new connection (the `recent` lists keep it in
+    /// jiffies, so iptables mode leaves it out).
+    pub idle_secs: Option<f64>,
     pub timeout_secs: Option<u32>,
 }
 
-/// `inspect affinity` (eBPF mode).
-pub fn affinity(inputs: &Inputs) -> anyhow::Result<Vec<AffinityRow>> {
+/// `inspect affinity`: the eBPF affinity map, or in iptables mode the `recent` lists the
+/// rules check.
+pub fn affinity(inputs: &mut Inputs) -> anyhow::Result<Vec<AffinityRow>> {
+    if let Some(rules) = &inputs.rules {
+        // The lists are the namespace's, one directory for both families.
+        let tool = inputs.tools.first().context("no iptables tools")?;
+        let (mut rows, mut failed) = (Vec::new(), Vec::new());
+        for list in rules.affinity_lists() {
+            let text = match tool.recent_list(&list.sep) {
+                Ok(t) => t,
+                Err(e) => {
+                    failed.push(format!("{}: {e}", list.sep));
+                    continue;
+                }
+            };
+            for client in parse_recent(&text) {
+                rows.push(AffinityRow {
+                    client: client.to_string(),
+                    frontend: Some(list.frontend.to_string()),
+                    service: list.service.clone(),
+                    backend: list.backend.map(|b| b.to_string()),
+                    idle_secs: None,
+                    timeout_secs: list.timeout_secs,
+                });
+            }
+        }
+        inputs.warnings.extend(failed);
+        return Ok(rows);
+    }
     let Some(maps) = &inputs.maps else {
-        anyhow::bail!(
-            "affinity entries are the eBPF maps'; in iptables mode they are the `recent` match's \
-             lists, /proc/net/xt_recent/KUBE-SEP-*"
-        );
+        anyhow::bail!("no affinity entries to read: neither the pinned maps nor the rules");
     };
     let fronts = maps.frontends()?;
     let model = inputs
@@ -212,7 +253,7 @@ pub fn affinity(inputs: &Inputs) -> anyhow::Result<Vec<AffinityRow>> {
                     .and_then(|(f, _)| model.get(f))
                     .map(|m| service_port_name(m.svc, m.port)),
                 backend: a.backend.map(|b| SocketAddr::new(b.ip, b.port).to_string()),
-                idle_secs: (a.idle_secs * 10.0).round() / 10.0,
+                idle_secs: Some((a.idle_secs * 10.0).round() / 10.0),
                 timeout_secs: fe.map(|(_, p)| p.affinity_timeout),
             }
         })
@@ -229,7 +270,7 @@ pub fn affinity_table(rows: &[AffinityRow]) -> String {
             r.frontend.clone().unwrap_or_else(|| "?".into()),
             r.service.clone().unwrap_or_else(|| "?".into()),
             r.backend.clone().unwrap_or_else(|| "(gone)".into()),
-            format!("{:.1}s", r.idle_secs),
+            r.idle_secs.map_or("-".into(), |i| format!("{i:.1}s")),
             r.timeout_secs.map_or("-".into(), |t| format!("{t}s")),
         ]);
     }

@@ -85,7 +85,8 @@ enum What {
     /// Translated connections: client, frontend, backend, SNAT, state, idle time (eBPF
     /// packet path) or time to expiry (iptables mode: the conntrack table).
     Flows,
-    /// ClientIP affinity entries: which client sticks to which backend.
+    /// ClientIP affinity entries: which client sticks to which backend (eBPF maps, or the
+    /// iptables `recent` lists).
     Affinity,
 }
 
@@ -165,7 +166,7 @@ fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
         Cmd::Inspect { what, source } => {
-            let inputs = view::Inputs::read(&source, matches!(what, What::Flows))?;
+            let mut inputs = view::Inputs::read(&source)?;
             let json = source.output == Output::Json;
             match what {
                 What::Services => {
@@ -177,7 +178,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
                 What::Flows => {
-                    let rows = flows::flows(&inputs)?;
+                    let rows = flows::flows(&mut inputs)?;
                     if json {
                         print_json(&rows)?
                     } else {
@@ -185,7 +186,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     }
                 }
                 What::Affinity => {
-                    let rows = flows::affinity(&inputs)?;
+                    let rows = flows::affinity(&mut inputs)?;
                     if json {
                         print_json(&rows)?
                     } else {

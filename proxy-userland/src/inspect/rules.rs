@@ -60,6 +60,31 @@ pub struct RuleFrontend {
     pub chain: String,
 }
 
+/// One ClientIP affinity list: the `recent` list a KUBE-SEP chain sets and the balancing
+/// chain checks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AffinityList {
+    /// A frontend whose traffic checks it (a cluster IP's, if the service has one).
+    pub frontend: Frontend,
+    pub service: Option<String>,
+    pub sep: String,
+    pub backend: Option<SocketAddr>,
+    pub timeout_secs: Option<u32>,
+}
+
+/// The clients in a `/proc/net/xt_recent/NAME` listing (`src=ADDR ttl: .. last_seen: ..`).
+pub fn parse_recent(text: &str) -> Vec<IpAddr> {
+    text.lines()
+        .filter_map(|l| {
+            l.split_whitespace()
+                .next()?
+                .strip_prefix("src=")?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
 /// Both families' nat and filter tables, as saved.
 #[derive(Clone, Debug, Default)]
 pub struct Programmed {
@@ -366,6 +391,43 @@ impl Programmed {
                         backends,
                     },
                 );
+            }
+        }
+        out
+    }
+
+    /// Every affinity list the balancing chains check, once each.
+    pub fn affinity_lists(&self) -> Vec<AffinityList> {
+        let mut out: Vec<AffinityList> = Vec::new();
+        let mut keys: Vec<(&Key, &RuleFrontend)> = self.frontends.iter().collect();
+        keys.sort_by_key(|(_, f)| f.kind != "cluster IP");
+        for (&(ip, port, proto), rf) in keys {
+            let Some(r) = self.resolve(&(ip, port, proto), false) else {
+                continue;
+            };
+            if r.affinity_timeout.is_none() {
+                continue;
+            }
+            let scope = if rf.kind == "cluster IP" {
+                FrontendScope::Socket
+            } else {
+                FrontendScope::Packet
+            };
+            for b in r.backends {
+                if out.iter().all(|l| l.sep != b.sep) {
+                    out.push(AffinityList {
+                        frontend: Frontend {
+                            ip,
+                            port,
+                            proto,
+                            scope,
+                        },
+                        service: rf.service.clone(),
+                        sep: b.sep,
+                        backend: b.addr,
+                        timeout_secs: r.affinity_timeout,
+                    });
+                }
             }
         }
         out

@@ -19,7 +19,7 @@ use crate::{
     admin::debug::ModelDump,
     dataplane::{
         frontends::{self, BackendAddr, DesiredFrontend, Frontend, FrontendScope},
-        iptables::{conntrack::Entry, names::service_port_name},
+        iptables::{apply::Tools, names::service_port_name},
     },
     model::{Endpoint, EndpointSet, Service, ServicePort, select},
 };
@@ -30,16 +30,16 @@ pub struct Inputs {
     pub maps: Option<PinnedMaps>,
     /// iptables mode: what the nat and filter tables hold.
     pub rules: Option<Programmed>,
-    /// iptables mode, for `inspect flows`: the conntrack table.
-    pub conntrack: Option<Vec<Entry>>,
+    /// iptables mode: the tools the rules were read with, for the conntrack table and the
+    /// affinity lists.
+    pub tools: Vec<Box<dyn Tools>>,
     pub warnings: Vec<String>,
 }
 
 impl Inputs {
     /// Reads the daemon's model and what its mode programmed: the pinned maps (eBPF), the
-    /// rules (iptables; and `flows`: the conntrack table). Without the daemon, the maps,
-    /// else the rules of `--netns`.
-    pub fn read(source: &Source, flows: bool) -> anyhow::Result<Self> {
+    /// rules (iptables). Without the daemon, the maps, else the rules of `--netns`.
+    pub fn read(source: &Source) -> anyhow::Result<Self> {
         let mut warnings = Vec::new();
         let model = match super::fetch_model(&source.admin) {
             Ok(m) => Some(m),
@@ -64,7 +64,7 @@ impl Inputs {
             Some(m) => m.mode == "iptables",
             None => maps.is_none(),
         };
-        let (mut rules, mut conntrack) = (None, None);
+        let (mut rules, mut tools) = (None, Vec::new());
         if want_rules {
             let netns = source
                 .netns
@@ -73,7 +73,7 @@ impl Inputs {
             let backend = model
                 .as_ref()
                 .map_or("system", |m| m.context.iptables_backend.as_str());
-            let tools = rules::runners(netns.as_deref(), backend);
+            tools = rules::runners(netns.as_deref(), backend);
             match Programmed::read(&tools) {
                 Ok((p, failed)) => {
                     // Tools that ran and failed: a family this node does not have, say.
@@ -81,16 +81,6 @@ impl Inputs {
                     rules = Some(p);
                 }
                 Err(e) => warnings.push(format!("{e:#}")),
-            }
-            if flows && rules.is_some() {
-                let mut all = Vec::new();
-                for t in &tools {
-                    match t.conntrack_entries() {
-                        Ok(e) => all.extend(e),
-                        Err(e) => warnings.push(format!("conntrack ({:?}): {e}", t.family())),
-                    }
-                }
-                conntrack = Some(all);
             }
         }
         if model.is_none() && maps.is_none() && rules.is_none() {
@@ -100,7 +90,7 @@ impl Inputs {
             model,
             maps,
             rules,
-            conntrack,
+            tools,
             warnings,
         })
     }

@@ -229,6 +229,8 @@ pub trait Tools: Send {
     fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError>;
     /// Every entry of this family's conntrack table (`fastpath inspect flows`).
     fn conntrack_entries(&self) -> Result<Vec<conntrack::Entry>, ApplyError>;
+    /// The `recent` match's list `name` (`/proc/net/xt_recent/NAME`): ClientIP affinity.
+    fn recent_list(&self, name: &str) -> Result<String, ApplyError>;
     /// Deletes one UDP conntrack entry (gone already is no error).
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError>;
     /// The node's addresses of this family (loopback included).
@@ -261,6 +263,20 @@ impl Tools for Runner {
         cmd.args(["-L", "-f", self.family_flag()]);
         self.run(cmd, None)
             .map(|out| conntrack::parse_entries(&out))
+    }
+    fn recent_list(&self, name: &str) -> Result<String, ApplyError> {
+        // The list is a file of the namespace's /proc/net, so it is read from inside it; the
+        // name comes from saved rules and must not climb out of the directory.
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            return Err(ApplyError::Failed {
+                command: format!("read /proc/net/xt_recent/{name}"),
+                status: "not run".into(),
+                stderr: "not a recent list's name".into(),
+            });
+        }
+        let mut cmd = netns::command(self.netns.as_deref(), "cat");
+        cmd.arg(format!("/proc/net/xt_recent/{name}"));
+        self.run(cmd, None)
     }
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
         let mut cmd = netns::command(self.netns.as_deref(), "conntrack");

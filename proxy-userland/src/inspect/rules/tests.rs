@@ -100,6 +100,13 @@ impl Tools for Fake {
     fn conntrack_entries(&self) -> Result<Vec<conntrack::Entry>, ApplyError> {
         Ok(conntrack::parse_entries(self.conntrack))
     }
+    fn recent_list(&self, name: &str) -> Result<String, ApplyError> {
+        Ok(match name {
+            "KUBE-SEP-S1" => "src=198.18.0.1 ttl: 64 last_seen: 4295251186 oldest_pkt: 2 4295250001, 4295251186\n",
+            _ => "",
+        }
+        .into())
+    }
     fn conntrack_delete(&self, _: &conntrack::Flow) -> Result<(), ApplyError> {
         unreachable!("inspect never writes")
     }
@@ -312,4 +319,28 @@ fn flows_are_the_conntrack_entries_the_rules_translated() {
             ),
         ]
     );
+}
+
+#[test]
+fn affinity_lists_are_the_seps_the_balancing_chain_checks() {
+    let (p, _) = read();
+    let lists = p.affinity_lists();
+    let got: Vec<_> = lists
+        .iter()
+        .map(|l| (l.frontend.to_string(), l.sep.as_str(), l.timeout_secs))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("198.19.0.13:80/TCP".to_string(), "KUBE-SEP-S1", Some(300)),
+            ("198.19.0.13:80/TCP".to_string(), "KUBE-SEP-S2", Some(300)),
+        ]
+    );
+    let fake = Fake {
+        family: Family::V4,
+        saved: None,
+        conntrack: "",
+    };
+    let clients = parse_recent(&fake.recent_list("KUBE-SEP-S1").unwrap());
+    assert_eq!(clients, ["198.18.0.1".parse::<IpAddr>().unwrap()]);
 }

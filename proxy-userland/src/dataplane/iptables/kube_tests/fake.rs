@@ -290,6 +290,9 @@ impl Tools for FakeTools {
     ) -> Result<Vec<crate::dataplane::iptables::conntrack::Entry>, ApplyError> {
         Ok(Vec::new())
     }
+    fn recent_list(&self, _name: &str) -> Result<String, ApplyError> {
+        Ok(String::new())
+    }
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
         let mut s = self.state.lock().unwrap();
         s.flows.retain(|f| f != flow);
