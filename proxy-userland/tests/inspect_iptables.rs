@@ -109,7 +109,8 @@ fn assert_flows_match(
     outcomes: &[xtask::probe::Outcome],
     frontend: &str,
     service: &str,
-) {
+) -> Vec<Value> {
+    let mut matched = Vec::new();
     for o in outcomes {
         let (name, seen) = (o.name().unwrap(), o.seen_from().unwrap());
         let found = flows.as_array().unwrap().iter().find(|f| {
@@ -121,7 +122,9 @@ fn assert_flows_match(
         assert_eq!(f["backend"], pod_backend(name).as_str(), "{f}");
         assert_eq!(f["service"], service, "{f}");
         assert!(f["expires_secs"].as_u64().is_some(), "{f}");
+        matched.push(f.clone());
     }
+    matched
 }
 
 #[test]
@@ -330,4 +333,146 @@ fn inspect_in_iptables_mode_shows_the_rules_and_conntrack_and_tampering() {
     let web = row(&rows, "198.19.0.10:80/TCP");
     assert_eq!(web["service"], "demo/web:http");
     assert_eq!(addresses(web), ["198.18.1.12:8080".to_string()].into());
+}
+
+/// Node ports from another host: externalTrafficPolicy Local through KUBE-EXT to the
+/// KUBE-SVL chain (this node's pod only, the client's address kept), Cluster through
+/// KUBE-SVC to both pods, masqueraded. Every frontend's rules agree with the model, real
+/// connections land where inspect says, and their conntrack flows show the SNAT.
+#[test]
+fn inspect_in_iptables_mode_follows_node_ports_from_another_host() {
+    let (mut bed, _pods) = bed_with_echoing_pods("inspiptnp", 2);
+    let ext = nat_common::external_client(&mut bed);
+    let node_port = |name: &str, ip: &str, port: u16, policy: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: demo}}\nspec:\n  \
+             type: NodePort\n  clusterIP: {ip}\n  clusterIPs: [{ip}]\n  externalTrafficPolicy: {policy}\n  \
+             ports:\n  - {{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: {port}}}\n---\n\
+             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: demo, \
+             labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\n\
+             ports:\n- {{name: http, port: 8080, protocol: TCP}}\nendpoints:\n\
+             - {{addresses: [198.18.1.11], conditions: {{ready: true}}, nodeName: node-a}}\n\
+             - {{addresses: [198.18.1.12], conditions: {{ready: true}}, nodeName: node-b}}\n---\n"
+        )
+    };
+    let manifests = node_port("npc", "198.19.0.20", 30080, "Cluster")
+        + &node_port("npl", "198.19.0.21", 30081, "Local");
+    std::fs::write(bed.dir().join("svc.yaml"), manifests).unwrap();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let ns = bed.node_netns().to_string();
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            bed.dir().join("svc.yaml").to_str().unwrap(),
+            "--metrics-bind-address",
+            &admin,
+            "--proxy-mode",
+            "iptables",
+            "--netns",
+            &ns,
+        ],
+    );
+    let node_ip = bed.node_ipv4().to_string();
+    let from_ext = |port: u16, count: usize| {
+        nat_common::probe_from(
+            &ext.netns,
+            &[
+                "tcp",
+                &format!("{node_ip}:{port}"),
+                "--count",
+                &count.to_string(),
+                "--timeout-ms",
+                "2000",
+            ],
+        )
+    };
+    assert!(
+        eventually(30, || from_ext(30081, 1)[0].is_ok()),
+        "the node port never answered; log:\n{}",
+        daemon.log()
+    );
+
+    let rows = json(&["inspect", "services", "--admin", &admin]);
+    for r in rows.as_array().unwrap() {
+        assert_eq!(r["in_sync"], true, "the rules agree with the model: {r:#}");
+    }
+    let local = row(&rows, "<node>:30081/TCP (external)");
+    assert_eq!(
+        addresses(local),
+        ["198.18.1.11:8080".to_string()].into(),
+        "{local:#}"
+    );
+    let chain = local["chain"].as_str().unwrap();
+    assert!(
+        chain.starts_with("KUBE-EXT-") && chain.contains(" -> KUBE-SVL-"),
+        "{chain}"
+    );
+    let cluster = row(&rows, "<node>:30080/TCP (external)");
+    assert_eq!(addresses(cluster).len(), 2, "{cluster:#}");
+    assert!(
+        cluster["chain"].as_str().unwrap().contains(" -> KUBE-SVC-"),
+        "{cluster:#}"
+    );
+    let ex = json(&[
+        "explain",
+        "tcp",
+        &format!("{node_ip}:30081"),
+        "--from",
+        "198.18.2.1",
+        "--admin",
+        &admin,
+    ]);
+    assert_eq!(
+        ex["programmed"],
+        serde_json::json!(["198.18.1.11:8080"]),
+        "{ex:#}"
+    );
+    assert_eq!(ex["eligible"], ex["programmed"], "{ex:#}");
+
+    // Real connections: the Local node port keeps to pod-1 and the client's address...
+    let local_conns = from_ext(30081, 10);
+    assert!(
+        local_conns.iter().all(|o| o.name() == Some("pod-1")),
+        "{local_conns:?}"
+    );
+    // ...the Cluster one reaches both pods, masqueraded.
+    let cluster_conns = from_ext(30080, 20);
+    let reached: BTreeSet<&str> = cluster_conns.iter().filter_map(|o| o.name()).collect();
+    assert_eq!(reached.len(), 2, "{cluster_conns:?}");
+    let flows = json(&["inspect", "flows", "--admin", &admin]);
+    for f in assert_flows_match(
+        &flows,
+        &local_conns,
+        &format!("{node_ip}:30081"),
+        "demo/npl:http",
+    ) {
+        assert!(
+            f["client"].as_str().unwrap().starts_with("198.18.2.1:"),
+            "{f}"
+        );
+        assert!(f["snat"].is_null(), "Local keeps the client's address: {f}");
+    }
+    for f in assert_flows_match(
+        &flows,
+        &cluster_conns,
+        &format!("{node_ip}:30080"),
+        "demo/npc:http",
+    ) {
+        assert!(
+            f["client"].as_str().unwrap().starts_with("198.18.2.1:"),
+            "{f}"
+        );
+        assert!(f["snat"].is_string(), "Cluster masquerades: {f}");
+    }
+    eprintln!(
+        "$ fastpath inspect services\n{}",
+        tool(&["inspect", "services", "--admin", &admin])
+    );
+    let table = tool(&["inspect", "flows", "--admin", &admin]);
+    eprintln!(
+        "$ fastpath inspect flows\n{}",
+        table.lines().take(3).collect::<Vec<_>>().join("\n")
+    );
+    daemon.stop();
 }
