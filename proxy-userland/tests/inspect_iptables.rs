@@ -5,11 +5,13 @@
 //! daemon's back shows as a difference from the model, and real connections follow the rules.
 
 mod common;
+mod inspect_common;
 mod nat_common;
 
 use std::{collections::BTreeSet, process::Command};
 
 use common::*;
+use inspect_common::*;
 use serde_json::Value;
 
 /// demo/web: pod-1 (here) and pod-2 (node-b) ready; demo/sticky: the same pods with
@@ -57,44 +59,6 @@ endpoints:
 "#;
 
 const STICKY: &str = "198.19.0.13:80";
-
-fn tool(args: &[&str]) -> String {
-    let out = Command::new(FASTPATH)
-        .args(args)
-        .output()
-        .expect("fastpath runs");
-    assert!(
-        out.status.success(),
-        "fastpath {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn json(args: &[&str]) -> Value {
-    let mut all = args.to_vec();
-    all.extend(["-o", "json"]);
-    let out = tool(&all);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?} printed no JSON ({e}):\n{out}"))
-}
-
-fn row<'a>(rows: &'a Value, frontend: &str) -> &'a Value {
-    rows.as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["frontend"] == frontend)
-        .unwrap_or_else(|| panic!("no row for {frontend} in {rows:#}"))
-}
-
-fn addresses(row: &Value) -> BTreeSet<String> {
-    row["backends"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|b| b["address"].as_str().unwrap().to_string())
-        .collect()
-}
 
 /// The backend address of pod `pod-N` (198.18.1.(10+N):8080).
 fn pod_backend(name: &str) -> String {
@@ -473,129 +437,6 @@ fn inspect_in_iptables_mode_follows_node_ports_from_another_host() {
     eprintln!(
         "$ fastpath inspect flows\n{}",
         table.lines().take(3).collect::<Vec<_>>().join("\n")
-    );
-    daemon.stop();
-}
-
-/// A load balancer IP with loadBalancerSourceRanges: explain says an allowed client is
-/// translated and another is dropped, inspect shows the KUBE-FW chain's ranges, and real
-/// connections from the two clients do just that.
-#[test]
-fn explain_in_iptables_mode_matches_source_ranges_for_real_clients() {
-    let (mut bed, _pods) = bed_with_pods("inspiptlb", 2);
-    nat_common::route_services(&bed);
-    let ext = nat_common::external_client(&mut bed);
-    let stranger = bed
-        .add_pod("stranger", std::net::Ipv4Addr::new(198, 18, 4, 1), None)
-        .expect("client outside the ranges");
-    std::fs::write(
-        bed.dir().join("svc.yaml"),
-        r#"
-apiVersion: v1
-kind: Service
-metadata: {name: lb, namespace: demo}
-spec:
-  type: LoadBalancer
-  clusterIP: 198.19.0.40
-  clusterIPs: [198.19.0.40]
-  loadBalancerSourceRanges: [198.18.2.0/24]
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30090}
-status:
-  loadBalancer:
-    ingress: [{ip: 198.19.1.2}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: lb-1, namespace: demo, labels: {kubernetes.io/service-name: lb}}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-endpoints:
-- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: node-a}
-- {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
-"#,
-    )
-    .unwrap();
-    let admin = format!("127.0.0.1:{}", free_port());
-    let ns = bed.node_netns().to_string();
-    let mut daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--manifests",
-            bed.dir().join("svc.yaml").to_str().unwrap(),
-            "--metrics-bind-address",
-            &admin,
-            "--proxy-mode",
-            "iptables",
-            "--netns",
-            &ns,
-        ],
-    );
-    const LB: &str = "198.19.1.2:80";
-    let from = |client: &xtask::testbed::Pod, count: usize| {
-        nat_common::probe_from(
-            &client.netns,
-            &[
-                "tcp",
-                LB,
-                "--count",
-                &count.to_string(),
-                "--timeout-ms",
-                "1000",
-            ],
-        )
-    };
-    assert!(
-        eventually(30, || from(&ext, 1)[0].is_ok()),
-        "the load balancer IP never answered; log:\n{}",
-        daemon.log()
-    );
-
-    let rows = json(&["inspect", "services", "--admin", &admin]);
-    for r in rows.as_array().unwrap() {
-        assert_eq!(r["in_sync"], true, "the rules agree with the model: {r:#}");
-    }
-    let lb = row(&rows, "198.19.1.2:80/TCP (external)");
-    assert_eq!(
-        lb["source_ranges"],
-        serde_json::json!(["198.18.2.0/24"]),
-        "{lb:#}"
-    );
-    let chain = lb["chain"].as_str().unwrap();
-    assert!(
-        chain.starts_with("KUBE-FW-") && chain.contains(" -> KUBE-EXT-"),
-        "{chain}"
-    );
-    assert_eq!(addresses(lb).len(), 2, "{lb:#}");
-
-    let explain = |from: &str| json(&["explain", "tcp", LB, "--from", from, "--admin", &admin]);
-    let allowed = explain("198.18.2.1");
-    assert_eq!(allowed["verdict"], "translated", "{allowed:#}");
-    assert_eq!(allowed["programmed"], allowed["eligible"], "{allowed:#}");
-    let dropped = explain("198.18.4.1");
-    assert_eq!(dropped["verdict"], "dropped", "{dropped:#}");
-    eprintln!(
-        "$ fastpath explain tcp {LB} --from 198.18.4.1\n{}",
-        tool(&[
-            "explain",
-            "tcp",
-            LB,
-            "--from",
-            "198.18.4.1",
-            "--admin",
-            &admin
-        ])
-    );
-
-    // Real packets agree: the allowed client reaches both pods, the other nothing.
-    let attempts = from(&ext, 20);
-    assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
-    assert_eq!(reached(&attempts).len(), 2, "{attempts:?}");
-    let attempts = from(&stranger, 2);
-    assert!(
-        attempts.iter().all(|a| !a.is_ok()),
-        "outside loadBalancerSourceRanges: {attempts:?}"
     );
     daemon.stop();
 }
