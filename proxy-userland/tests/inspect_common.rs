@@ -6,7 +6,7 @@ use std::{collections::BTreeSet, process::Command};
 
 use serde_json::Value;
 
-use super::common::FASTPATH;
+const FASTPATH: &str = env!("CARGO_BIN_EXE_fastpath");
 
 /// `fastpath ARGS`' stdout; fails the test on a non-zero exit.
 pub fn tool(args: &[&str]) -> String {
