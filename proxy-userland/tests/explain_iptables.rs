@@ -107,10 +107,8 @@ endpoints:
         daemon.log()
     );
 
-    let rows = json(&["inspect", "services", "--admin", &admin]);
-    for r in rows.as_array().unwrap() {
-        assert_eq!(r["in_sync"], true, "the rules agree with the model: {r:#}");
-    }
+    // Every frontend's rules agree with the model.
+    let rows = services_in_sync(&admin, 10);
     let lb = row(&rows, "198.19.1.2:80/TCP (external)");
     assert_eq!(
         lb["source_ranges"],

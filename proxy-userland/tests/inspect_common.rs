@@ -49,3 +49,23 @@ pub fn addresses(row: &Value) -> BTreeSet<String> {
         .map(|b| b["address"].as_str().unwrap().to_string())
         .collect()
 }
+
+/// `inspect services` once every row agrees with the model: the rules of a sync can be in
+/// the kernel a moment before the daemon publishes that sync's model. Waits at most `secs`.
+pub fn services_in_sync(admin: &str, secs: u64) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let rows = json(&["inspect", "services", "--admin", admin]);
+        let synced = rows
+            .as_array()
+            .is_some_and(|r| !r.is_empty() && r.iter().all(|r| r["in_sync"] == true));
+        if synced {
+            return rows;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "inspect services never agreed with the model:\n{rows:#}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
