@@ -1,10 +1,12 @@
 //! The container image, built here (debootstrap base cached under target/image/, the test's
 //! own binaries on top, so no second release build), runs the DaemonSet's command with the
 //! DaemonSet's capabilities, seccomp profile, read-only root and mounts, in the test bed's
-//! node namespace (as hostNetwork), and a Service works through it. Skipped, saying why,
-//! where podman or debootstrap cannot run.
+//! node namespace (as hostNetwork), and a Service works through it, in iptables mode (with
+//! `fastpath inspect` reading the rules and conntrack inside the image) and in eBPF mode.
+//! Skipped, saying why, where podman or debootstrap cannot run.
 
 mod common;
+mod nat_common;
 
 use std::{path::Path, process::Command};
 
@@ -99,37 +101,120 @@ fn the_image_runs_the_daemonsets_command_and_a_service_works() {
     let lock = bed.dir().join("xtables.lock");
     std::fs::write(&lock, "").unwrap();
 
-    let mut run = podman.command();
-    run.args(["run", "-d", "--pull=never", "--name", &name]);
-    run.args(&podman.run);
-    run.arg(format!("--network=ns:/run/netns/{}", bed.node_netns()));
-    run.args([
-        "--cap-drop=all",
-        "--security-opt=no-new-privileges",
-        "--read-only",
-        "--tmpfs=/tmp",
-    ]);
-    for cap in &caps {
-        run.arg(format!("--cap-add={cap}"));
-    }
-    run.arg(format!("--security-opt=seccomp={}", profile.display()));
-    // The DaemonSet's mounts: config, bpffs, the cgroup (here the bed's client cgroup
-    // stands for the host's root), the xtables lock.
-    run.arg(format!("--volume={}:/etc/fastpath:ro", etc.display()));
-    run.arg(format!("--volume={}:/sys/fs/bpf", bpffs.0.display()));
-    run.arg(format!(
-        "--volume={}:/host/sys/fs/cgroup",
-        bed.cgroup_path().display()
-    ));
-    run.arg(format!("--volume={}:/run/xtables.lock", lock.display()));
-    run.arg(format!("--entrypoint={}", command[0]));
-    run.arg(&tag);
-    run.args(&command[1..]).args(&args);
-    // Test-only: Services from the file, no node-port devices in the bed.
-    run.args([
-        "--manifests=/etc/fastpath/web.yaml",
-        "--nodeport-devices=none",
-    ]);
+    // The DaemonSet's container; `extra` flags after its own.
+    let container = |name: &str, extra: &[&str]| {
+        let mut run = podman.command();
+        run.args(["run", "-d", "--pull=never", "--name", name]);
+        run.args(&podman.run);
+        run.arg(format!("--network=ns:/run/netns/{}", bed.node_netns()));
+        run.args([
+            "--cap-drop=all",
+            "--security-opt=no-new-privileges",
+            "--read-only",
+            "--tmpfs=/tmp",
+        ]);
+        for cap in &caps {
+            run.arg(format!("--cap-add={cap}"));
+        }
+        run.arg(format!("--security-opt=seccomp={}", profile.display()));
+        // The DaemonSet's mounts: config, bpffs, the cgroup (here the bed's client cgroup
+        // stands for the host's root), the xtables lock.
+        run.arg(format!("--volume={}:/etc/fastpath:ro", etc.display()));
+        run.arg(format!("--volume={}:/sys/fs/bpf", bpffs.0.display()));
+        run.arg(format!(
+            "--volume={}:/host/sys/fs/cgroup",
+            bed.cgroup_path().display()
+        ));
+        run.arg(format!("--volume={}:/run/xtables.lock", lock.display()));
+        run.arg(format!("--entrypoint={}", command[0]));
+        run.arg(&tag);
+        run.args(&command[1..]).args(&args);
+        // Test-only: Services from the file, no node-port devices in the bed.
+        run.args([
+            "--manifests=/etc/fastpath/web.yaml",
+            "--nodeport-devices=none",
+        ]);
+        run.args(extra);
+        run
+    };
+
+    // iptables mode first: once the eBPF programs are attached they stay pinned, and would
+    // translate at the socket before the rules see a packet. The image has the tools
+    // `inspect` reads the rules and the conntrack table with.
+    nat_common::route_services(&bed);
+    let ipt = format!("{}-fastpath-ipt", bed.id());
+    let _ipt_cleanup = Cleanup {
+        podman: podman.clone(),
+        container: ipt.clone(),
+        image: tag.clone(),
+    };
+    // Its rules go when it stops, so that what works afterwards is the eBPF mode's doing.
+    let mut run = container(&ipt, &["--proxy-mode=iptables", "--cleanup-on-exit"]);
+    xtask::cmd::output(&mut run).unwrap_or_else(|e| panic!("podman run: {e:#}"));
+    let ipt_logs = || {
+        let out = podman.command().args(["logs", &ipt]).output().unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let works = || {
+        let outcomes = tcp(&bed, WEB, 20);
+        outcomes.iter().all(|o| o.is_ok()) && reached(&outcomes).len() == 2
+    };
+    assert!(
+        eventually(30, works),
+        "demo/web never worked through the iptables-mode container; logs:\n{}",
+        ipt_logs()
+    );
+    let exec_json = |name: &str, what: &str| -> serde_json::Value {
+        let out = podman
+            .command()
+            .args([
+                "exec",
+                name,
+                "/usr/local/bin/fastpath",
+                "inspect",
+                what,
+                "-o",
+                "json",
+            ])
+            .output()
+            .unwrap();
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "inspect {what} in the image: {e}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+    };
+    let rows = exec_json(&ipt, "services");
+    let web = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["frontend"] == "198.19.0.10:80/TCP")
+        .unwrap_or_else(|| panic!("{rows:#}"));
+    assert!(
+        web["chain"].as_str().unwrap().starts_with("KUBE-SVC-"),
+        "{web:#}"
+    );
+    assert_eq!(web["backends"].as_array().unwrap().len(), 2, "{web:#}");
+    assert_eq!(web["in_sync"], true, "{web:#}");
+    let flows = exec_json(&ipt, "flows");
+    assert!(
+        flows
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["frontend"] == WEB && f["service"] == "demo/web:http"),
+        "{flows:#}"
+    );
+    let _ = podman
+        .command()
+        .args(["rm", "-f", "-t", "2", &ipt])
+        .output();
+
+    // eBPF mode, as the DaemonSet runs it.
+    let mut run = container(&name, &[]);
     let started = xtask::cmd::output(&mut run);
     let logs = || {
         let out = podman.command().args(["logs", &name]).output().unwrap();
