@@ -6,15 +6,18 @@
 //! (median and p99; at most 200, and no more than a minute of them), and the growth of this
 //! process's resident memory. Data path: new TCP connections (connect, one reply line,
 //! close with a reset) from a client namespace to a ClusterIP through eBPF and through the
-//! iptables mode, against the same pod dialled directly, with 1 service and at every size;
-//! and from a pod outside the socket hooks' cgroup, the ClusterIP translated per packet on
+//! iptables mode, against the same pod dialled directly (with no programs attached, and with
+//! the socket programs attached, which look the pod up and let it pass), with 1 service and
+//! at every size; and from a pod outside the socket hooks' cgroup, the ClusterIP translated per packet on
 //! the pod's device (the pod path) against that pod dialling the pod IP.
 //! The paths take turns in every round (in a rotating order), and only one dataplane
 //! is installed at a time, so noise and drift hit all alike; the table has the median of
 //! the rounds and their spread, and eBPF against direct round by round. Every run checks
 //! its own conditions (support/conditions.rs: failed connections, ports held in the client
 //! namespace, the load average against FASTPATH_BENCH_MAX_LOAD, default the CPU count) and
-//! a row with a bad run is FAILED with the reason instead of reported as a number.
+//! a row with a bad run is FAILED with the reason instead of reported as a number. The data
+//! path runs on one CPU (FASTPATH_BENCH_CPU, default the last; `none` to not pin): see
+//! `conditions::pin_to_one_cpu` for why.
 //!
 //! Everything runs in namespaces the bench creates, with 198.18.0.0/15 addresses only, and
 //! every loop is bounded. Sizes: FASTPATH_BENCH_SIZES (default "100,1000,10000");
@@ -266,6 +269,7 @@ fn iptables(bed: &Testbed, backend: Backend) -> Result<IptablesDataplane> {
 }
 
 const DIRECT: &str = "direct to pod IP";
+const DIRECT_HOOKED: &str = "direct to pod IP, eBPF attached";
 const EBPF: &str = "ClusterIP via eBPF";
 const IPTABLES: &str = "ClusterIP via iptables";
 const POD_DIRECT: &str = "from a pod: direct to pod IP";
@@ -277,6 +281,9 @@ const POD_PATH: &str = "from a pod: ClusterIP via pod path (tc)";
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum PathKind {
     Direct,
+    /// Direct, with the socket programs attached and synced: what the hooks cost a
+    /// connection that is not to a service (they look it up and let it pass).
+    DirectHooked,
     Ebpf,
     Iptables,
     /// From a pod outside the socket hooks' cgroup, straight to the pod IP: the pod path's
@@ -288,8 +295,9 @@ enum PathKind {
 }
 
 impl PathKind {
-    const ALL: [PathKind; 5] = [
+    const ALL: [PathKind; 6] = [
         PathKind::Direct,
+        PathKind::DirectHooked,
         PathKind::Ebpf,
         PathKind::Iptables,
         PathKind::PodDirect,
@@ -299,6 +307,7 @@ impl PathKind {
     fn label(self) -> &'static str {
         match self {
             PathKind::Direct => DIRECT,
+            PathKind::DirectHooked => DIRECT_HOOKED,
             PathKind::Ebpf => EBPF,
             PathKind::Iptables => IPTABLES,
             PathKind::PodDirect => POD_DIRECT,
@@ -359,6 +368,17 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                 let which = (round + k) % paths.len();
                 let (attempts, watch) = match PathKind::ALL[which] {
                     PathKind::Direct => {
+                        let watch = Watch::start(&[bed.node_netns()]);
+                        (connections(&bed, POD, conns)?, watch)
+                    }
+                    PathKind::DirectHooked => {
+                        let mut dp = BpfDataplane::attach(bed.cgroup_path())?;
+                        let report = dp.sync(&state, &node, Scope::Full);
+                        anyhow::ensure!(
+                            report.failed.is_empty(),
+                            "eBPF sync failed: {:?}",
+                            report.failed.first()
+                        );
                         let watch = Watch::start(&[bed.node_netns()]);
                         (connections(&bed, POD, conns)?, watch)
                     }
@@ -471,14 +491,17 @@ fn main() -> Result<()> {
     }
     let control_took = started.elapsed();
     let started = Instant::now();
-    let data = if only == "control" {
-        Vec::new()
+    let (data, cpu) = if only == "control" {
+        (Vec::new(), None)
     } else {
         eprintln!("bench: data path, {rounds} rounds of {conns} connections per path");
+        // After the control plane, which keeps its threads' placement.
+        let cpu = conditions::pin_to_one_cpu();
+        eprintln!("bench: data path pinned to CPU {cpu:?} (FASTPATH_BENCH_CPU)");
         // 1 service, then every size: eBPF must keep up with direct at each.
         let mut at: Vec<u32> = std::iter::once(1).chain(sizes.iter().copied()).collect();
         at.dedup();
-        data_path(&at, conns, rounds)?
+        (data_path(&at, conns, rounds)?, cpu)
     };
     let data_took = started.elapsed();
 
@@ -494,7 +517,7 @@ fn main() -> Result<()> {
         control_table(&mut out, &control);
     }
     if !data.is_empty() {
-        data_table(&mut out, &data, rounds, conns);
+        data_table(&mut out, &data, rounds, conns, cpu);
     }
     targets(&mut out, &control, &data);
     print!("{out}");
@@ -587,10 +610,14 @@ fn spread(xs: &[f64]) -> (f64, f64) {
     )
 }
 
-fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize) {
+fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize, cpu: Option<usize>) {
+    let placement = cpu.map_or_else(
+        || "clients and servers placed by the scheduler".to_string(),
+        |c| format!("clients and servers pinned to CPU {c}"),
+    );
     let _ = writeln!(
         out,
-        "\n## Data path ({rounds} rounds of {conns} new TCP connections per path: connect, read one line, close)\n"
+        "\n## Data path ({rounds} rounds of {conns} new TCP connections per path: connect, read one line, close; {placement})\n"
     );
     let _ = writeln!(
         out,

@@ -13,7 +13,8 @@
 //! latencies, and the rounds' spread, and writes the table to target/bench/nodeport.md.
 //! Bounded: FASTPATH_BENCH_ROUNDS rounds (default 5) of FASTPATH_BENCH_CONNS connections
 //! (default 2000) and as many UDP requests; FASTPATH_BENCH_NODEPORT_SIZES (default "1,10000");
-//! addresses in 198.18.0.0/15 only.
+//! addresses in 198.18.0.0/15 only. Pinned to one CPU as the data-path bench is
+//! (FASTPATH_BENCH_CPU; see support/conditions.rs).
 
 use std::{fmt::Write as _, path::Path, time::Duration};
 
@@ -167,6 +168,8 @@ fn main() -> Result<()> {
         .filter(|&n| (1..=60_000).contains(&n))
         .collect();
     let max_load = conditions::max_load();
+    // Before the pods' servers start, so they are pinned too.
+    let cpu = conditions::pin_to_one_cpu();
     let (mut bed, _pods) = common::bed_with_pods("npbench", 2);
     let ext = nat_common::external_client(&mut bed);
     let (mut ipt_bed, _ipt_pods) = common::bed_with_pods("npbenchipt", 2);
@@ -279,9 +282,14 @@ fn main() -> Result<()> {
             }
         }
     }
-    println!(
-        "\nNode port from another host, {rounds} interleaved rounds of {count} each:\n\n{table}"
+    let placement = cpu.map_or_else(
+        || "clients and servers placed by the scheduler".to_string(),
+        |c| format!("clients and servers pinned to CPU {c}"),
     );
+    let table = format!(
+        "Node port from another host, {rounds} interleaved rounds of {count} each, {placement}:\n\n{table}"
+    );
+    println!("\n{table}");
     let out = xtask::target_dir().join("bench");
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("nodeport.md"), &table)?;

@@ -26,6 +26,33 @@ pub fn max_load() -> f64 {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as f64)
 }
 
+/// Pins this process, and so every process it starts after (clients, servers), to one CPU:
+/// FASTPATH_BENCH_CPU, default the last one; `none` leaves placement to the scheduler.
+///
+/// On a VM, a connection whose client and server land on different vCPUs pays a cross-CPU
+/// wake-up (an IPI, often a VM exit) that one on a single vCPU does not, and the scheduler
+/// chooses anew for every run: rounds of the same path spread by 2x and two paths doing the
+/// same work differ by tens of percent. On one CPU every path pays the same.
+pub fn pin_to_one_cpu() -> Option<usize> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpu = match std::env::var("FASTPATH_BENCH_CPU").ok().as_deref() {
+        Some("none") => return None,
+        Some(v) => v.parse().ok().filter(|&c| c < cpus)?,
+        None => cpus - 1,
+    };
+    // SAFETY: cpu_set_t is plain data, zeroed is an empty set; CPU_SET writes within it
+    // (cpu < CPU_SETSIZE, as cpu < the CPU count); sched_setaffinity only reads the set.
+    let pinned = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    if !pinned {
+        eprintln!("bench: WARNING: could not pin to CPU {cpu}; placement is the scheduler's");
+    }
+    pinned.then_some(cpu)
+}
+
 /// How many ephemeral ports a namespace has (`ip_local_port_range`).
 pub fn ephemeral_ports(netns: &str) -> usize {
     let out = Command::new("ip")
