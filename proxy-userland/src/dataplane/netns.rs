@@ -77,6 +77,21 @@ pub fn enter(name: &str) -> Result<(), NetnsError> {
     Ok(())
 }
 
+/// Runs `f` inside `ns` (None: where we are): on a thread of its own that enters the
+/// namespace, so ours never changes namespace.
+pub fn in_netns<T: Send>(ns: Option<&str>, f: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
+    let Some(ns) = ns else { return Ok(f()) };
+    std::thread::scope(|scope| {
+        let handle = scope.spawn(move || {
+            enter(ns)?;
+            Ok(f())
+        });
+        handle
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

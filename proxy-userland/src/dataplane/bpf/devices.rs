@@ -11,7 +11,7 @@ use std::{
 
 use crate::dataplane::{
     iptables::render::cidr_contains as contains,
-    netns::{self, NetnsError},
+    netns::{NetnsError, in_netns},
 };
 
 /// What the packet path is asked to cover.
@@ -222,21 +222,6 @@ fn default_route_devices() -> Vec<String> {
         }
     }
     out
-}
-
-/// Runs `f` inside `ns` (None: where we are): on a thread of its own that enters the
-/// namespace, so ours never changes namespace.
-pub fn in_netns<T: Send>(ns: Option<&str>, f: impl FnOnce() -> T + Send) -> Result<T, NetnsError> {
-    let Some(ns) = ns else { return Ok(f()) };
-    std::thread::scope(|scope| {
-        let handle = scope.spawn(move || {
-            netns::enter(ns)?;
-            Ok(f())
-        });
-        handle
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
 }
 
 #[cfg(test)]

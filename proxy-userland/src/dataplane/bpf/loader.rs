@@ -24,9 +24,11 @@ use aya::{
 };
 use proxy_common::maps as map_names;
 
+use crate::dataplane::netns::in_netns;
+
 use super::{
     AttachOptions,
-    devices::{DeviceError, NodeDevices, in_netns},
+    devices::{DeviceError, NodeDevices},
     pods::{self, PodDevices},
 };
 

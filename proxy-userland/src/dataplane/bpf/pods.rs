@@ -252,7 +252,7 @@ pub fn netns_cookie(ns: Option<&str>) -> io::Result<u64> {
         }
         Ok(cookie)
     };
-    super::devices::in_netns(ns, read).map_err(|e| io::Error::other(e.to_string()))?
+    crate::dataplane::netns::in_netns(ns, read).map_err(|e| io::Error::other(e.to_string()))?
 }
 
 /// Tells the socket hooks what the pods' devices take over (see `proxy_common::sockcfg`):

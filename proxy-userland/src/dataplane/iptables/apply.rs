@@ -235,6 +235,11 @@ pub trait Tools: Send {
     fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError>;
     /// The node's addresses of this family (loopback included).
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError>;
+    /// The nf_tables generation (see [`super::generation`]), where it can be read; only
+    /// asked when the tools are iptables-nft.
+    fn generation(&self) -> Option<u32> {
+        None
+    }
 }
 
 impl Tools for Runner {
@@ -296,6 +301,11 @@ impl Tools for Runner {
             .into_iter()
             .filter(|ip| Family::of(ip) == self.family)
             .collect())
+    }
+    fn generation(&self) -> Option<u32> {
+        super::generation::read(self.netns.as_deref())
+            .map_err(|e| tracing::debug!("nf_tables generation: {e}"))
+            .ok()
     }
 }
 

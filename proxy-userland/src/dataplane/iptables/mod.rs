@@ -7,6 +7,8 @@
 //!   [`apply::Tools`] interface, the jump rules, and removing our chains.
 //! - `sync`: partial and full restores, repairing tampered tables, conntrack clean-up.
 //! - [`conntrack`]: which UDP conntrack entries a change makes stale.
+//! - [`generation`]: the nf_tables generation, which tells the periodic sync whether anyone
+//!   has committed since it last knew the tables.
 //!
 //! Every sync renders the services it looks at and restores only the chains whose rules
 //! differ from what was last written, as kube-proxy's partial syncs do: a sync that changes
@@ -19,6 +21,7 @@
 
 pub mod apply;
 pub mod conntrack;
+pub mod generation;
 pub mod names;
 pub mod render;
 mod sync;
@@ -227,6 +230,14 @@ impl IptablesDataplane {
     /// How many restores have run: tests use it to see that unchanged syncs write nothing.
     pub fn restores(&self) -> u64 {
         self.restores
+    }
+
+    /// Whether the next periodic sync can skip reading the tables back: every family is on
+    /// iptables-nft and nobody else has committed since they were known to hold our rules.
+    pub fn tables_known_unchanged(&self) -> bool {
+        self.families
+            .iter()
+            .all(|f| f.known_generation.is_some() && f.known_generation == f.tools.generation())
     }
 
     pub fn families(&self) -> Vec<Family> {

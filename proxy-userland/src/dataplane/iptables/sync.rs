@@ -58,6 +58,12 @@ pub(super) struct FamilyState {
     pub udp: BTreeMap<ServiceKey, UdpTargets>,
     /// The conntrack tool failed once already (warned; later failures are debug).
     pub conntrack_warned: bool,
+    /// The nf_tables generation at which the tables were known to hold exactly `last`
+    /// (read back and checked, or written by us with no commit of anyone else between):
+    /// while the generation has not moved, a periodic sync need not read them back.
+    pub known_generation: Option<u32>,
+    /// The nf_tables commits this sync's restores made (None: unknown, after a failure).
+    commits: Option<u32>,
 }
 
 impl FamilyState {
@@ -80,6 +86,17 @@ impl FamilyState {
             frontends: BTreeMap::new(),
             udp: BTreeMap::new(),
             conntrack_warned: false,
+            known_generation: None,
+            commits: Some(0),
+        }
+    }
+
+    /// The nf_tables generation, with the nft tools only (legacy iptables bypasses it).
+    fn generation(&self) -> Option<u32> {
+        if self.nft {
+            self.tools.generation()
+        } else {
+            None
         }
     }
 }
@@ -164,6 +181,25 @@ fn tampered(
     None
 }
 
+/// Runs one restore, adding the nf_tables commits it makes to `commits`: one per table
+/// in the input, as iptables-nft-restore commits at every COMMIT line. A failed restore
+/// may have committed some of its tables, so the count becomes unknown.
+fn counted_restore(
+    tools: &dyn Tools,
+    commits: &mut Option<u32>,
+    text: &str,
+) -> Result<(), ApplyError> {
+    let result = tools.restore(text);
+    *commits = match (&result, *commits) {
+        (Ok(()), Some(n)) => {
+            let tables = text.lines().filter(|l| l.trim() == "COMMIT").count();
+            Some(n.wrapping_add(u32::try_from(tables).unwrap_or(u32::MAX)))
+        }
+        _ => None,
+    };
+    result
+}
+
 /// One family's sync. A full sync (`changed` None) renders every service and reads the
 /// tables back; otherwise only the `changed` services are rendered again. Returns the
 /// frontends written and removed.
@@ -179,8 +215,12 @@ pub(super) fn sync_family(
     let periodic_full = changed.is_none() && f.last_full.is_none_or(|t| t.elapsed() >= FULL_RESYNC);
     let mut force = f.last.is_none() || f.needs_full || periodic_full;
     let mut saved = None;
+    // Known again at the end only if this sync succeeds with no one else committing.
+    let known = f.known_generation.take();
+    let generation_before = f.generation();
+    f.commits = Some(0);
+    let mut checked = false;
     if changed.is_none() || force || f.render.is_none() {
-        let s = f.tools.save()?;
         let mut render = base.clone();
         render.random_fully = f.random_fully;
         render.node_ips = match f.tools.local_addresses() {
@@ -198,20 +238,27 @@ pub(super) fn sync_family(
             force = true;
             f.render = Some(render);
         }
-        let present = our_chains_in(&s);
-        if !force
-            && let Some(last) = &f.last
-            && let Some(why) = tampered(&s, last, &present, &f.chains)
-        {
-            warn!(
-                ?family,
-                "our iptables rules were changed by someone else ({why}); rewriting them all"
-            );
-            force = true;
+        // Nobody has committed since the tables were known to hold our rules: reading
+        // them back (seconds at 10,000 services, with changes waiting) would find them so.
+        let untouched = !force && known.is_some() && known == generation_before;
+        if !untouched {
+            let s = f.tools.save()?;
+            let present = our_chains_in(&s);
+            if !force
+                && let Some(last) = &f.last
+                && let Some(why) = tampered(&s, last, &present, &f.chains)
+            {
+                warn!(
+                    ?family,
+                    "our iptables rules were changed by someone else ({why}); rewriting them all"
+                );
+                force = true;
+            }
+            // Chains a previous run left that we do not want any more are deleted below.
+            f.chains.extend(present);
+            saved = Some(s);
+            checked = true;
         }
-        // Chains a previous run left that we do not want any more are deleted below.
-        f.chains.extend(present);
-        saved = Some(s);
     }
     let cfg = f.render.clone().unwrap_or_default();
     // The services to look at: the changed ones, or on a full sync every one we
@@ -288,7 +335,7 @@ pub(super) fn sync_family(
             let listing = render::list_first(f.nft, declared + stale.len(), last.nat_rule_count());
             if let Some(text) = last.partial_restore_text(&replaced, &stale, listing) {
                 debug!(?family, bytes = text.len(), "iptables-restore (partial)");
-                if let Err(e) = f.tools.restore(&text) {
+                if let Err(e) = counted_restore(&*f.tools, &mut f.commits, &text) {
                     last.undo(replaced);
                     f.needs_full = true;
                     return Err(e);
@@ -321,6 +368,17 @@ pub(super) fn sync_family(
     }
     f.frontends.extend(frontends);
     f.frontends.retain(|_, fes| !fes.is_empty());
+    // The tables hold `last` now if they did before this sync (known, or read back and
+    // checked, or rewritten whole) and the only commits since were our restores'.
+    let was_known = checked || force || (known.is_some() && known == generation_before);
+    f.known_generation = match (generation_before, f.commits, f.generation()) {
+        (Some(before), Some(ours), Some(after))
+            if was_known && after == before.wrapping_add(ours) =>
+        {
+            Some(after)
+        }
+        _ => None,
+    };
     clean_udp_conntrack(f, state, &keys, changed.is_none());
     Ok((written, removed))
 }
@@ -355,7 +413,7 @@ fn full_restore(
     let text = ruleset.restore_text_with(&stale, &extra);
     debug!(?family, bytes = text.len(), "iptables-restore (full)");
     let mut kept = BTreeSet::new();
-    if let Err(e) = f.tools.restore(&text) {
+    if let Err(e) = counted_restore(&*f.tools, &mut f.commits, &text) {
         if stale.is_empty() {
             f.needs_full = true;
             return Err(e);
@@ -366,7 +424,8 @@ fn full_restore(
             stale.len()
         );
         extra.keep_stale = true;
-        if let Err(e) = f.tools.restore(&ruleset.restore_text_with(&stale, &extra)) {
+        let text = ruleset.restore_text_with(&stale, &extra);
+        if let Err(e) = counted_restore(&*f.tools, &mut f.commits, &text) {
             f.needs_full = true;
             return Err(e);
         }

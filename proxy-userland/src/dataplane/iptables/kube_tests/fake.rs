@@ -44,6 +44,11 @@ pub struct FakeState {
     pub deleted: Vec<Flow>,
     pub addresses: Vec<IpAddr>,
     pub version: String,
+    /// As nf_tables' generation: moved by every table a restore commits and every edit
+    /// from outside.
+    pub generation: u32,
+    /// How many times the tables were read back (`iptables-save`).
+    pub saves: usize,
 }
 
 /// Cloned handles share one state: the test keeps one, the proxier owns another.
@@ -200,7 +205,9 @@ impl FakeTools {
     }
 
     pub fn with(&self, f: impl FnOnce(&mut FakeState)) {
-        f(&mut self.state.lock().unwrap());
+        let mut s = self.state.lock().unwrap();
+        f(&mut s);
+        s.generation += 1;
     }
 
     /// `iptables -t TABLE -F CHAIN`, as someone else on the node might run it.
@@ -270,9 +277,12 @@ impl Tools for FakeTools {
         let mut tables = s.tables.clone();
         tables.apply(text)?;
         s.tables = tables;
+        // iptables-nft-restore commits once per table.
+        s.generation += text.lines().filter(|l| l.trim() == "COMMIT").count() as u32;
         Ok(())
     }
     fn save(&self) -> Result<Saved, ApplyError> {
+        self.state.lock().unwrap().saves += 1;
         Ok(Saved::parse(&self.save_text()))
     }
     fn iptables(&self, table: Table, args: &[String]) -> Result<String, ApplyError> {
@@ -301,5 +311,8 @@ impl Tools for FakeTools {
     }
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError> {
         Ok(self.state.lock().unwrap().addresses.clone())
+    }
+    fn generation(&self) -> Option<u32> {
+        Some(self.state.lock().unwrap().generation)
     }
 }
