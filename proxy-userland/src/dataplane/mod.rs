@@ -16,6 +16,7 @@ pub mod bpf;
 pub mod frontends;
 pub mod iptables;
 pub mod mode;
+pub mod netlink;
 pub mod netns;
 pub mod primary;
 pub mod start;

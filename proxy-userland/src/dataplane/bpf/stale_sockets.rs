@@ -19,14 +19,13 @@ use std::{
     io,
     mem::size_of,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
-    os::{
-        fd::{AsRawFd, FromRawFd, OwnedFd},
-        unix::fs::MetadataExt,
-    },
+    os::{fd::AsRawFd, unix::fs::MetadataExt},
     path::Path,
 };
 
 use bytemuck::{Pod, Zeroable};
+
+use crate::dataplane::netlink::NetlinkSocket;
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -194,25 +193,13 @@ pub fn destroy_in(
 }
 
 struct DiagSocket {
-    fd: OwnedFd,
+    socket: NetlinkSocket,
 }
 
 impl DiagSocket {
     fn open() -> io::Result<Self> {
-        // SAFETY: socket takes only integers; the result is checked before use.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_NETLINK,
-                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-                libc::NETLINK_SOCK_DIAG,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
         Ok(Self {
-            // SAFETY: a new fd the kernel just returned, owned by nothing else.
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            socket: NetlinkSocket::open(libc::SOCK_DGRAM, libc::NETLINK_SOCK_DIAG)?,
         })
     }
 
@@ -227,23 +214,11 @@ impl DiagSocket {
         let mut buf = Vec::with_capacity(hdr.len as usize);
         buf.extend_from_slice(bytemuck::bytes_of(&hdr));
         buf.extend_from_slice(bytemuck::bytes_of(req));
-        // SAFETY: the pointer and length describe `buf`, which outlives the call.
-        let n = unsafe { libc::send(self.fd.as_raw_fd(), buf.as_ptr().cast(), buf.len(), 0) };
-        if n < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
+        self.socket.send(&buf)
     }
 
     fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
-        // SAFETY: the pointer and length describe `buf`, writable and exclusively ours.
-        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(n as usize)
-        }
+        self.socket.recv(buf)
     }
 
     /// Every connected UDP socket of `family` in this namespace.

@@ -6,9 +6,9 @@
 //! every change arriving meanwhile waits behind it. Legacy iptables does not go through
 //! nf_tables, so this is only asked with the nft tools.
 
-use std::{io, mem::size_of, os::fd::AsRawFd as _, time::Duration};
+use std::{io, time::Duration};
 
-use crate::dataplane::netns::in_netns;
+use crate::dataplane::{netlink::NetlinkSocket, netns::in_netns};
 
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFT_MSG_NEWGEN: u16 = 15;
@@ -26,50 +26,12 @@ pub fn read(netns: Option<&str>) -> io::Result<u32> {
 }
 
 fn ask() -> io::Result<u32> {
-    // SAFETY: plain syscall; the result is checked and owned right after.
-    let raw = unsafe {
-        libc::socket(
-            libc::AF_NETLINK,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            libc::NETLINK_NETFILTER,
-        )
-    };
-    if raw < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `raw` is a new, valid descriptor that nothing else owns.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
-    let timeout = libc::timeval {
-        tv_sec: TIMEOUT.as_secs() as libc::time_t,
-        tv_usec: 0,
-    };
-    // SAFETY: the option value points at a timeval of the size given.
-    let set = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&raw const timeout).cast(),
-            size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    };
-    if set != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let request = request();
-    // SAFETY: the buffer is valid for its length; the kernel is the default destination of
-    // an unbound netlink socket.
-    let sent = unsafe { libc::send(fd.as_raw_fd(), request.as_ptr().cast(), request.len(), 0) };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let socket =
+        NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_NETFILTER)?.with_recv_timeout(TIMEOUT)?;
+    socket.send(&request())?;
     let mut buf = [0u8; 512];
-    // SAFETY: the buffer is valid for writes of its length.
-    let got = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if got < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    parse(&buf[..got as usize])
+    let got = socket.recv(&mut buf)?;
+    parse(&buf[..got])
 }
 
 fn request() -> Vec<u8> {
