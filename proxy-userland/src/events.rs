@@ -78,8 +78,8 @@ impl EventRecorder {
         ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Service".into()),
-            namespace: Some(key.namespace.clone()),
-            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.to_string()),
+            name: Some(key.name.to_string()),
             ..Default::default()
         }
     }

@@ -207,7 +207,7 @@ fn handler(key: ServiceKey, local: Arc<AtomicUsize>, admin: Arc<AdminState>) -> 
         let count = local.load(Ordering::Relaxed);
         let healthy = admin.health.is_healthy();
         let body = serde_json::json!({
-            "service": {"namespace": key.namespace, "name": key.name},
+            "service": {"namespace": &*key.namespace, "name": &*key.name},
             "localEndpoints": count,
             "serviceProxyHealthy": healthy,
         });

@@ -168,7 +168,7 @@ fn reason(
     }
     if let Some(zone) = model.node.zone.as_deref()
         && !ep.zone_hints.is_empty()
-        && !ep.zone_hints.iter().any(|z| z == zone)
+        && !ep.zone_hints.iter().any(|z| &**z == zone)
     {
         return format!(
             "topology hints send it to zone(s) {}; this node is in {zone}",
@@ -411,8 +411,8 @@ pub fn explain(
             Candidate {
                 address: SocketAddr::new(pe.ip, pe.port).to_string(),
                 state: view::state_word(&pe.endpoint),
-                node: pe.endpoint.node_name.clone(),
-                zone: pe.endpoint.zone.clone(),
+                node: pe.endpoint.node_name.as_deref().map(str::to_owned),
+                zone: pe.endpoint.zone.as_deref().map(str::to_owned),
                 eligible,
                 reason: reason(pe, eligible, policy_local, model, v4),
             }

@@ -19,7 +19,7 @@ use k8s_openapi::{
 };
 use tracing::{debug, warn};
 
-use super::{Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort};
+use super::{Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort, intern::intern};
 
 /// Services that carry this label belong to the proxy it names.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -592,13 +592,13 @@ fn endpoint(
         ready,
         serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
         terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-        node_name: ep.node_name.clone(),
-        zone: ep.zone.clone(),
+        node_name: ep.node_name.as_deref().map(intern),
+        zone: ep.zone.as_deref().map(intern),
         zone_hints: ep
             .hints
             .as_ref()
             .and_then(|h| h.for_zones.as_ref())
-            .map(|zones| zones.iter().map(|z| z.name.clone()).collect())
+            .map(|zones| zones.iter().map(|z| intern(&z.name)).collect())
             .unwrap_or_default(),
     })
 }

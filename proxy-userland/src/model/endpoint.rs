@@ -1,6 +1,6 @@
 //! Endpoints, normalized from discovery.k8s.io/v1 EndpointSlice.
 
-use std::net::IpAddr;
+use std::{net::IpAddr, sync::Arc};
 
 use super::{service::Protocol, slices::Slices};
 
@@ -21,10 +21,15 @@ pub struct Endpoint {
     pub ready: bool,
     pub serving: bool,
     pub terminating: bool,
-    pub node_name: Option<String>,
-    pub zone: Option<String>,
+    /// Node names and zones repeat over every endpoint of a node: shared copies
+    /// ([`super::intern`]).
+    #[serde(with = "super::intern::opt")]
+    pub node_name: Option<Arc<str>>,
+    #[serde(with = "super::intern::opt")]
+    pub zone: Option<Arc<str>>,
     /// hints.forZones[].name
-    pub zone_hints: Vec<String>,
+    #[serde(with = "super::intern::list")]
+    pub zone_hints: Vec<Arc<str>>,
 }
 
 /// One EndpointSlice, reduced to what routing needs.

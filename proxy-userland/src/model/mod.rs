@@ -7,6 +7,7 @@
 
 pub mod convert;
 pub mod endpoint;
+pub mod intern;
 pub mod select;
 pub mod service;
 pub mod slices;
@@ -15,9 +16,8 @@ pub mod validate;
 
 use std::sync::Arc;
 
-use imbl::OrdMap;
-
 pub use endpoint::{Endpoint, EndpointSet, SliceInfo, SlicePort};
+use imbl::OrdMap;
 pub use service::{Protocol, Service, ServiceKey, ServicePort};
 pub use slices::Slices;
 

@@ -132,7 +132,7 @@ fn topology_zone<'a>(eps: &[PortEndpoint], node: &'a NodeInfo) -> Option<&'a str
         if ep.zone_hints.is_empty() {
             return None;
         }
-        any_for_zone |= ep.zone_hints.iter().any(|h| h == zone);
+        any_for_zone |= ep.zone_hints.iter().any(|h| &**h == zone);
     }
     any_for_zone.then_some(zone)
 }
@@ -160,7 +160,7 @@ pub fn categorize(svc: &Service, eps: &[PortEndpoint], node: &NodeInfo) -> Categ
     if uses_cluster {
         zone = topology_zone(eps, node);
         out.cluster = filter(eps, |ep| {
-            ep.ready && zone.is_none_or(|z| ep.zone_hints.iter().any(|h| h == z))
+            ep.ready && zone.is_none_or(|z| ep.zone_hints.iter().any(|h| &**h == z))
         });
         // Topology was already abandoned above if it would leave no ready endpoint, so an
         // empty list here means nothing is ready anywhere.
@@ -308,7 +308,7 @@ mod tests {
 
     fn hinted(zones: &[&str], e: Endpoint) -> Endpoint {
         Endpoint {
-            zone_hints: zones.iter().map(|z| z.to_string()).collect(),
+            zone_hints: zones.iter().map(|&z| z.into()).collect(),
             ..e
         }
     }

@@ -135,7 +135,7 @@ fn run(case: &Case) {
                     terminating,
                     node_name: Some(if local { "node-a" } else { "node-b" }.into()),
                     zone: None,
-                    zone_hints: hints.iter().map(|h| h.to_string()).collect(),
+                    zone_hints: hints.iter().map(|&h| h.into()).collect(),
                 },
             },
         )
@@ -445,7 +445,7 @@ fn generated(
                     serving,
                     terminating,
                     node_name: (!hosts.is_empty())
-                        .then(|| hosts[usize::from(i) % hosts.len()].to_string()),
+                        .then(|| hosts[usize::from(i) % hosts.len()].into()),
                     zone: None,
                     zone_hints: vec![],
                 }

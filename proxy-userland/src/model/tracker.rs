@@ -42,7 +42,7 @@ pub struct ChangeTracker {
     /// Which service each slice belongs to, by (namespace, slice name), so that a slice
     /// whose `kubernetes.io/service-name` label changes leaves its old service instead of
     /// feeding two services at once.
-    slice_owner: BTreeMap<(String, String), ServiceKey>,
+    slice_owner: BTreeMap<(Arc<str>, String), ServiceKey>,
     services_changed_total: u64,
     endpoints_changed_total: u64,
 }
@@ -264,7 +264,7 @@ impl ChangeTracker {
     /// Removes a slice known only by namespace and name (deleted, or no longer usable),
     /// from whichever service it fed.
     pub fn forget_slice(&mut self, namespace: &str, slice_name: &str) {
-        let id = (namespace.to_string(), slice_name.to_string());
+        let id = (Arc::from(namespace), slice_name.to_string());
         if let Some(owner) = self.slice_owner.remove(&id) {
             self.remove_slice(owner, slice_name);
         }
@@ -331,7 +331,7 @@ mod tests {
         t.take_changes()
             .changed
             .into_iter()
-            .map(|k| k.name)
+            .map(|k| k.name.to_string())
             .collect()
     }
 

@@ -24,7 +24,7 @@ fn generated(
                 ready_condition,
                 terminating,
             );
-            e.node_name = (!hosts.is_empty()).then(|| hosts[i as usize % hosts.len()].to_string());
+            e.node_name = (!hosts.is_empty()).then(|| hosts[i as usize % hosts.len()].into());
             e
         })
         .collect();

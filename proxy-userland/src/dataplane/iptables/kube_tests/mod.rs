@@ -108,7 +108,7 @@ pub fn ep(addr: &str, node: Option<&str>) -> Endpoint {
         ready: true,
         serving: true,
         terminating: false,
-        node_name: node.map(str::to_string),
+        node_name: node.map(Into::into),
         zone: None,
         zone_hints: vec![],
     }
