@@ -63,10 +63,8 @@ mod synthetic;
 mod timing;
 
 use conditions::{Conditions, Watch};
-
-use timing::{Attempts, median, percentile};
-
 use synthetic::{ENDPOINTS_PER_SERVICE, endpoint_ip};
+use timing::{Attempts, median, percentile};
 
 fn synthetic_state(n: u32, salt: u32) -> ProxyState {
     synthetic::state(n, salt)

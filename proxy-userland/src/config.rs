@@ -19,7 +19,6 @@ use std::{
 
 use clap::{ArgMatches, FromArgMatches, Parser, ValueEnum, parser::ValueSource};
 pub use file::KubeProxyConfiguration;
-
 pub use values::{Cidr, LogLevel, NodePortAddress};
 
 use self::mode::Mode;

@@ -6,11 +6,13 @@ mod common;
 use std::{collections::BTreeSet, net::Ipv4Addr};
 
 use common::*;
-use proxy_userland::dataplane::{
-    Dataplane, Scope,
-    bpf::{AttachOptions, BpfDataplane, program::Frontend},
+use proxy_userland::{
+    dataplane::{
+        Dataplane, Scope,
+        bpf::{AttachOptions, BpfDataplane, program::Frontend},
+    },
+    model::Protocol,
 };
-use proxy_userland::model::Protocol;
 
 #[test]
 fn a_service_that_does_not_fit_fails_whole_and_the_others_keep_working() {

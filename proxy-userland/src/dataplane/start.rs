@@ -5,11 +5,11 @@ use std::path::PathBuf;
 
 use tracing::info;
 
-use super::mode::{self, Mode, ModeDecision, ModeError, Probes};
 use super::{
     Proxier,
     bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig, PodPathConfig},
     iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig, apply::Backend},
+    mode::{self, Mode, ModeDecision, ModeError, Probes},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
 

@@ -25,12 +25,11 @@ use proxy_common::{
     service::scope,
 };
 
-use crate::{dataplane::frontends::FrontendScope, model::Protocol};
-
 use super::{
     loader::LoadError,
     program::{BackendAddr, Frontend},
 };
+use crate::{dataplane::frontends::FrontendScope, model::Protocol};
 
 mod census;
 

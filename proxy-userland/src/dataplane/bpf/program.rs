@@ -106,6 +106,33 @@ impl IdPool {
     }
 }
 
+/// A service's frontends, sorted: almost always one or two, where a `BTreeSet` would
+/// allocate a node for eleven (~250 bytes per service, 2.5 MB at 10,000 services).
+#[derive(Default)]
+struct FrontendSet(Vec<Frontend>);
+
+impl FrontendSet {
+    fn insert(&mut self, fe: Frontend) {
+        if let Err(i) = self.0.binary_search(&fe) {
+            self.0.insert(i, fe);
+        }
+    }
+
+    fn remove(&mut self, fe: &Frontend) {
+        if let Ok(i) = self.0.binary_search(fe) {
+            self.0.remove(i);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, Frontend> {
+        self.0.iter()
+    }
+}
+
 /// The owner of frontends adopted from pinned maps until a service claims them; the first
 /// full sync removes those nobody claims.
 fn adopted() -> ServiceKey {
@@ -115,7 +142,7 @@ fn adopted() -> ServiceKey {
 pub struct Programmer {
     maps: ServiceMaps,
     frontends: HashMap<Frontend, FrontendState>,
-    owners: HashMap<ServiceKey, BTreeSet<Frontend>>,
+    owners: HashMap<ServiceKey, FrontendSet>,
     backends: HashMap<BackendAddr, BackendRef>,
     backend_ids: IdPool,
     rev_nat_ids: IdPool,
