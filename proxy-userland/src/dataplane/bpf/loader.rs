@@ -24,13 +24,12 @@ use aya::{
 };
 use proxy_common::maps as map_names;
 
-use crate::dataplane::netns::in_netns;
-
 use super::{
     AttachOptions,
     devices::{DeviceError, NodeDevices},
     pods::{self, PodDevices},
 };
+use crate::dataplane::netns::in_netns;
 
 /// Maps of this layout live in `<pin dir>/maps-v<N>`: a daemon with another layout never
 /// reads maps it does not understand.
