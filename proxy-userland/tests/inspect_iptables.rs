@@ -438,3 +438,76 @@ fn inspect_in_iptables_mode_follows_node_ports_from_another_host() {
     );
     daemon.stop();
 }
+
+/// IPv6: `inspect` reads ip6tables-save and the IPv6 conntrack table the same way, and the
+/// flows of real connections to the IPv6 ClusterIP name the pods that answered.
+#[test]
+fn inspect_in_iptables_mode_reads_ip6tables_and_ipv6_conntrack() {
+    let (bed, _pods) = bed_with_dual_stack_pods("inspipt6", 2, &["--echo-peer"]);
+    nat_common::route_services(&bed);
+    xtask::cmd::ip([
+        "-n",
+        bed.node_netns(),
+        "-6",
+        "route",
+        "add",
+        "2001:db8:ff00::/64",
+        "dev",
+        "fpsvc0",
+    ])
+    .expect("IPv6 service route");
+    std::fs::write(bed.dir().join("svc.yaml"), web_manifest_dual(&[1, 2])).unwrap();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            bed.dir().join("svc.yaml").to_str().unwrap(),
+            "--metrics-bind-address",
+            &admin,
+            "--proxy-mode",
+            "iptables",
+            "--netns",
+            bed.node_netns(),
+        ],
+    );
+    assert!(
+        eventually(30, || tcp(&bed, WEB6, 1)[0].is_ok()),
+        "the IPv6 ClusterIP never answered; log:\n{}",
+        daemon.log()
+    );
+    let rows = services_in_sync(&admin, 10);
+    let web6 = row(&rows, "[2001:db8:ff00::10]:80/TCP");
+    assert_eq!(
+        addresses(web6),
+        ["[2001:db8:1::11]:8080", "[2001:db8:1::12]:8080"]
+            .map(String::from)
+            .into(),
+        "{web6:#}"
+    );
+    assert!(web6["chain"].as_str().unwrap().starts_with("KUBE-SVC-"));
+    assert_eq!(addresses(row(&rows, "198.19.0.10:80/TCP")).len(), 2);
+
+    let conns = tcp(&bed, WEB6, 20);
+    assert!(conns.iter().all(|o| o.is_ok()), "{conns:?}");
+    let flows = json(&["inspect", "flows", "--admin", &admin]);
+    for o in &conns {
+        let seen = o.seen_from().unwrap();
+        let f = flows
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["frontend"] == WEB6 && f["client"] == seen)
+            .unwrap_or_else(|| panic!("no flow from {seen}: {flows:#}"));
+        let n: u8 = o
+            .name()
+            .unwrap()
+            .strip_prefix("pod-")
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(f["backend"], format!("[{}]:8080", pod_ip6(n)), "{f}");
+        assert_eq!(f["service"], "demo/web:http", "{f}");
+    }
+    daemon.stop();
+}

@@ -88,7 +88,9 @@ pub fn parse_recent(text: &str) -> Vec<IpAddr> {
 /// Both families' nat and filter tables, as saved.
 #[derive(Clone, Debug, Default)]
 pub struct Programmed {
-    nat: BTreeMap<String, Vec<Vec<String>>>,
+    /// Each family's nat chains (IPv4, IPv6): both families name a service port's chains
+    /// alike.
+    nat: [BTreeMap<String, Vec<Vec<String>>>; 2],
     pub frontends: BTreeMap<Key, RuleFrontend>,
     /// Frontends the filter table rejects or drops (no endpoints, none usable here), with
     /// the rule's comment.
@@ -157,6 +159,13 @@ fn dnat_target(w: &[String]) -> Option<SocketAddr> {
     arg(w, "--to-destination")?.parse().ok()
 }
 
+fn family_index(family: Family) -> usize {
+    match family {
+        Family::V4 => 0,
+        Family::V6 => 1,
+    }
+}
+
 fn unspecified(family: Family) -> IpAddr {
     match family {
         Family::V4 => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
@@ -187,7 +196,10 @@ impl Programmed {
         let empty = SavedTable::default();
         let nat = saved.table(Table::Nat).unwrap_or(&empty);
         for (chain, line) in &nat.rules {
-            self.nat.entry(chain.clone()).or_default().push(words(line));
+            self.nat[family_index(family)]
+                .entry(chain.clone())
+                .or_default()
+                .push(words(line));
         }
         for (chain, line) in &nat.rules {
             let w = words(line);
@@ -270,25 +282,28 @@ impl Programmed {
             })
     }
 
-    fn rules(&self, chain: &str) -> &[Vec<String>] {
-        self.nat.get(chain).map_or(&[], Vec::as_slice)
+    fn rules(&self, family: Family, chain: &str) -> &[Vec<String>] {
+        self.nat[family_index(family)]
+            .get(chain)
+            .map_or(&[], Vec::as_slice)
     }
 
     /// Where `key`'s traffic goes: from this node (`from_node`: the node's own address is
     /// the source, as for a connection a process on it makes) or from elsewhere.
     pub fn resolve(&self, key: &Key, from_node: bool) -> Option<Resolved> {
         let fe = self.frontends.get(key)?;
+        let family = Family::of(&key.0);
         let mut out = Resolved::default();
         let mut chain = fe.chain.clone();
         // Bounded: KUBE-FW -> KUBE-EXT -> KUBE-SVC/SVL is the longest path kube-proxy writes.
         for _ in 0..4 {
             out.path.push(chain.clone());
-            let rules = self.rules(&chain);
+            let rules = self.rules(family, &chain);
             if rules
                 .iter()
                 .any(|w| target(w).is_some_and(|t| t.starts_with("KUBE-SEP-")))
             {
-                self.balance(rules, &mut out);
+                self.balance(family, rules, &mut out);
                 return Some(out);
             }
             let jumps = || {
@@ -324,7 +339,7 @@ impl Programmed {
 
     /// Affinity checks first, then rule i matches with probability p_i of what the rules
     /// before it left: each backend's share is p_i times the product of (1 - p_j), j < i.
-    fn balance(&self, rules: &[Vec<String>], out: &mut Resolved) {
+    fn balance(&self, family: Family, rules: &[Vec<String>], out: &mut Resolved) {
         let mut left = 1.0f64;
         for w in rules {
             let Some(sep) = target(w).filter(|t| t.starts_with("KUBE-SEP-")) else {
@@ -342,7 +357,7 @@ impl Programmed {
                 1.0
             };
             let addr = self
-                .rules(sep)
+                .rules(family, sep)
                 .iter()
                 .find(|w| target(w) == Some("DNAT"))
                 .and_then(|w| dnat_target(w));
@@ -436,7 +451,7 @@ impl Programmed {
     /// Every address a KUBE-SEP chain DNATs to, with the service port of its frontend.
     pub fn dnat_targets(&self) -> BTreeMap<SocketAddr, String> {
         let mut out = BTreeMap::new();
-        for (chain, rules) in &self.nat {
+        for (chain, rules) in self.nat.iter().flatten() {
             if !chain.starts_with("KUBE-SEP-") {
                 continue;
             }
