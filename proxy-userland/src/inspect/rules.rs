@@ -414,6 +414,7 @@ impl Programmed {
     /// Every affinity list the balancing chains check, once each.
     pub fn affinity_lists(&self) -> Vec<AffinityList> {
         let mut out: Vec<AffinityList> = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
         let mut keys: Vec<(&Key, &RuleFrontend)> = self.frontends.iter().collect();
         keys.sort_by_key(|(_, f)| f.kind != "cluster IP");
         for (&(ip, port, proto), rf) in keys {
@@ -429,7 +430,7 @@ impl Programmed {
                 FrontendScope::Packet
             };
             for b in r.backends {
-                if out.iter().all(|l| l.sep != b.sep) {
+                if seen.insert(b.sep.clone()) {
                     out.push(AffinityList {
                         frontend: Frontend {
                             ip,
