@@ -158,6 +158,10 @@ pub struct IptablesDataplane {
     cfg: IptablesConfig,
     families: Vec<FamilyState>,
     restores: u64,
+    /// The nf_tables generation at which every family's tables were known to hold what
+    /// they last wrote (read back and checked, or written by us with no commit of anyone
+    /// else between). One per namespace: every family's and table's commits move it.
+    known_generation: Option<u32>,
 }
 
 fn is_ours(t: Table, c: &str) -> bool {
@@ -224,6 +228,7 @@ impl IptablesDataplane {
             cfg,
             families,
             restores: 0,
+            known_generation: None,
         })
     }
 
@@ -232,12 +237,19 @@ impl IptablesDataplane {
         self.restores
     }
 
-    /// Whether the next periodic sync can skip reading the tables back: every family is on
-    /// iptables-nft and nobody else has committed since they were known to hold our rules.
+    /// Whether the next periodic sync can skip reading the tables back: the tools are
+    /// iptables-nft and nobody else has committed since the tables were known to hold our
+    /// rules.
     pub fn tables_known_unchanged(&self) -> bool {
-        self.families
-            .iter()
-            .all(|f| f.known_generation.is_some() && f.known_generation == f.tools.generation())
+        self.known_generation.is_some() && self.known_generation == self.generation()
+    }
+
+    /// The namespace's nf_tables generation, which every family's commits move (None:
+    /// some family's tools are legacy, or it cannot be read).
+    fn generation(&self) -> Option<u32> {
+        let mut generations = self.families.iter().map(|f| f.generation());
+        let first = generations.next()??;
+        generations.all(|g| g == Some(first)).then_some(first)
     }
 
     pub fn families(&self) -> Vec<Family> {
@@ -277,6 +289,11 @@ impl Dataplane for IptablesDataplane {
             Scope::Full => None,
             Scope::Changed(set) => Some(set),
         };
+        // Known again at the end only if this sync succeeds with no one else committing.
+        let known = self.known_generation.take();
+        let before = self.generation();
+        let untouched = known.is_some() && known == before;
+        let mut ok = true;
         for f in &mut self.families {
             match sync::sync_family(
                 f,
@@ -284,6 +301,7 @@ impl Dataplane for IptablesDataplane {
                 state,
                 node,
                 changed,
+                untouched,
                 &mut self.restores,
             ) {
                 Ok((w, r)) => {
@@ -291,6 +309,7 @@ impl Dataplane for IptablesDataplane {
                     report.frontends_removed += r;
                 }
                 Err(e) => {
+                    ok = false;
                     // One restore carries every service: they all stay as they were.
                     let msg = format!("{:?}: {e}", f.tools.family());
                     for k in &keys {
@@ -302,6 +321,22 @@ impl Dataplane for IptablesDataplane {
                 }
             }
         }
+        // The tables hold what we last wrote if they did before this sync (known, or read
+        // back and checked, or rewritten whole, in every family) and the only commits since
+        // were our restores'.
+        let ours = self
+            .families
+            .iter()
+            .try_fold(0u32, |n, f| Some(n.wrapping_add(f.commits?)));
+        let verified = untouched || self.families.iter().all(|f| f.verified);
+        self.known_generation = match (before, ours, self.generation()) {
+            (Some(before), Some(ours), Some(after))
+                if ok && verified && after == before.wrapping_add(ours) =>
+            {
+                Some(after)
+            }
+            _ => None,
+        };
         report
     }
 }

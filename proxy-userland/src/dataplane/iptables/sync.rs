@@ -58,12 +58,11 @@ pub(super) struct FamilyState {
     pub udp: BTreeMap<ServiceKey, UdpTargets>,
     /// The conntrack tool failed once already (warned; later failures are debug).
     pub conntrack_warned: bool,
-    /// The nf_tables generation at which the tables were known to hold exactly `last`
-    /// (read back and checked, or written by us with no commit of anyone else between):
-    /// while the generation has not moved, a periodic sync need not read them back.
-    pub known_generation: Option<u32>,
     /// The nf_tables commits this sync's restores made (None: unknown, after a failure).
-    commits: Option<u32>,
+    pub commits: Option<u32>,
+    /// This sync read the tables back and checked them, or rewrote them whole: they hold
+    /// `last` whatever was in them before.
+    pub verified: bool,
 }
 
 impl FamilyState {
@@ -86,13 +85,13 @@ impl FamilyState {
             frontends: BTreeMap::new(),
             udp: BTreeMap::new(),
             conntrack_warned: false,
-            known_generation: None,
             commits: Some(0),
+            verified: false,
         }
     }
 
     /// The nf_tables generation, with the nft tools only (legacy iptables bypasses it).
-    fn generation(&self) -> Option<u32> {
+    pub fn generation(&self) -> Option<u32> {
         if self.nft {
             self.tools.generation()
         } else {
@@ -201,7 +200,8 @@ fn counted_restore(
 }
 
 /// One family's sync. A full sync (`changed` None) renders every service and reads the
-/// tables back; otherwise only the `changed` services are rendered again. Returns the
+/// tables back, unless they are `untouched` (nobody else has committed since they were
+/// known to hold our rules); otherwise only the `changed` services are rendered again. Returns the
 /// frontends written and removed.
 pub(super) fn sync_family(
     f: &mut FamilyState,
@@ -209,17 +209,15 @@ pub(super) fn sync_family(
     state: &ProxyState,
     node: &NodeInfo,
     changed: Option<&BTreeSet<ServiceKey>>,
+    untouched: bool,
     restores: &mut u64,
 ) -> Result<(usize, usize), ApplyError> {
     let family = f.tools.family();
     let periodic_full = changed.is_none() && f.last_full.is_none_or(|t| t.elapsed() >= FULL_RESYNC);
     let mut force = f.last.is_none() || f.needs_full || periodic_full;
     let mut saved = None;
-    // Known again at the end only if this sync succeeds with no one else committing.
-    let known = f.known_generation.take();
-    let generation_before = f.generation();
     f.commits = Some(0);
-    let mut checked = false;
+    f.verified = false;
     if changed.is_none() || force || f.render.is_none() {
         let mut render = base.clone();
         render.random_fully = f.random_fully;
@@ -240,8 +238,7 @@ pub(super) fn sync_family(
         }
         // Nobody has committed since the tables were known to hold our rules: reading
         // them back (seconds at 10,000 services, with changes waiting) would find them so.
-        let untouched = !force && known.is_some() && known == generation_before;
-        if !untouched {
+        if force || !untouched {
             let s = f.tools.save()?;
             let present = our_chains_in(&s);
             if !force
@@ -257,7 +254,7 @@ pub(super) fn sync_family(
             // Chains a previous run left that we do not want any more are deleted below.
             f.chains.extend(present);
             saved = Some(s);
-            checked = true;
+            f.verified = true;
         }
     }
     let cfg = f.render.clone().unwrap_or_default();
@@ -368,17 +365,7 @@ pub(super) fn sync_family(
     }
     f.frontends.extend(frontends);
     f.frontends.retain(|_, fes| !fes.is_empty());
-    // The tables hold `last` now if they did before this sync (known, or read back and
-    // checked, or rewritten whole) and the only commits since were our restores'.
-    let was_known = checked || force || (known.is_some() && known == generation_before);
-    f.known_generation = match (generation_before, f.commits, f.generation()) {
-        (Some(before), Some(ours), Some(after))
-            if was_known && after == before.wrapping_add(ours) =>
-        {
-            Some(after)
-        }
-        _ => None,
-    };
+    f.verified |= force;
     clean_udp_conntrack(f, state, &keys, changed.is_none());
     Ok((written, removed))
 }
