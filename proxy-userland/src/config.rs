@@ -97,7 +97,8 @@ pub struct Args {
     #[arg(long, value_parser = values::duration, default_value = "30s")]
     pub sync_period: Duration,
 
-    /// How often the manifest source checks its files for changes.
+    /// How often the manifest source checks its files for changes (inotify wakes it sooner
+    /// where the file system reports changes).
     #[arg(long, value_parser = values::duration, default_value = "500ms")]
     pub manifest_poll_period: Duration,
 

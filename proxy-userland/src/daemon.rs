@@ -3,7 +3,7 @@
 //! check servers, and what the engine reports going to them. Returns when `shutdown`
 //! resolves, after the dataplane has been torn down.
 
-use std::{future::Future, path::PathBuf, sync::Arc};
+use std::future::Future;
 
 use anyhow::Context as _;
 use tokio::sync::{mpsc, watch};
@@ -17,9 +17,8 @@ use crate::{
     model::NodeInfo,
     node_setup,
     source::{
-        SourceEvent,
-        file::{self, Loaded},
         kube::{self, KubeConfig},
+        manifests,
     },
     sync::{Engine, EngineConfig, SyncPeriods, report::Reports},
 };
@@ -54,12 +53,12 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     let source = match &args.manifests {
         Some(path) => {
             info!(path = %path.display(), "reading Services and EndpointSlices from manifests");
-            spawn_file_source(
+            tokio::spawn(manifests::run(
                 path.clone(),
                 args.manifest_poll_period,
                 events_tx,
                 stopped(),
-            )
+            ))
         }
         None => {
             let cfg = KubeConfig {
@@ -212,32 +211,4 @@ fn cleanup(args: &Args) -> anyhow::Result<()> {
     }
     info!("clean-up done");
     Ok(())
-}
-
-/// The manifest source as events: every re-read is one full replacement, and the first one
-/// is also the initial list.
-fn spawn_file_source(
-    path: PathBuf,
-    poll: std::time::Duration,
-    tx: mpsc::Sender<SourceEvent>,
-    stopped: impl Future<Output = ()> + Send + 'static,
-) -> tokio::task::JoinHandle<()> {
-    let (loaded_tx, mut loaded_rx) = watch::channel(Arc::new(Loaded::default()));
-    tokio::spawn(async move {
-        let watcher = tokio::spawn(file::watch(path, poll, loaded_tx, stopped));
-        let mut first = true;
-        while loaded_rx.changed().await.is_ok() {
-            let loaded = loaded_rx.borrow_and_update().clone();
-            let ev = SourceEvent::ReplaceAll {
-                services: loaded.services.clone(),
-                slices: loaded.slices.clone(),
-            };
-            if tx.send(ev).await.is_err() || (first && tx.send(SourceEvent::Synced).await.is_err())
-            {
-                break;
-            }
-            first = false;
-        }
-        let _ = watcher.await;
-    })
 }

@@ -17,21 +17,15 @@
 //! with a watched folder a half-saved file would do the same until the next save.
 
 use std::{
-    collections::{HashMap, HashSet},
     fmt, fs,
-    future::Future,
     io::{self, Read},
     net::IpAddr,
-    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    sync::Arc,
-    time::{Duration, SystemTime},
 };
 
 use k8s_openapi::api::{core::v1::Service as K8sService, discovery::v1::EndpointSlice};
 use serde_json::Value;
-use tokio::{sync::watch, time::MissedTickBehavior};
-use tracing::{debug, error, info, warn};
+use tracing::debug;
 
 use crate::model::{
     Service, ServiceKey, SliceInfo,
@@ -54,15 +48,6 @@ pub struct Loaded {
     pub skipped: usize,
     /// The node's addresses, refused as cluster IPs.
     node_ips: Vec<IpAddr>,
-}
-
-impl Loaded {
-    /// Adds `other`'s objects (not its problems, which are reported where they were read).
-    fn add(&mut self, other: &Loaded) {
-        self.services.extend(other.services.iter().cloned());
-        self.slices.extend(other.slices.iter().cloned());
-        self.skipped += other.skipped;
-    }
 }
 
 /// Where in the input a problem is.
@@ -204,7 +189,7 @@ fn yaml_options() -> serde_saphyr::Options {
 
 /// This node's interface addresses (every family, every interface), which no cluster IP
 /// may be. An error reads as "none": validation then only misses that one rule.
-fn node_addresses() -> Vec<IpAddr> {
+pub fn node_addresses() -> Vec<IpAddr> {
     let mut addrs = Vec::new();
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `head` with a list we free below, once.
@@ -242,7 +227,7 @@ fn node_addresses() -> Vec<IpAddr> {
 }
 
 /// The manifests in `dir`, sorted so that later files override earlier ones predictably.
-fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
+pub(super) fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
@@ -500,177 +485,20 @@ impl Loaded {
     }
 }
 
-/// What a poll compares to decide whether to re-read: the file list and each file's
-/// identity, size and times. Inode and ctime catch a file replaced by rename (how editors
-/// and ConfigMap volumes update) even when mtime and size happen to match.
-#[derive(Debug, PartialEq, Eq)]
-struct Fingerprint(Vec<(PathBuf, Option<Stamp>)>);
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Stamp {
-    modified: Option<SystemTime>,
-    len: u64,
-    inode: u64,
-    ctime: (i64, i64),
-}
-
-fn fingerprint(path: &Path) -> Fingerprint {
-    let files = if path.is_dir() {
-        match manifest_files(path) {
-            Ok(files) => files,
-            Err(_) => return Fingerprint(vec![(path.to_owned(), None)]),
-        }
-    } else {
-        vec![path.to_owned()]
-    };
-    Fingerprint(
-        files
-            .into_iter()
-            .map(|file| {
-                let stamp = fs::metadata(&file).ok().map(|m| Stamp {
-                    modified: m.modified().ok(),
-                    len: m.len(),
-                    inode: m.ino(),
-                    ctime: (m.ctime(), m.ctime_nsec()),
-                });
-                (file, stamp)
-            })
-            .collect(),
-    )
-}
-
-/// What each file of a watched folder held when last read, by path, with the stamp it had
-/// then: a change re-reads only the files whose stamp changed. A folder of 10,000 services
-/// took a second to re-read in full for one changed endpoint.
-#[derive(Default)]
-struct FileCache(HashMap<PathBuf, (Stamp, Loaded)>);
-
-impl FileCache {
-    /// `path` as [`load`] reads it, with `now` its fingerprint. Problems are reported for the
-    /// files read this time only (the others' were reported when they were read).
-    fn load(&mut self, path: &Path, now: &Fingerprint) -> Loaded {
-        let listed = path.is_dir() && now.0.iter().all(|(file, _)| file != path);
-        if !listed {
-            self.0.clear();
-            return load(path);
-        }
-        let node_ips = node_addresses();
-        // A set, not a scan: a folder may hold a file per object, thousands of them.
-        let current: HashSet<&PathBuf> = now.0.iter().map(|(file, _)| file).collect();
-        self.0.retain(|file, _| current.contains(file));
-        let mut all = Loaded {
-            node_ips: node_ips.clone(),
-            ..Loaded::default()
-        };
-        for (file, stamp) in &now.0 {
-            let unchanged = matches!(
-                (self.0.get(file), stamp),
-                (Some((cached, _)), Some(stamp)) if cached == stamp
-            );
-            if !unchanged {
-                let mut fresh = load_for_node(file, &node_ips);
-                all.errors.append(&mut fresh.errors);
-                let Some(stamp) = stamp else {
-                    // No stamp (it vanished meanwhile): not kept, read again next time.
-                    self.0.remove(file);
-                    all.add(&fresh);
-                    continue;
-                };
-                self.0.insert(file.clone(), (stamp.clone(), fresh));
-            }
-            all.add(&self.0[file].1);
-        }
-        all
-    }
-}
-
-/// Polls below this would spin; a watched manifest folder does not need it.
-const MIN_POLL: Duration = Duration::from_millis(10);
-
-/// Loads `path`, sends the result, then checks every `poll` whether any file changed
-/// (appeared, vanished, or was modified) and re-loads and sends when one did. Returns when
-/// `shutdown` resolves.
-///
-/// Polling rather than inotify keeps this dependency-free and works on every file system,
-/// including the symlink swaps of ConfigMap volumes; manifests change rarely and a poll is
-/// a handful of `stat` calls. Each problem is logged once per change, not once per poll.
-pub async fn watch(
-    path: PathBuf,
-    poll: Duration,
-    tx: watch::Sender<Arc<Loaded>>,
-    shutdown: impl Future<Output = ()>,
-) {
-    let mut shutdown = std::pin::pin!(shutdown);
-    let mut ticker = tokio::time::interval(poll.max(MIN_POLL));
-    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut last: Option<Fingerprint> = None;
-    let mut cache = FileCache::default();
-
-    loop {
-        tokio::select! {
-            biased;
-            () = &mut shutdown => return,
-            _ = ticker.tick() => {}
-        }
-        let (p, previous) = (path.clone(), last.take());
-        // Fingerprint before loading: a change during the load is then seen by the next
-        // poll instead of being lost.
-        let mut files = std::mem::take(&mut cache);
-        let work = tokio::task::spawn_blocking(move || {
-            let now = fingerprint(&p);
-            let loaded = (previous.as_ref() != Some(&now)).then(|| files.load(&p, &now));
-            (now, loaded, files)
-        });
-        let (now, loaded) = tokio::select! {
-            biased;
-            () = &mut shutdown => return,
-            done = work => match done {
-                Ok((now, loaded, files)) => {
-                    cache = files;
-                    (now, loaded)
-                }
-                Err(e) => {
-                    error!(path = %path.display(), "loading manifests failed: {e}");
-                    continue;
-                }
-            },
-        };
-        last = Some(now);
-        if let Some(loaded) = loaded {
-            report(&path, &loaded);
-            tx.send_replace(Arc::new(loaded));
-        }
-    }
-}
-
-fn report(path: &Path, loaded: &Loaded) {
-    for err in &loaded.errors {
-        error!("{err}");
-    }
-    let (services, slices, skipped, errors) = (
-        loaded.services.len(),
-        loaded.slices.len(),
-        loaded.skipped,
-        loaded.errors.len(),
-    );
-    if errors == 0 {
-        info!(path = %path.display(), services, slices, skipped, "manifests loaded");
-    } else {
-        warn!(path = %path.display(), services, slices, skipped, errors, "manifests loaded with errors");
-    }
-}
-
+/// Folders and manifests for this module's tests and the watcher's.
 #[cfg(test)]
-mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use super::*;
+pub(super) mod testdata {
+    use std::{
+        fs,
+        path::PathBuf,
+        sync::atomic::{AtomicUsize, Ordering},
+    };
 
     /// A fresh folder under the system temp dir, removed on drop.
-    struct TempDir(PathBuf);
+    pub struct TempDir(pub PathBuf);
 
     impl TempDir {
-        fn new() -> Self {
+        pub fn new() -> Self {
             static NEXT: AtomicUsize = AtomicUsize::new(0);
             let name = format!(
                 "fastpath-file-test-{}-{}",
@@ -683,7 +511,7 @@ mod tests {
             Self(path)
         }
 
-        fn write(&self, name: &str, text: &str) -> PathBuf {
+        pub fn write(&self, name: &str, text: &str) -> PathBuf {
             let path = self.0.join(name);
             fs::write(&path, text).unwrap();
             path
@@ -696,17 +524,24 @@ mod tests {
         }
     }
 
-    fn service_yaml(name: &str, ip: &str) -> String {
+    pub fn service_yaml(name: &str, ip: &str) -> String {
         format!(
             "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: shop\nspec:\n  clusterIP: {ip}\n  ports:\n  - name: http\n    port: 80\n"
         )
     }
 
-    fn slice_yaml(service: &str, name: &str, ip: &str) -> String {
+    pub fn slice_yaml(service: &str, name: &str, ip: &str) -> String {
         format!(
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: shop\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: IPv4\nports:\n- name: http\n  port: 8080\nendpoints:\n- addresses: [{ip}]\n"
         )
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{testdata::*, *};
 
     fn names(loaded: &Loaded) -> (Vec<String>, Vec<String>) {
         (
@@ -996,108 +831,5 @@ items:
         let loaded = load(&dir.write("crlf.yaml", &text));
         assert!(loaded.errors.is_empty(), "{:?}", messages(&loaded));
         assert_eq!(loaded.services.len(), 2);
-    }
-
-    async fn next(rx: &mut watch::Receiver<Arc<Loaded>>) -> Arc<Loaded> {
-        tokio::time::timeout(Duration::from_secs(10), rx.changed())
-            .await
-            .expect("a new Loaded within 10s")
-            .expect("sender alive");
-        rx.borrow_and_update().clone()
-    }
-
-    #[tokio::test]
-    async fn watch_reloads_on_change_only() {
-        let dir = TempDir::new();
-        let file = dir.write("svc.yaml", &service_yaml("web", "198.19.96.1"));
-        let (tx, mut rx) = watch::channel(Arc::new(Loaded::default()));
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(watch(dir.0.clone(), Duration::from_millis(20), tx, async {
-            let _ = stop_rx.await;
-        }));
-
-        let first = next(&mut rx).await;
-        assert_eq!(names(&first).0, ["shop/web"]);
-
-        // Polls that find nothing new send nothing.
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        assert!(!rx.has_changed().unwrap());
-
-        fs::write(
-            &file,
-            format!(
-                "{}---\n{}",
-                service_yaml("web", "198.19.96.1"),
-                service_yaml("api", "198.19.96.2")
-            ),
-        )
-        .unwrap();
-        let second = next(&mut rx).await;
-        assert_eq!(names(&second).0, ["shop/web", "shop/api"]);
-
-        // A new file in the folder counts as a change too, and so does a broken one.
-        dir.write("z.yaml", "kind: [\n");
-        let third = next(&mut rx).await;
-        assert_eq!(third.services.len(), 2);
-        assert_eq!(third.errors.len(), 1);
-
-        fs::remove_file(dir.0.join("z.yaml")).unwrap();
-        assert!(next(&mut rx).await.errors.is_empty());
-
-        stop_tx.send(()).unwrap();
-        tokio::time::timeout(Duration::from_secs(10), task)
-            .await
-            .expect("watch stops on shutdown")
-            .unwrap();
-    }
-
-    /// A change re-reads the changed file only, and the result still holds every file's
-    /// objects; a file's problem is reported when that file is read, not on every change.
-    #[test]
-    fn the_file_cache_rereads_only_changed_files() {
-        let dir = TempDir::new();
-        dir.write("a.yaml", &service_yaml("web", "198.19.96.1"));
-        let broken = dir.write("b.yaml", "kind: [\n");
-        let mut cache = FileCache::default();
-        let first = cache.load(&dir.0, &fingerprint(&dir.0));
-        assert_eq!(names(&first).0, ["shop/web"]);
-        assert_eq!(first.errors.len(), 1);
-
-        // b.yaml is fixed. a.yaml is given its old stamp, as if unchanged: were it read
-        // again, it would now say "api".
-        let a = dir.0.join("a.yaml");
-        fs::write(&a, service_yaml("api", "198.19.96.2")).unwrap();
-        fs::write(&broken, service_yaml("db", "198.19.96.3")).unwrap();
-        let mut now = fingerprint(&dir.0);
-        now.0[0].1 = cache.0.get(&a).map(|(s, _)| s.clone());
-        let second = cache.load(&dir.0, &now);
-        assert_eq!(names(&second).0, ["shop/web", "shop/db"]);
-        assert!(second.errors.is_empty(), "{:?}", second.errors);
-
-        // A removed file leaves, a changed one is read again.
-        fs::remove_file(&broken).unwrap();
-        let third = cache.load(&dir.0, &fingerprint(&dir.0));
-        assert_eq!(names(&third).0, ["shop/api"]);
-    }
-
-    #[tokio::test]
-    async fn watch_a_single_file_that_appears_later() {
-        let dir = TempDir::new();
-        let file = dir.0.join("later.yaml");
-        let (tx, mut rx) = watch::channel(Arc::new(Loaded::default()));
-        let task = tokio::spawn(watch(
-            file.clone(),
-            Duration::from_millis(20),
-            tx,
-            std::future::pending(),
-        ));
-
-        let first = next(&mut rx).await;
-        assert!(matches!(&first.errors[..], [LoadError::Read { .. }]));
-        fs::write(&file, service_yaml("web", "198.19.96.1")).unwrap();
-        let second = next(&mut rx).await;
-        assert!(second.errors.is_empty());
-        assert_eq!(second.services.len(), 1);
-        task.abort();
     }
 }

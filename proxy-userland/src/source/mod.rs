@@ -1,7 +1,7 @@
 //! Where Services and EndpointSlices come from, as a stream of [`SourceEvent`]s.
 //!
-//! - [`file`]: a YAML/JSON file or folder of manifests, re-read when it changes (no
-//!   cluster needed).
+//! - [`manifests`]: a YAML/JSON file or folder of manifests ([`file`] reads them), followed
+//!   object by object as its files change (no cluster needed).
 //! - [`kube`]: kube-rs watchers on the API server.
 //!
 //! Both convert objects with [`crate::model::convert`]; the daemon applies the events to the
@@ -9,13 +9,15 @@
 
 pub mod backoff;
 pub mod file;
+mod inotify;
 pub mod kube;
+pub mod manifests;
 
 use crate::model::{NodeInfo, Service, ServiceKey, SliceInfo};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum SourceEvent {
-    /// Every service and slice at once (a file re-read): nothing else exists.
+    /// Every service and slice at once (the manifests' first read): nothing else exists.
     ReplaceAll {
         services: Vec<Service>,
         slices: Vec<(ServiceKey, String, SliceInfo)>,

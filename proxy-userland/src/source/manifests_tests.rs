@@ -1,0 +1,404 @@
+use std::fs;
+
+use super::*;
+use crate::{
+    model::tracker::ChangeTracker,
+    source::file::testdata::{TempDir, service_yaml, slice_yaml},
+};
+
+/// Events, one line each: `svc shop/web 198.19.96.1`, `svc shop/web -`,
+/// `slice shop/web-1 shop/web 198.18.1.1`, `slice shop/web-1 -`.
+fn lines(events: &[SourceEvent]) -> Vec<String> {
+    let mut out: Vec<String> = events
+        .iter()
+        .map(|ev| match ev {
+            SourceEvent::Service {
+                key,
+                service: Some(svc),
+            } => format!("svc {key} {}", svc.cluster_ips[0]),
+            SourceEvent::Service { key, service: None } => format!("svc {key} -"),
+            SourceEvent::Slice {
+                namespace,
+                owner: Some(owner),
+                name,
+                slice: Some(slice),
+            } => format!("slice {namespace}/{name} {owner} {}", slice.endpoints[0].ip),
+            SourceEvent::Slice {
+                namespace,
+                name,
+                slice: None,
+                ..
+            } => format!("slice {namespace}/{name} -"),
+            other => format!("{other:?}"),
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Follows a folder as the watcher does, and checks after every look that the events sent
+/// so far leave the tracker as the full list read afresh would: the rule for duplicates
+/// (the last copy in file order wins) is the full list's.
+struct Follow {
+    dir: TempDir,
+    state: Manifests,
+    tracker: ChangeTracker,
+}
+
+impl Follow {
+    fn new() -> Self {
+        Self {
+            dir: TempDir::new(),
+            state: Manifests::default(),
+            tracker: ChangeTracker::new(),
+        }
+    }
+
+    /// Written as a new file renamed over the old one: a new inode, so the change is seen
+    /// even within the file system's timestamp granularity.
+    fn write(&self, name: &str, docs: &[String]) {
+        let tmp = self.dir.write(&format!("{name}.tmp"), &docs.join("---\n"));
+        fs::rename(tmp, self.dir.0.join(name)).unwrap();
+    }
+
+    fn look(&mut self) -> Vec<String> {
+        let read = self.state.refresh(&fingerprint(&self.dir.0), &[]);
+        assert!(read.errors.is_empty(), "{:?}", read.errors);
+        let got = lines(&read.events);
+        for ev in read.events {
+            apply(&mut self.tracker, ev);
+        }
+        let loaded = file::load_for_node(&self.dir.0, &[]);
+        let mut fresh = ChangeTracker::new();
+        fresh.replace_all(loaded.services, loaded.slices);
+        assert_eq!(self.tracker.state(), fresh.state(), "after {got:?}");
+        assert_eq!(read.services, fresh.state().services.len());
+        got
+    }
+}
+
+fn apply(t: &mut ChangeTracker, ev: SourceEvent) {
+    match ev {
+        SourceEvent::Service { key, service } => t.apply_service(key, service),
+        SourceEvent::Slice {
+            owner: Some(owner),
+            name,
+            slice,
+            ..
+        } => t.apply_slice(owner, name, slice),
+        SourceEvent::Slice {
+            namespace,
+            owner: None,
+            name,
+            ..
+        } => t.forget_slice(&namespace, &name),
+        other => panic!("not a per-object event: {other:?}"),
+    }
+}
+
+fn svc(name: &str, ip: &str) -> String {
+    service_yaml(name, ip)
+}
+
+fn slice(service: &str, name: &str, ip: &str) -> String {
+    slice_yaml(service, name, ip)
+}
+
+#[test]
+fn a_change_sends_what_was_added_changed_or_removed() {
+    let mut f = Follow::new();
+    f.write(
+        "a.yaml",
+        &[
+            svc("web", "198.19.96.1"),
+            slice("web", "web-1", "198.18.1.1"),
+        ],
+    );
+    f.write("b.yaml", &[svc("api", "198.19.96.2")]);
+    assert_eq!(
+        f.look(),
+        [
+            "slice shop/web-1 shop/web 198.18.1.1",
+            "svc shop/api 198.19.96.2",
+            "svc shop/web 198.19.96.1",
+        ]
+    );
+    assert!(f.look().is_empty(), "nothing changed");
+
+    // One endpoint changes: one event.
+    f.write(
+        "a.yaml",
+        &[
+            svc("web", "198.19.96.1"),
+            slice("web", "web-1", "198.18.1.2"),
+        ],
+    );
+    assert_eq!(f.look(), ["slice shop/web-1 shop/web 198.18.1.2"]);
+
+    // Rewritten with the same objects in another order: nothing.
+    f.write(
+        "a.yaml",
+        &[
+            slice("web", "web-1", "198.18.1.2"),
+            svc("web", "198.19.96.1"),
+        ],
+    );
+    assert!(f.look().is_empty());
+
+    // Added, and removed from a file that stays.
+    f.write(
+        "b.yaml",
+        &[svc("api", "198.19.96.2"), svc("db", "198.19.96.3")],
+    );
+    assert_eq!(f.look(), ["svc shop/db 198.19.96.3"]);
+    f.write("b.yaml", &[svc("db", "198.19.96.3")]);
+    assert_eq!(f.look(), ["svc shop/api -"]);
+
+    // A file deleted takes its objects with it.
+    fs::remove_file(f.dir.0.join("a.yaml")).unwrap();
+    assert_eq!(f.look(), ["slice shop/web-1 -", "svc shop/web -"]);
+    assert_eq!(f.state.files.len(), 1);
+    assert_eq!(f.state.slices.len(), 0);
+}
+
+#[test]
+fn an_object_moving_between_files_is_no_change() {
+    let mut f = Follow::new();
+    f.write(
+        "a.yaml",
+        &[svc("web", "198.19.96.1"), svc("api", "198.19.96.2")],
+    );
+    f.write("b.yaml", &[slice("web", "web-1", "198.18.1.1")]);
+    assert_eq!(f.look().len(), 3);
+
+    // Both files change before the next look: web and its slice swap files.
+    f.write(
+        "a.yaml",
+        &[
+            svc("api", "198.19.96.2"),
+            slice("web", "web-1", "198.18.1.1"),
+        ],
+    );
+    f.write("b.yaml", &[svc("web", "198.19.96.1")]);
+    assert!(f.look().is_empty());
+
+    // Moved and changed at once: one event, for the change.
+    fs::remove_file(f.dir.0.join("b.yaml")).unwrap();
+    f.write("c.yaml", &[svc("web", "198.19.96.9")]);
+    assert_eq!(f.look(), ["svc shop/web 198.19.96.9"]);
+
+    // Moved in two looks: gone, then back.
+    fs::remove_file(f.dir.0.join("c.yaml")).unwrap();
+    assert_eq!(f.look(), ["svc shop/web -"]);
+    f.write("d.yaml", &[svc("web", "198.19.96.9")]);
+    assert_eq!(f.look(), ["svc shop/web 198.19.96.9"]);
+}
+
+/// As with the full list: the last copy in file order wins, and removing it brings back
+/// the one before.
+#[test]
+fn duplicates_resolve_as_the_full_list_did() {
+    let mut f = Follow::new();
+    f.write("a.yaml", &[svc("dup", "198.19.96.1")]);
+    f.write("b.yaml", &[svc("dup", "198.19.96.2")]);
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.2"]);
+
+    // The copy not in force changes: nothing to send.
+    f.write("a.yaml", &[svc("dup", "198.19.96.3")]);
+    assert!(f.look().is_empty());
+    // The copy in force changes.
+    f.write("b.yaml", &[svc("dup", "198.19.96.4")]);
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.4"]);
+    // A copy in a later file takes over; removing it gives the earlier one back.
+    f.write("c.yaml", &[svc("dup", "198.19.96.5")]);
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.5"]);
+    fs::remove_file(f.dir.0.join("c.yaml")).unwrap();
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.4"]);
+    f.write("b.yaml", &[]);
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.3"]);
+
+    // Twice in one file: the later one.
+    f.write(
+        "a.yaml",
+        &[svc("dup", "198.19.96.6"), svc("dup", "198.19.96.7")],
+    );
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
+    f.write("a.yaml", &[svc("dup", "198.19.96.7")]);
+    assert!(f.look().is_empty());
+
+    // A slice (namespace and name) listed for two services belongs to the later one.
+    f.write("s1.yaml", &[slice("web", "s", "198.18.1.1")]);
+    f.write("s2.yaml", &[slice("api", "s", "198.18.1.2")]);
+    assert_eq!(f.look(), ["slice shop/s shop/api 198.18.1.2"]);
+    fs::remove_file(f.dir.0.join("s2.yaml")).unwrap();
+    assert_eq!(f.look(), ["slice shop/s shop/web 198.18.1.1"]);
+    fs::remove_file(f.dir.0.join("s1.yaml")).unwrap();
+    assert_eq!(f.look(), ["slice shop/s -"]);
+}
+
+#[test]
+fn a_single_file_path_is_diffed_too() {
+    let dir = TempDir::new();
+    let path = dir.write(
+        "all.yaml",
+        &[svc("web", "198.19.96.1"), svc("api", "198.19.96.2")].join("---\n"),
+    );
+    let mut state = Manifests::default();
+    assert_eq!(state.refresh(&fingerprint(&path), &[]).events.len(), 2);
+    let tmp = dir.write(
+        "all.tmp",
+        &[svc("web", "198.19.96.1"), svc("api", "198.19.96.3")].join("---\n"),
+    );
+    fs::rename(tmp, &path).unwrap();
+    let read = state.refresh(&fingerprint(&path), &[]);
+    assert_eq!(lines(&read.events), ["svc shop/api 198.19.96.3"]);
+
+    // Gone: a read error, and its objects leave.
+    fs::remove_file(&path).unwrap();
+    let read = state.refresh(&fingerprint(&path), &[]);
+    assert_eq!(read.events.len(), 2);
+    assert!(matches!(&read.errors[..], [LoadError::Read { .. }]));
+}
+
+/// A change re-reads the changed file only; a file's problem is reported when that file is
+/// read, not on every change.
+#[test]
+fn only_changed_files_are_read_again() {
+    let dir = TempDir::new();
+    dir.write("a.yaml", &svc("web", "198.19.96.1"));
+    let broken = dir.write("b.yaml", "kind: [\n");
+    let mut state = Manifests::default();
+    let first = state.refresh(&fingerprint(&dir.0), &[]);
+    assert_eq!(lines(&first.events), ["svc shop/web 198.19.96.1"]);
+    assert_eq!(first.errors.len(), 1);
+
+    // b.yaml is fixed. a.yaml is given its old stamp, as if unchanged: were it read
+    // again, it would now say "api".
+    let a = dir.0.join("a.yaml");
+    fs::write(&a, svc("api", "198.19.96.2")).unwrap();
+    fs::write(&broken, svc("db", "198.19.96.3")).unwrap();
+    let mut now = fingerprint(&dir.0);
+    now.0[0].1 = state.files[a.as_path()].stamp.clone();
+    let second = state.refresh(&now, &[]);
+    assert_eq!(lines(&second.events), ["svc shop/db 198.19.96.3"]);
+    assert!(second.errors.is_empty(), "{:?}", second.errors);
+    assert_eq!(second.services, 2);
+
+    // A removed file leaves, a changed one is read again.
+    fs::remove_file(&broken).unwrap();
+    let third = state.refresh(&fingerprint(&dir.0), &[]);
+    assert_eq!(
+        lines(&third.events),
+        [
+            "svc shop/api 198.19.96.2",
+            "svc shop/db -",
+            "svc shop/web -"
+        ]
+    );
+}
+
+async fn next(rx: &mut mpsc::Receiver<SourceEvent>) -> SourceEvent {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("an event within 10s")
+        .expect("sender alive")
+}
+
+fn quiet(rx: &mut mpsc::Receiver<SourceEvent>) -> bool {
+    matches!(rx.try_recv(), Err(mpsc::error::TryRecvError::Empty))
+}
+
+#[tokio::test]
+async fn run_sends_the_full_list_once_then_changes_only() {
+    let dir = TempDir::new();
+    let file = dir.write("svc.yaml", &svc("web", "198.19.96.1"));
+    let (tx, mut rx) = mpsc::channel(16);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(run(dir.0.clone(), Duration::from_millis(20), tx, async {
+        let _ = stop_rx.await;
+    }));
+
+    match next(&mut rx).await {
+        SourceEvent::ReplaceAll { services, slices } => {
+            assert_eq!(services.len(), 1);
+            assert!(slices.is_empty());
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(next(&mut rx).await, SourceEvent::Synced);
+
+    // Looks that find nothing new send nothing.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(quiet(&mut rx));
+
+    fs::write(
+        &file,
+        [svc("web", "198.19.96.1"), svc("api", "198.19.96.2")].join("---\n"),
+    )
+    .unwrap();
+    assert_eq!(lines(&[next(&mut rx).await]), ["svc shop/api 198.19.96.2"]);
+
+    // A broken new file is reported (logged), and changes nothing.
+    dir.write("z.yaml", "kind: [\n");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(quiet(&mut rx));
+
+    fs::remove_file(dir.0.join("svc.yaml")).unwrap();
+    let gone = lines(&[next(&mut rx).await, next(&mut rx).await]);
+    assert_eq!(gone, ["svc shop/api -", "svc shop/web -"]);
+
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("run stops on shutdown")
+        .unwrap();
+}
+
+/// inotify wakes the look: with a poll of an hour, a change still arrives at once.
+#[tokio::test]
+async fn a_change_is_seen_before_the_next_poll() {
+    let dir = TempDir::new();
+    dir.write("a.yaml", &svc("web", "198.19.96.1"));
+    let (tx, mut rx) = mpsc::channel(16);
+    let task = tokio::spawn(run(
+        dir.0.clone(),
+        Duration::from_secs(3600),
+        tx,
+        std::future::pending(),
+    ));
+    assert!(matches!(
+        next(&mut rx).await,
+        SourceEvent::ReplaceAll { .. }
+    ));
+    assert_eq!(next(&mut rx).await, SourceEvent::Synced);
+
+    // Written as the benchmark and kubectl-like tools do: a temporary file renamed over.
+    let tmp = dir.write("a.tmp", &svc("web", "198.19.96.2"));
+    fs::rename(&tmp, dir.0.join("a.yaml")).unwrap();
+    let started = std::time::Instant::now();
+    assert_eq!(lines(&[next(&mut rx).await]), ["svc shop/web 198.19.96.2"]);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    task.abort();
+}
+
+#[tokio::test]
+async fn run_on_a_single_file_that_appears_later() {
+    let dir = TempDir::new();
+    let file = dir.0.join("later.yaml");
+    let (tx, mut rx) = mpsc::channel(16);
+    let task = tokio::spawn(run(
+        file.clone(),
+        Duration::from_millis(20),
+        tx,
+        std::future::pending(),
+    ));
+
+    match next(&mut rx).await {
+        SourceEvent::ReplaceAll { services, .. } => assert!(services.is_empty()),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(next(&mut rx).await, SourceEvent::Synced);
+    fs::write(&file, svc("web", "198.19.96.1")).unwrap();
+    assert_eq!(lines(&[next(&mut rx).await]), ["svc shop/web 198.19.96.1"]);
+    task.abort();
+}
