@@ -33,6 +33,10 @@ use crate::model::{
     validate,
 };
 
+mod reuse;
+
+pub use reuse::{Pieces, Previous};
+
 /// A manifest file larger than this is refused unread (10,000 services are about 3 MiB).
 pub const MAX_FILE_BYTES: u64 = 64 << 20;
 
@@ -155,6 +159,30 @@ pub fn load_for_node(path: &Path, node_ips: &[IpAddr]) -> Loaded {
         }
     }
     loaded
+}
+
+/// One manifest file (or, as [`load_for_node`], a folder), converting only the pieces of
+/// text that `previous`, the last read of the same file, did not hold. Returns with what
+/// was read what this read made of each piece, for the next.
+pub fn load_file(path: &Path, node_ips: &[IpAddr], previous: Option<Previous>) -> (Loaded, Pieces) {
+    if path.is_dir() {
+        return (load_for_node(path, node_ips), Pieces::default());
+    }
+    let mut loaded = Loaded {
+        node_ips: node_ips.to_vec(),
+        ..Loaded::default()
+    };
+    let pieces = match read_bounded(path) {
+        Ok(text) => reuse::load_text(&mut loaded, previous, path, &text),
+        Err(source) => {
+            loaded.errors.push(LoadError::Read {
+                path: path.to_owned(),
+                source,
+            });
+            Pieces::default()
+        }
+    };
+    (loaded, pieces)
 }
 
 /// Reads a file of at most [`MAX_FILE_BYTES`].
@@ -345,21 +373,25 @@ impl Loaded {
                 line,
                 item: None,
             };
-            let value: Value = match parse_document(doc) {
-                Ok(value) => value,
-                Err(e) => {
-                    let source = serde_saphyr::from_str_with_options::<Value>(
-                        &at_file_line(line, doc),
-                        yaml_options(),
-                    )
-                    .err()
-                    .unwrap_or(e);
-                    self.errors.push(LoadError::Syntax { at, source });
-                    continue;
-                }
-            };
-            self.load_value(at, value, None);
+            self.load_document(at, doc);
         }
+    }
+
+    fn load_document(&mut self, at: Location, doc: &str) {
+        let value: Value = match parse_document(doc) {
+            Ok(value) => value,
+            Err(e) => {
+                let source = serde_saphyr::from_str_with_options::<Value>(
+                    &at_file_line(at.line, doc),
+                    yaml_options(),
+                )
+                .err()
+                .unwrap_or(e);
+                self.errors.push(LoadError::Syntax { at, source });
+                return;
+            }
+        };
+        self.load_value(at, value, None);
     }
 
     /// Loads one object. `list` is the (apiVersion, kind) of the typed List (ServiceList)

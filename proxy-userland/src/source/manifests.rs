@@ -28,7 +28,7 @@ use tracing::{error, info, warn};
 
 use super::{
     SourceEvent,
-    file::{self, LoadError},
+    file::{self, LoadError, Pieces, Previous},
     inotify::DirWatch,
 };
 use crate::model::{Service, ServiceKey, SliceInfo};
@@ -81,6 +81,8 @@ struct FileObjects {
     services: Vec<Service>,
     slices: Vec<Slice>,
     skipped: usize,
+    /// What each piece of its text made, so that the next read converts only what changed.
+    pieces: Pieces,
 }
 
 /// The files holding one object, in file order, each with the object's last position in
@@ -139,7 +141,12 @@ impl Manifests {
                 continue;
             }
             let name = cached.map_or_else(|| Arc::from(file.as_path()), |(k, _)| k.clone());
-            let mut loaded = file::load_for_node(file, node_ips);
+            let previous = cached.map(|(_, c)| Previous {
+                services: &c.services,
+                slices: &c.slices,
+                pieces: &c.pieces,
+            });
+            let (mut loaded, pieces) = file::load_file(file, node_ips, previous);
             errors.append(&mut loaded.errors);
             // No stamp (it vanished meanwhile): kept without one, so it is read again.
             let objects = FileObjects {
@@ -147,6 +154,7 @@ impl Manifests {
                 services: loaded.services,
                 slices: loaded.slices,
                 skipped: loaded.skipped,
+                pieces,
             };
             self.apply(name, Some(objects), &mut touched);
         }
