@@ -6,9 +6,10 @@
 //! Per row: how long the first sync takes (daemon start until /readyz answers 200 and the
 //! dataplane holds the last service), the daemon's VmRSS and VmHWM then, and the network
 //! programming latency: from one endpoint change written to the API server (or to a manifest
-//! file) until the dataplane holds it, read from outside the daemon (the pinned BPF service
-//! and backend maps, polled every 0.1 ms; or `iptables -S` of the service's chain in the
-//! daemon's namespace, every 10 ms), p50 and p99. Meanwhile a steady churn of other
+//! file: its text is made first, the write and rename are timed) until the dataplane holds
+//! it, read from outside the daemon (the pinned BPF service and backend maps, polled every
+//! 0.1 ms; or `iptables -S` of the service's chain in the daemon's namespace, every 10 ms),
+//! p50 and p99. Meanwhile a steady churn of other
 //! endpoint changes (FASTPATH_BENCH_CHURN per second, default 100; kube source only),
 //! connections through a ClusterIP of the bed (~1 per ms, closed with a reset), and in eBPF
 //! mode both socket reverse-NAT LRU maps filled to their size.
@@ -250,16 +251,35 @@ enum Feed<'a> {
     Files(&'a Manifests),
 }
 
+/// One change, made ready to be written.
+enum Change {
+    Api(serde_json::Value),
+    File(std::path::PathBuf, Vec<u8>),
+}
+
 impl Feed<'_> {
-    fn change(&self, n: u32, i: u32, ip: Ipv4Addr) -> Result<()> {
+    /// The change's object (API server) or the file's new text (manifests): what a client
+    /// has in hand before it writes. The timing starts after this, at the write.
+    fn prepare(&self, n: u32, i: u32, ip: Ipv4Addr) -> Result<Change> {
         let eps = changed_endpoints(i, ip);
         match self {
-            Feed::Api(api) => {
-                api.try_update("endpointslices", cluster::slice(&service_name(i), &eps))
+            Feed::Api(_) => Ok(Change::Api(cluster::slice(&service_name(i), &eps))),
+            Feed::Files(m) => {
+                let (path, text) = m.change(n, i, &eps)?;
+                Ok(Change::File(path, text))
+            }
+        }
+    }
+
+    fn write(&self, change: Change) -> Result<()> {
+        match (self, change) {
+            (Feed::Api(api), Change::Api(slice)) => {
+                api.try_update("endpointslices", slice)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
                 Ok(())
             }
-            Feed::Files(m) => m.change(n, i, &eps),
+            (Feed::Files(_), Change::File(path, text)) => cluster::write_file(&path, &text),
+            _ => anyhow::bail!("a change prepared for another feed"),
         }
     }
 }
@@ -439,8 +459,9 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
             let i = ((k as u32).wrapping_mul(7_919) % n) & !1;
             let ip = marker_ip(MARKERS.fetch_add(1, Ordering::Relaxed));
             let name = service_name(i);
+            let change = feed.prepare(n, i, ip)?;
             let t0 = Instant::now();
-            feed.change(n, i, ip)?;
+            feed.write(change)?;
             loop {
                 let look = Instant::now();
                 let held = dp.holds(&name, ip, service_ip(i));
@@ -602,7 +623,8 @@ fn latency_table(out: &mut String, opts: &Opts, rows: &[Row]) {
     let _ = writeln!(
         out,
         "## Network programming latency through the daemon\n\n\
-         From one endpoint change written (API server update, or manifest file rewritten) until \
+         From one endpoint change written (API server update, or manifest file rewritten: its \
+         new text is made before the clock starts; the write and rename are timed) until \
          the dataplane holds it, read from outside the daemon (eBPF: the pinned maps, every 0.1 ms; iptables: `iptables -S` of the service's chain, every 10 ms plus the look itself). At most {} changes and {} s per row; \
          meanwhile {} other endpoint changes/s (kube source only), connections through a ClusterIP \
          (~1/ms), and in eBPF mode both socket reverse-NAT LRU maps full.\n",

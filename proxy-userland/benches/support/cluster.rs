@@ -143,9 +143,11 @@ impl Manifests {
         Ok(m)
     }
 
-    /// Rewrites the slice file holding service `i`, with `i`'s endpoints as `eps`.
-    pub fn change(&self, n: u32, i: u32, eps: &[Ipv4Addr]) -> anyhow::Result<()> {
-        self.write_slices(n, i / CHUNK, Some((i, eps)))
+    /// The slice file holding service `i`, with `i`'s endpoints as `eps`, as (path, text):
+    /// made before the change is timed, as an editor or a ConfigMap update has its text
+    /// ready before it writes; [`write_file`] writes it.
+    pub fn change(&self, n: u32, i: u32, eps: &[Ipv4Addr]) -> anyhow::Result<(PathBuf, Vec<u8>)> {
+        self.slices_file(n, i / CHUNK, Some((i, eps)))
     }
 
     fn write_slices(
@@ -154,13 +156,24 @@ impl Manifests {
         chunk: u32,
         change: Option<(u32, &[Ipv4Addr])>,
     ) -> anyhow::Result<()> {
+        let (path, text) = self.slices_file(n, chunk, change)?;
+        write_file(&path, &text)
+    }
+
+    fn slices_file(
+        &self,
+        n: u32,
+        chunk: u32,
+        change: Option<(u32, &[Ipv4Addr])>,
+    ) -> anyhow::Result<(PathBuf, Vec<u8>)> {
         let items: Vec<Value> = (chunk * CHUNK..((chunk + 1) * CHUNK).min(n))
             .map(|i| match change {
                 Some((c, eps)) if c == i => slice(&service_name(i), eps),
                 _ => slice(&service_name(i), &initial_endpoints(i)),
             })
             .collect();
-        write_list(&self.dir.join(format!("slices-{chunk:04}.json")), &items)
+        let path = self.dir.join(format!("slices-{chunk:04}.json"));
+        Ok((path, list_text(&items)?))
     }
 }
 
@@ -173,9 +186,18 @@ impl Drop for Manifests {
 /// Writes a `List` atomically (a temporary file renamed over the old one), so the daemon
 /// never reads half a file.
 fn write_list(path: &Path, items: &[Value]) -> anyhow::Result<()> {
+    write_file(path, &list_text(items)?)
+}
+
+fn list_text(items: &[Value]) -> anyhow::Result<Vec<u8>> {
     let list = json!({"apiVersion": "v1", "kind": "List", "items": items});
+    Ok(serde_json::to_vec(&list)?)
+}
+
+/// Writes `text` atomically (a temporary file renamed over the old one).
+pub fn write_file(path: &Path, text: &[u8]) -> anyhow::Result<()> {
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, serde_json::to_vec(&list)?)?;
+    std::fs::write(&tmp, text)?;
     std::fs::rename(&tmp, path)?;
     Ok(())
 }

@@ -187,10 +187,12 @@ pub fn load_file(path: &Path, node_ips: &[IpAddr], previous: Option<Previous>) -
 
 /// Reads a file of at most [`MAX_FILE_BYTES`].
 fn read_bounded(path: &Path) -> io::Result<String> {
-    let mut text = String::new();
-    fs::File::open(path)?
-        .take(MAX_FILE_BYTES + 1)
-        .read_to_string(&mut text)?;
+    let file = fs::File::open(path)?;
+    // Sized up front: through `take`, read_to_string cannot see the size and grows the
+    // string step by step, copying a 600 KB file several times.
+    let len = file.metadata().map_or(0, |m| m.len().min(MAX_FILE_BYTES));
+    let mut text = String::with_capacity(usize::try_from(len).unwrap_or(0) + 1);
+    file.take(MAX_FILE_BYTES + 1).read_to_string(&mut text)?;
     if text.len() as u64 > MAX_FILE_BYTES {
         return Err(io::Error::new(
             io::ErrorKind::FileTooLarge,

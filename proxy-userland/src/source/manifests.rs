@@ -184,7 +184,7 @@ impl Manifests {
             &file,
             (&old.services, &new.services),
             |f, i| &others[f].services[i],
-            |svc| svc.key.clone(),
+            (|svc| svc.key.clone(), |a, b| a.key == b.key),
             &mut touched.services,
         );
         diff(
@@ -192,7 +192,10 @@ impl Manifests {
             &file,
             (&old.slices, &new.slices),
             |f, i| &others[f].slices[i],
-            |(owner, name, _)| (owner.namespace.clone(), name.clone()),
+            (
+                |(owner, name, _)| (owner.namespace.clone(), name.clone()),
+                |a, b| a.1 == b.1 && a.0.namespace == b.0.namespace,
+            ),
             &mut touched.slices,
         );
         if kept {
@@ -273,9 +276,42 @@ fn diff<'a, K: Hash + Eq + Clone, T: PartialEq + Clone>(
     file: &Arc<Path>,
     (old, new): (&'a [T], &'a [T]),
     others: impl Fn(&Path, usize) -> &'a T,
-    key_of: impl Fn(&T) -> K,
+    (key_of, same_key): (impl Fn(&T) -> K, impl Fn(&T, &T) -> bool),
     touched: &mut HashMap<K, Option<T>>,
 ) {
+    let mut touch = |holders: &mut Holders, key: &K| {
+        if !touched.contains_key(key) {
+            let before = holders.last().map(|(f, i)| match **f == **file {
+                true => &old[*i],
+                false => others(f, *i),
+            });
+            touched.insert(key.clone(), before.cloned());
+        }
+    };
+    // The common edit: the same objects in the same places, a few of them changed. Each
+    // changed one that is its key's last copy in the file is the file's copy, at the same
+    // place; no positions move. (Many changed: the general way, which is linear.)
+    let aligned = old.len() == new.len() && old.iter().zip(new).all(|(o, n)| same_key(o, n));
+    let changed: Vec<usize> = match aligned {
+        true => (0..new.len())
+            .filter(|&i| old[i] != new[i])
+            .take(65)
+            .collect(),
+        false => Vec::new(),
+    };
+    if aligned && changed.len() <= 64 {
+        for i in changed {
+            let n = &new[i];
+            if new[i + 1..].iter().any(|later| same_key(later, n)) {
+                continue;
+            }
+            let key = key_of(n);
+            if let Some(holders) = index.get_mut(&key) {
+                touch(holders, &key);
+            }
+        }
+        return;
+    }
     // Each object's last position in the file, before and after.
     let mut at: HashMap<K, (Option<usize>, Option<usize>)> =
         HashMap::with_capacity(old.len().max(new.len()));
@@ -300,13 +336,7 @@ fn diff<'a, K: Hash + Eq + Clone, T: PartialEq + Clone>(
             continue;
         }
         let holders = index.entry(key.clone()).or_default();
-        if !touched.contains_key(&key) {
-            let before = holders.last().map(|(f, i)| match **f == **file {
-                true => &old[*i],
-                false => others(f, *i),
-            });
-            touched.insert(key.clone(), before.cloned());
-        }
+        touch(holders, &key);
         match (in_file(holders), now) {
             (Ok(p), Some(n)) => holders[p].1 = n,
             (Ok(p), None) => {

@@ -223,8 +223,19 @@ fn duplicates_resolve_as_the_full_list_did() {
         &[svc("dup", "198.19.96.6"), svc("dup", "198.19.96.7")],
     );
     assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
-    f.write("a.yaml", &[svc("dup", "198.19.96.7")]);
+    // Edited in place: the earlier copy changes nothing, the later one does.
+    f.write(
+        "a.yaml",
+        &[svc("dup", "198.19.96.8"), svc("dup", "198.19.96.7")],
+    );
     assert!(f.look().is_empty());
+    f.write(
+        "a.yaml",
+        &[svc("dup", "198.19.96.8"), svc("dup", "198.19.96.9")],
+    );
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.9"]);
+    f.write("a.yaml", &[svc("dup", "198.19.96.7")]);
+    assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
 
     // A slice (namespace and name) listed for two services belongs to the later one.
     f.write("s1.yaml", &[slice("web", "s", "198.18.1.1")]);

@@ -36,11 +36,13 @@ struct Made {
     skipped: usize,
 }
 
+type Slice = (ServiceKey, String, SliceInfo);
+
 /// The last read of the same file: its objects, in the order read, and its pieces.
 #[derive(Clone, Copy)]
 pub struct Previous<'a> {
     pub services: &'a [Service],
-    pub slices: &'a [(ServiceKey, String, SliceInfo)],
+    pub slices: &'a [Slice],
     pub pieces: &'a Pieces,
 }
 
@@ -88,10 +90,7 @@ pub(super) fn load_text(
 }
 
 /// What the previous read made of the piece `key`, if it holds it.
-fn held(
-    previous: Option<Previous<'_>>,
-    key: u64,
-) -> Option<(&[Service], &[(ServiceKey, String, SliceInfo)], usize)> {
+fn held(previous: Option<Previous<'_>>, key: u64) -> Option<(&[Service], &[Slice], usize)> {
     let prev = previous?;
     let made = prev.pieces.made.get(&key)?;
     Some((
