@@ -396,23 +396,39 @@ pub async fn run(
             }
             (None, Ok(())) => {}
         }
-        let (p, previous) = (path.clone(), last.take());
-        // Fingerprint before reading: a change during the read is then seen by the next
-        // look instead of being lost. Reading and parsing block: not on the runtime.
+        let (p, previous, to_engine) = (path.clone(), last.take(), tx.clone());
         let mut taken = std::mem::take(&mut state);
+        let full = first;
+        // Fingerprint before reading: a change during the read is then seen by the next
+        // look instead of being lost. Reading and parsing block: not on the runtime. The
+        // events go to the engine from here: a hop back through the runtime cost a wake-up
+        // (and, on a busy machine, a wait for a CPU) per change.
         let work = tokio::task::spawn_blocking(move || {
             let now = fingerprint(&p);
-            let read = (previous.as_ref() != Some(&now))
-                .then(|| taken.refresh(&now, &file::node_addresses()));
-            (now, read, taken)
+            let mut sent = None;
+            if previous.as_ref() != Some(&now) {
+                let mut read = taken.refresh(&now, &file::node_addresses());
+                report(&p, &read);
+                let events = std::mem::take(&mut read.events);
+                let events: Vec<SourceEvent> = match full {
+                    true => Manifests::first_list(events).into(),
+                    false => events,
+                };
+                sent = Some(
+                    events
+                        .into_iter()
+                        .all(|ev| to_engine.blocking_send(ev).is_ok()),
+                );
+            }
+            (now, sent, taken)
         });
-        let (now, read) = tokio::select! {
+        let (now, sent) = tokio::select! {
             biased;
             () = &mut shutdown => return,
             done = work => match done {
-                Ok((now, read, back)) => {
+                Ok((now, sent, back)) => {
                     state = back;
-                    (now, read)
+                    (now, sent)
                 }
                 Err(e) => {
                     // The state went with the task: start over with a full list.
@@ -423,20 +439,11 @@ pub async fn run(
             },
         };
         last = Some(now);
-        let Some(mut read) = read else { continue };
-        report(&path, &read);
-        let events = std::mem::take(&mut read.events);
-        let events: Vec<SourceEvent> = match first {
-            true => Manifests::first_list(events).into(),
-            false => events,
-        };
-        first = false;
-        for ev in events {
-            tokio::select! {
-                biased;
-                () = &mut shutdown => return,
-                sent = tx.send(ev) => if sent.is_err() { return },
-            }
+        match sent {
+            // The engine is gone.
+            Some(false) => return,
+            Some(true) => first = false,
+            None => {}
         }
     }
 }
