@@ -377,27 +377,15 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         let watch = Watch::start(&[bed.node_netns()]);
                         (connections(&bed, POD, conns)?, watch)
                     }
-                    PathKind::DirectHooked => {
-                        let mut dp = BpfDataplane::attach(bed.cgroup_path())?;
-                        let report = dp.sync(&state, &node, Scope::Full);
-                        anyhow::ensure!(
-                            report.failed.is_empty(),
-                            "eBPF sync failed: {:?}",
-                            report.failed.first()
-                        );
+                    kind @ (PathKind::DirectHooked | PathKind::Ebpf) => {
+                        let _dp = synced(BpfDataplane::attach(bed.cgroup_path())?, &state)?;
+                        let to = if kind == PathKind::Ebpf {
+                            CLUSTER_IP
+                        } else {
+                            POD
+                        };
                         let watch = Watch::start(&[bed.node_netns()]);
-                        (connections(&bed, POD, conns)?, watch)
-                    }
-                    PathKind::Ebpf => {
-                        let mut dp = BpfDataplane::attach(bed.cgroup_path())?;
-                        let report = dp.sync(&state, &node, Scope::Full);
-                        anyhow::ensure!(
-                            report.failed.is_empty(),
-                            "eBPF sync failed: {:?}",
-                            report.failed.first()
-                        );
-                        let watch = Watch::start(&[bed.node_netns()]);
-                        (connections(&bed, CLUSTER_IP, conns)?, watch)
+                        (connections(&bed, to, conns)?, watch)
                     }
                     PathKind::Iptables => {
                         let watch = Watch::start(&[ipt_bed.node_netns()]);
@@ -408,13 +396,10 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         (connections_from_pod(&client_pod, POD, conns)?, watch)
                     }
                     PathKind::PodPath => {
-                        let mut dp = BpfDataplane::attach_with(bed.cgroup_path(), &pod_path)?;
-                        let report = dp.sync(&state, &node, Scope::Full);
-                        anyhow::ensure!(
-                            report.failed.is_empty(),
-                            "eBPF sync failed: {:?}",
-                            report.failed.first()
-                        );
+                        let dp = synced(
+                            BpfDataplane::attach_with(bed.cgroup_path(), &pod_path)?,
+                            &state,
+                        )?;
                         let watch = Watch::start(&[&client_pod.netns]);
                         let attempts = connections_from_pod(&client_pod, CLUSTER_IP, conns)?;
                         // Every connection must have been translated on the pod's device,
@@ -439,6 +424,18 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
         rows.extend(paths);
     }
     Ok(rows)
+}
+
+/// `dp` holding `state`: attached per run, so that only one dataplane is installed at a
+/// time.
+fn synced(mut dp: BpfDataplane, state: &ProxyState) -> Result<BpfDataplane> {
+    let report = dp.sync(state, &NodeInfo::default(), Scope::Full);
+    anyhow::ensure!(
+        report.failed.is_empty(),
+        "eBPF sync failed: {:?}",
+        report.failed.first()
+    );
+    Ok(dp)
 }
 
 fn ms(d: Duration) -> String {

@@ -162,6 +162,8 @@ pub struct IptablesDataplane {
     /// they last wrote (read back and checked, or written by us with no commit of anyone
     /// else between). One per namespace: every family's and table's commits move it.
     known_generation: Option<u32>,
+    /// When every family's tables were last read back and checked (or rewritten whole).
+    verified_at: Option<std::time::Instant>,
 }
 
 fn is_ours(t: Table, c: &str) -> bool {
@@ -229,6 +231,7 @@ impl IptablesDataplane {
             families,
             restores: 0,
             known_generation: None,
+            verified_at: None,
         })
     }
 
@@ -292,7 +295,11 @@ impl Dataplane for IptablesDataplane {
         // Known again at the end only if this sync succeeds with no one else committing.
         let known = self.known_generation.take();
         let before = self.generation();
-        let untouched = known.is_some() && known == before;
+        let untouched = known.is_some()
+            && known == before
+            && self
+                .verified_at
+                .is_some_and(|t| t.elapsed() < sync::READ_BACK_MAX_AGE);
         let mut ok = true;
         for f in &mut self.families {
             match sync::sync_family(
@@ -328,7 +335,11 @@ impl Dataplane for IptablesDataplane {
             .families
             .iter()
             .try_fold(0u32, |n, f| Some(n.wrapping_add(f.commits?)));
-        let verified = untouched || self.families.iter().all(|f| f.verified);
+        let read_back = self.families.iter().all(|f| f.verified);
+        if ok && read_back {
+            self.verified_at = Some(std::time::Instant::now());
+        }
+        let verified = untouched || read_back;
         self.known_generation = match (before, ours, self.generation()) {
             (Some(before), Some(ours), Some(after))
                 if ok && verified && after == before.wrapping_add(ours) =>

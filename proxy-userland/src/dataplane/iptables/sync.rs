@@ -30,6 +30,10 @@ use crate::{
 /// A periodic sync rewrites everything at least this often, as kube-proxy's
 /// FullSyncPeriod: it repairs what the comparison with the tables cannot see.
 pub const FULL_RESYNC: Duration = Duration::from_secs(3600);
+/// A periodic sync reads the tables back at least this often, even when the nf_tables
+/// generation says nobody else has committed (see [`counted_restore`] for what it may
+/// miss).
+pub const READ_BACK_MAX_AGE: Duration = Duration::from_secs(300);
 /// At most this many conntrack entries are deleted in one sync (one `conntrack -D` each);
 /// the rest wait for the next sync.
 const MAX_CONNTRACK_DELETES: usize = 2000;
@@ -180,19 +184,29 @@ fn tampered(
     None
 }
 
-/// Runs one restore, adding the nf_tables commits it makes to `commits`: one per table
-/// in the input, as iptables-nft-restore commits at every COMMIT line. A failed restore
-/// may have committed some of its tables, so the count becomes unknown.
+/// Runs one restore, adding the nf_tables commits it made to `commits`: the generation's
+/// move across it, which must be no more than its tables (iptables-nft-restore commits at
+/// most once per COMMIT line, and not at all for a table it changes nothing in). A move
+/// beyond that was someone else's; a failed restore may have committed some of its
+/// tables. Either way the count becomes unknown. (Someone else committing during our
+/// restore while it left a table unchanged goes unseen; the read-back every
+/// [`READ_BACK_MAX_AGE`] bounds that.)
 fn counted_restore(
     tools: &dyn Tools,
+    nft: bool,
     commits: &mut Option<u32>,
     text: &str,
 ) -> Result<(), ApplyError> {
+    let generation = || if nft { tools.generation() } else { None };
+    let before = generation();
     let result = tools.restore(text);
-    *commits = match (&result, *commits) {
-        (Ok(()), Some(n)) => {
-            let tables = text.lines().filter(|l| l.trim() == "COMMIT").count();
-            Some(n.wrapping_add(u32::try_from(tables).unwrap_or(u32::MAX)))
+    let after = generation();
+    let tables = text.lines().filter(|l| l.trim() == "COMMIT").count();
+    *commits = match (&result, *commits, before, after) {
+        (Ok(()), Some(n), Some(before), Some(after))
+            if (after.wrapping_sub(before) as usize) <= tables =>
+        {
+            Some(n.wrapping_add(after.wrapping_sub(before)))
         }
         _ => None,
     };
@@ -332,7 +346,7 @@ pub(super) fn sync_family(
             let listing = render::list_first(f.nft, declared + stale.len(), last.nat_rule_count());
             if let Some(text) = last.partial_restore_text(&replaced, &stale, listing) {
                 debug!(?family, bytes = text.len(), "iptables-restore (partial)");
-                if let Err(e) = counted_restore(&*f.tools, &mut f.commits, &text) {
+                if let Err(e) = counted_restore(&*f.tools, f.nft, &mut f.commits, &text) {
                     last.undo(replaced);
                     f.needs_full = true;
                     return Err(e);
@@ -400,7 +414,7 @@ fn full_restore(
     let text = ruleset.restore_text_with(&stale, &extra);
     debug!(?family, bytes = text.len(), "iptables-restore (full)");
     let mut kept = BTreeSet::new();
-    if let Err(e) = counted_restore(&*f.tools, &mut f.commits, &text) {
+    if let Err(e) = counted_restore(&*f.tools, f.nft, &mut f.commits, &text) {
         if stale.is_empty() {
             f.needs_full = true;
             return Err(e);
@@ -412,7 +426,7 @@ fn full_restore(
         );
         extra.keep_stale = true;
         let text = ruleset.restore_text_with(&stale, &extra);
-        if let Err(e) = counted_restore(&*f.tools, &mut f.commits, &text) {
+        if let Err(e) = counted_restore(&*f.tools, f.nft, &mut f.commits, &text) {
             f.needs_full = true;
             return Err(e);
         }
