@@ -541,7 +541,7 @@ fn machine() -> String {
             .to_string()
     };
     let kernel = read("/proc/sys/kernel/osrelease");
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cpus = conditions::online_cpus();
     let iptables = std::process::Command::new("iptables")
         .arg("-V")
         .output()

@@ -23,7 +23,15 @@ pub fn max_load() -> f64 {
     std::env::var("FASTPATH_BENCH_MAX_LOAD")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as f64)
+        .unwrap_or_else(|| online_cpus() as f64)
+}
+
+/// The machine's CPUs, whatever this process is pinned to (`available_parallelism`
+/// counts only the CPUs it may run on, 1 after [`pin_to_one_cpu`]).
+pub fn online_cpus() -> usize {
+    // SAFETY: sysconf only reads a system value.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(n).ok().filter(|&n| n > 0).unwrap_or(1)
 }
 
 /// Pins this process, and so every process it starts after (clients, servers), to one CPU:
@@ -34,7 +42,7 @@ pub fn max_load() -> f64 {
 /// chooses anew for every run: rounds of the same path spread by 2x and two paths doing the
 /// same work differ by tens of percent. On one CPU every path pays the same.
 pub fn pin_to_one_cpu() -> Option<usize> {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cpus = online_cpus();
     let cpu = match std::env::var("FASTPATH_BENCH_CPU").ok().as_deref() {
         Some("none") => return None,
         Some(v) => v.parse().ok().filter(|&c| c < cpus)?,
