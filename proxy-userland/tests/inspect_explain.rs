@@ -3,11 +3,13 @@
 //! reach all of it); a service it explains as refused refuses a real connect.
 
 mod common;
+mod inspect_common;
 mod nat_common;
 
 use std::{collections::BTreeSet, net::Ipv4Addr, process::Command};
 
 use common::*;
+use inspect_common::{json, tool};
 use serde_json::Value;
 
 /// demo/web: pod-1 (here) and pod-2 (node-b) ready, pod-3 serving but terminating (stays
@@ -64,24 +66,8 @@ spec:
   - {name: http, port: 80, targetPort: 8080, protocol: TCP}
 "#;
 
-/// Runs `fastpath <args>` (a tool subcommand) and returns its stdout; fails the test on a
-/// non-zero exit.
-fn tool(args: &[&str]) -> String {
-    let out = Command::new(FASTPATH)
-        .args(args)
-        .output()
-        .expect("fastpath runs");
-    assert!(
-        out.status.success(),
-        "fastpath {args:?} failed: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 fn explain(admin: &str, pins: &str, proto: &str, dst: &str) -> Value {
-    let out = tool(&[
+    json(&[
         "explain",
         proto,
         dst,
@@ -89,10 +75,7 @@ fn explain(admin: &str, pins: &str, proto: &str, dst: &str) -> Value {
         admin,
         "--bpf-pin-dir",
         pins,
-        "-o",
-        "json",
-    ]);
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("explain printed no JSON ({e}):\n{out}"))
+    ])
 }
 
 fn strings(v: &Value) -> BTreeSet<String> {

@@ -215,8 +215,8 @@ fn counted_restore(
 
 /// One family's sync. A full sync (`changed` None) renders every service and reads the
 /// tables back, unless they are `untouched` (nobody else has committed since they were
-/// known to hold our rules); otherwise only the `changed` services are rendered again. Returns the
-/// frontends written and removed.
+/// known to hold our rules); otherwise only the `changed` services are rendered again.
+/// Returns the frontends written and removed.
 pub(super) fn sync_family(
     f: &mut FamilyState,
     base: &RenderConfig,
