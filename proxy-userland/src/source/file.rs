@@ -21,6 +21,7 @@ use std::{
     io::{self, Read},
     net::IpAddr,
     path::{Path, PathBuf},
+    sync::Arc,
 };
 
 use k8s_openapi::api::{core::v1::Service as K8sService, discovery::v1::EndpointSlice};
@@ -40,11 +41,16 @@ pub use reuse::{Pieces, Previous};
 /// A manifest file larger than this is refused unread (10,000 services are about 3 MiB).
 pub const MAX_FILE_BYTES: u64 = 64 << 20;
 
-/// Everything read from the path in one go.
+/// An EndpointSlice as read: the service it feeds, its name, what it holds.
+pub type Slice = (ServiceKey, String, SliceInfo);
+
+/// Everything read from the path in one go. Objects are shared: a file read again reuses
+/// what its unchanged pieces made last time instead of copying them (a copy of 500
+/// EndpointSlices cost ~0.3 ms for each changed slice).
 #[derive(Debug, Default)]
 pub struct Loaded {
-    pub services: Vec<Service>,
-    pub slices: Vec<(ServiceKey, String, SliceInfo)>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<Slice>>,
     /// Problems found, each naming where; the objects listed above loaded regardless.
     pub errors: Vec<LoadError>,
     /// Services and EndpointSlices that are well formed but not proxied (headless,
@@ -173,7 +179,7 @@ pub fn load_file(path: &Path, node_ips: &[IpAddr], previous: Option<Previous>) -
         ..Loaded::default()
     };
     let pieces = match read_bounded(path) {
-        Ok(text) => reuse::load_text(&mut loaded, previous, path, &text),
+        Ok(text) => reuse::load_text(&mut loaded, previous, path, text),
         Err(source) => {
             loaded.errors.push(LoadError::Read {
                 path: path.to_owned(),
@@ -256,24 +262,27 @@ pub fn node_addresses() -> Vec<IpAddr> {
     addrs
 }
 
+/// Whether a file of this name is read as a manifest: `*.yaml`, `*.yml` or `*.json`, not
+/// a dot file (editors' swap files).
+pub(super) fn is_manifest_name(path: &Path) -> bool {
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    let extension = Path::new(name).extension().and_then(|e| e.to_str());
+    !name.starts_with('.')
+        && extension.is_some_and(|e| {
+            ["yaml", "yml", "json"]
+                .iter()
+                .any(|m| e.eq_ignore_ascii_case(m))
+        })
+}
+
 /// The manifests in `dir`, sorted so that later files override earlier ones predictably.
 pub(super) fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
-        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
-            continue;
-        };
-        let is_manifest = Path::new(name)
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| {
-                ["yaml", "yml", "json"]
-                    .iter()
-                    .any(|m| e.eq_ignore_ascii_case(m))
-            });
-        // is_file follows symlinks, which is how ConfigMap volumes present their keys.
-        if is_manifest && !name.starts_with('.') && path.is_file() {
+        if is_manifest_name(&path) && path.is_file() {
             files.push(path);
         }
     }
@@ -441,7 +450,7 @@ impl Loaded {
                     return;
                 }
                 match convert::service(&svc, None) {
-                    Ok(Some(svc)) => self.services.push(svc),
+                    Ok(Some(svc)) => self.services.push(Arc::new(svc)),
                     Ok(None) => self.skipped += 1,
                     Err(source) => self.errors.push(LoadError::Convert { at, source }),
                 }
@@ -455,7 +464,7 @@ impl Loaded {
                     return;
                 }
                 match convert::endpoint_slice(&slice) {
-                    Ok(Some(slice)) => self.slices.push(slice),
+                    Ok(Some(slice)) => self.slices.push(Arc::new(slice)),
                     Ok(None) => self.skipped += 1,
                     Err(source) => self.errors.push(LoadError::Convert { at, source }),
                 }
@@ -583,7 +592,7 @@ mod tests {
             loaded
                 .slices
                 .iter()
-                .map(|(owner, name, _)| format!("{owner}:{name}"))
+                .map(|s| format!("{}:{}", s.0, s.1))
                 .collect(),
         )
     }
@@ -608,7 +617,7 @@ mod tests {
             (vec!["shop/web".into()], vec!["shop/web:web-abc".into()])
         );
         assert_eq!(loaded.skipped, 0);
-        let (_, _, slice) = &loaded.slices[0];
+        let (_, _, slice) = &*loaded.slices[0];
         assert_eq!(slice.endpoints[0].ip.to_string(), "198.18.1.1");
         assert_eq!(
             loaded.services[0].cluster_ips[0].to_string(),

@@ -4,7 +4,7 @@
 //! (network file systems, a folder created after start, a full event queue).
 
 use std::{
-    ffi::CString,
+    ffi::{CString, OsStr, OsString},
     io,
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd},
@@ -32,9 +32,25 @@ pub struct DirWatch {
     fd: AsyncFd<OwnedFd>,
     dir: PathBuf,
     watching: bool,
+    /// The one file watched, when the path is a file; else any manifest in the folder.
+    file: Option<OsString>,
 }
 
 impl DirWatch {
+    /// Watches the manifests at `path` (a file, or a folder of them): the folder they are
+    /// in, waking only for names that can change what is read. A writer's temporary file
+    /// (`a.json.tmp`, an editor's swap file) woke a look that found nothing, and that look
+    /// took a CPU from the writer it was waiting for.
+    pub fn for_manifests(path: &Path) -> io::Result<Self> {
+        let file = match path.is_dir() {
+            true => None,
+            false => path.file_name().map(OsStr::to_owned),
+        };
+        let mut watch = Self::new(Self::dir_of(path))?;
+        watch.file = file;
+        Ok(watch)
+    }
+
     /// Watches `dir`, or will once it exists (see [`DirWatch::arm`]).
     pub fn new(dir: PathBuf) -> io::Result<Self> {
         // SAFETY: no pointers; the result is checked below.
@@ -51,6 +67,7 @@ impl DirWatch {
             fd,
             dir,
             watching: false,
+            file: None,
         };
         watch.arm();
         Ok(watch)
@@ -81,17 +98,23 @@ impl DirWatch {
         self.watching = wd >= 0;
     }
 
-    /// Waits until something happened in the folder, then takes every queued event.
+    /// Waits until something that matters happened in the folder, then takes every queued
+    /// event.
     pub async fn changed(&mut self) -> io::Result<()> {
         loop {
             let mut ready = self.fd.readable().await?;
-            match ready.try_io(|fd| drain(fd.get_ref())) {
-                Ok(Ok(gone)) => {
+            let file = self.file.as_deref();
+            let matters = |name: &[u8]| matters(file, OsStr::from_bytes(name));
+            match ready.try_io(|fd| drain(fd.get_ref(), &matters)) {
+                Ok(Ok(Drained { gone, matters })) => {
                     // The watch was removed with its folder; `arm` adds it again.
                     if gone {
                         self.watching = false;
+                        return Ok(());
                     }
-                    return Ok(());
+                    if matters {
+                        return Ok(());
+                    }
                 }
                 Ok(Err(e)) => return Err(e),
                 // Spurious readiness: wait again.
@@ -101,22 +124,42 @@ impl DirWatch {
     }
 }
 
-/// Reads the queued events; true when the kernel dropped the watch (IN_IGNORED).
-/// WouldBlock when nothing was queued.
-fn drain(fd: &OwnedFd) -> io::Result<bool> {
+/// Whether an event for `name` in the folder can change what is read: the watched file,
+/// a manifest of the folder, or a ConfigMap volume's `..data` swap (names starting `..`).
+fn matters(file: Option<&OsStr>, name: &OsStr) -> bool {
+    let bytes = name.as_bytes();
+    bytes.is_empty()
+        || bytes.starts_with(b"..")
+        || match file {
+            Some(file) => name == file,
+            None => crate::source::file::is_manifest_name(Path::new(name)),
+        }
+}
+
+/// What a drain of the queue found.
+struct Drained {
+    /// The kernel dropped the watch (IN_IGNORED).
+    gone: bool,
+    /// An event for a name that matters, or one without a name (the folder itself, an
+    /// overflowed queue).
+    matters: bool,
+}
+
+/// Reads the queued events. WouldBlock when nothing was queued.
+fn drain(fd: &OwnedFd, name_matters: &impl Fn(&[u8]) -> bool) -> io::Result<Drained> {
     // Aligned for the event headers read out of it.
     #[repr(C, align(8))]
     struct Buf([u8; 4096]);
     let mut buf = Buf([0; 4096]);
     let header = std::mem::size_of::<libc::inotify_event>();
-    let (mut read_any, mut gone) = (false, false);
+    let (mut read_any, mut gone, mut matters) = (false, false, false);
     for _ in 0..MAX_READS {
         // SAFETY: the buffer is ours, writable and as long as we say; the descriptor is open.
         let n = unsafe { libc::read(fd.as_raw_fd(), buf.0.as_mut_ptr().cast(), buf.0.len()) };
         if n < 0 {
             let e = io::Error::last_os_error();
             return match e.kind() {
-                io::ErrorKind::WouldBlock if read_any => Ok(gone),
+                io::ErrorKind::WouldBlock if read_any => Ok(Drained { gone, matters }),
                 _ => Err(e),
             };
         }
@@ -129,10 +172,18 @@ fn drain(fd: &OwnedFd) -> io::Result<bool> {
             let ev: libc::inotify_event =
                 unsafe { std::ptr::read_unaligned(buf.0.as_ptr().add(at).cast()) };
             gone |= ev.mask & libc::IN_IGNORED != 0;
+            let name_at = at + header;
+            let name = buf
+                .0
+                .get(name_at..(name_at + ev.len as usize).min(n))
+                .unwrap_or(&[]);
+            // The name is NUL-padded.
+            let name = name.split(|&b| b == 0).next().unwrap_or(&[]);
+            matters |= ev.mask & libc::IN_Q_OVERFLOW != 0 || name_matters(name);
             at += header + ev.len as usize;
         }
     }
-    Ok(gone)
+    Ok(Drained { gone, matters })
 }
 
 #[cfg(test)]
@@ -148,24 +199,45 @@ mod tests {
             .is_ok_and(|r| r.is_ok())
     }
 
+    async fn idle(w: &mut DirWatch) -> bool {
+        (tokio::time::timeout(Duration::from_millis(100), w.changed()).await).is_err()
+    }
+
     #[tokio::test]
     async fn wakes_on_writes_renames_and_deletes() {
         let dir = TempDir::new();
-        let mut w = DirWatch::new(DirWatch::dir_of(&dir.0)).unwrap();
+        let mut w = DirWatch::for_manifests(&dir.0).unwrap();
         assert!(w.watching);
 
         dir.write("a.yaml", "a: 1\n");
         assert!(woken(&mut w).await, "a file written");
+        // An atomic writer's temporary file is not a manifest: its rename is the change.
         dir.write("b.tmp", "b: 1\n");
-        assert!(woken(&mut w).await);
+        assert!(idle(&mut w).await, "a temporary file written");
         std::fs::rename(dir.0.join("b.tmp"), dir.0.join("b.yaml")).unwrap();
         assert!(woken(&mut w).await, "a file renamed in");
         std::fs::remove_file(dir.0.join("a.yaml")).unwrap();
         assert!(woken(&mut w).await, "a file deleted");
+        dir.write(".b.yaml.swp", "x");
+        assert!(idle(&mut w).await, "an editor's swap file");
+        // A ConfigMap volume swaps its `..data` link.
+        std::os::unix::fs::symlink(".", dir.0.join("..data_tmp")).unwrap();
+        std::fs::rename(dir.0.join("..data_tmp"), dir.0.join("..data")).unwrap();
+        assert!(woken(&mut w).await, "a ConfigMap update");
 
         // Nothing happened: no wake-up.
-        let idle = tokio::time::timeout(Duration::from_millis(100), w.changed()).await;
-        assert!(idle.is_err());
+        assert!(idle(&mut w).await);
+    }
+
+    #[tokio::test]
+    async fn a_file_path_wakes_for_that_file_only() {
+        let dir = TempDir::new();
+        let path = dir.write("a.yaml", "a: 1\n");
+        let mut w = DirWatch::for_manifests(&path).unwrap();
+        dir.write("other.yaml", "b: 1\n");
+        assert!(idle(&mut w).await, "another manifest beside it");
+        dir.write("a.yaml", "a: 2\n");
+        assert!(woken(&mut w).await);
     }
 
     #[tokio::test]

@@ -28,10 +28,10 @@ use tracing::{error, info, warn};
 
 use super::{
     SourceEvent,
-    file::{self, LoadError, Pieces, Previous},
+    file::{self, LoadError, Pieces, Previous, Slice},
     inotify::DirWatch,
 };
-use crate::model::{Service, ServiceKey, SliceInfo};
+use crate::model::{Service, ServiceKey};
 
 /// What a poll compares to decide whether to re-read: the file list and each file's
 /// identity, size and times. Inode and ctime catch a file replaced by rename (how editors
@@ -72,14 +72,12 @@ fn fingerprint(path: &Path) -> Fingerprint {
     )
 }
 
-type Slice = (ServiceKey, String, SliceInfo);
-
 /// One file's objects as last read, in file order, with the stamp the file had then.
 #[derive(Default)]
 struct FileObjects {
     stamp: Option<Stamp>,
-    services: Vec<Service>,
-    slices: Vec<Slice>,
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<Slice>>,
     skipped: usize,
     /// What each piece of its text made, so that the next read converts only what changed.
     pieces: Pieces,
@@ -114,8 +112,8 @@ struct Read {
 /// (which a sync in between would have programmed).
 #[derive(Default)]
 struct Touched {
-    services: HashMap<ServiceKey, Option<Service>>,
-    slices: HashMap<(Arc<str>, String), Option<Slice>>,
+    services: HashMap<ServiceKey, Option<Arc<Service>>>,
+    slices: HashMap<(Arc<str>, String), Option<Arc<Slice>>>,
 }
 
 impl Manifests {
@@ -193,7 +191,7 @@ impl Manifests {
             (&old.slices, &new.slices),
             |f, i| &others[f].slices[i],
             (
-                |(owner, name, _)| (owner.namespace.clone(), name.clone()),
+                |slice| (slice.0.namespace.clone(), slice.1.clone()),
                 |a, b| a.1 == b.1 && a.0.namespace == b.0.namespace,
             ),
             &mut touched.slices,
@@ -212,7 +210,7 @@ impl Manifests {
             if before.as_ref() != now {
                 events.push(SourceEvent::Service {
                     key,
-                    service: now.cloned(),
+                    service: now.map(|svc| Service::clone(svc)),
                 });
             }
         }
@@ -223,7 +221,7 @@ impl Manifests {
                 continue;
             }
             let (namespace, name) = (id.0.to_string(), id.1);
-            events.push(match now {
+            events.push(match now.map(|slice| &**slice) {
                 Some((owner, name, info)) => SourceEvent::Slice {
                     namespace,
                     owner: Some(owner.clone()),
@@ -370,7 +368,7 @@ pub async fn run(
     let mut shutdown = std::pin::pin!(shutdown);
     let mut ticker = tokio::time::interval(poll.max(MIN_POLL));
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut wake = match DirWatch::new(DirWatch::dir_of(&path)) {
+    let mut wake = match DirWatch::for_manifests(&path) {
         Ok(w) => Some(w),
         Err(e) => {
             warn!("cannot watch {} ({e}); polling only", path.display());

@@ -70,7 +70,18 @@ impl Follow {
         }
         let loaded = file::load_for_node(&self.dir.0, &[]);
         let mut fresh = ChangeTracker::new();
-        fresh.replace_all(loaded.services, loaded.slices);
+        fresh.replace_all(
+            loaded
+                .services
+                .into_iter()
+                .map(Arc::unwrap_or_clone)
+                .collect(),
+            loaded
+                .slices
+                .into_iter()
+                .map(Arc::unwrap_or_clone)
+                .collect(),
+        );
         assert_eq!(self.tracker.state(), fresh.state(), "after {got:?}");
         assert_eq!(read.services, fresh.state().services.len());
         got
