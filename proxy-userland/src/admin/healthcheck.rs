@@ -22,7 +22,7 @@ use super::{
     AdminState,
     http::{self, Handler, Request, Response},
 };
-use crate::model::{NodeInfo, ProxyState, ServiceKey, select};
+use crate::model::{EndpointSet, NodeInfo, ProxyState, Service, ServiceKey, select};
 
 /// What should be served: port and local endpoint count per service.
 pub type Desired = BTreeMap<ServiceKey, (u16, usize)>;
@@ -35,30 +35,37 @@ pub type Desired = BTreeMap<ServiceKey, (u16, usize)>;
 /// draining pods should lose new load-balancer traffic, which is what reporting 0 does (as
 /// kube-proxy's LocalReadyEndpoints).
 pub fn desired(state: &ProxyState, node: &NodeInfo) -> Desired {
-    let mut out = Desired::new();
-    for (key, svc) in &state.services {
-        let Some(port) = svc
-            .health_check_node_port
-            .filter(|_| svc.external_policy_local)
-        else {
-            continue;
-        };
-        let mut local = std::collections::BTreeSet::new();
-        if let Some(set) = state.endpoints.get(key) {
-            for sp in &svc.ports {
-                let eps = select::endpoints_for_port(set, sp);
-                let c = select::categorize(svc, &eps, node);
-                local.extend(
-                    c.local
-                        .iter()
-                        .filter(|pe| pe.endpoint.ready)
-                        .map(|pe| pe.ip),
-                );
-            }
+    (state.services.iter())
+        .filter_map(|(key, svc)| {
+            let hc = health_check(svc, state.endpoints.get(key).map(|s| &**s), node)?;
+            Some((key.clone(), hc))
+        })
+        .collect()
+}
+
+/// One service's part of [`desired`]: its health check port and local endpoint count.
+pub fn health_check(
+    svc: &Service,
+    set: Option<&EndpointSet>,
+    node: &NodeInfo,
+) -> Option<(u16, usize)> {
+    let port = svc
+        .health_check_node_port
+        .filter(|_| svc.external_policy_local)?;
+    let mut local = std::collections::BTreeSet::new();
+    if let Some(set) = set {
+        for sp in &svc.ports {
+            let eps = select::endpoints_for_port(set, sp);
+            let c = select::categorize(svc, &eps, node);
+            local.extend(
+                c.local
+                    .iter()
+                    .filter(|pe| pe.endpoint.ready)
+                    .map(|pe| pe.ip),
+            );
         }
-        out.insert(key.clone(), (port, local.len()));
     }
-    out
+    Some((port, local.len()))
 }
 
 /// Service ports whose Local traffic policy finds no endpoint on this node although the
@@ -77,27 +84,52 @@ pub struct NoLocalEndpoints {
 pub fn no_local_endpoints(state: &ProxyState, node: &NodeInfo) -> NoLocalEndpoints {
     let mut out = NoLocalEndpoints::default();
     for (key, svc) in &state.services {
-        let externally_accessible = svc.ports.iter().any(|p| p.node_port.is_some())
-            || !svc.load_balancer_ips.is_empty()
-            || !svc.external_ips.is_empty();
-        let external_local = svc.external_policy_local && externally_accessible;
-        if !svc.internal_policy_local && !external_local {
-            continue;
-        }
-        let Some(set) = state.endpoints.get(key) else {
-            continue;
-        };
-        for sp in &svc.ports {
-            let eps = select::endpoints_for_port(set, sp);
-            let c = select::categorize(svc, &eps, node);
-            if !c.has_any_endpoints || !c.local.is_empty() {
-                continue;
-            }
-            out.internal += usize::from(svc.internal_policy_local);
-            out.external += usize::from(external_local);
-        }
+        out += service_no_local_endpoints(svc, state.endpoints.get(key).map(|s| &**s), node);
     }
     out
+}
+
+/// One service's part of [`no_local_endpoints`].
+pub fn service_no_local_endpoints(
+    svc: &Service,
+    set: Option<&EndpointSet>,
+    node: &NodeInfo,
+) -> NoLocalEndpoints {
+    let mut out = NoLocalEndpoints::default();
+    let externally_accessible = svc.ports.iter().any(|p| p.node_port.is_some())
+        || !svc.load_balancer_ips.is_empty()
+        || !svc.external_ips.is_empty();
+    let external_local = svc.external_policy_local && externally_accessible;
+    if !svc.internal_policy_local && !external_local {
+        return out;
+    }
+    let Some(set) = set else {
+        return out;
+    };
+    for sp in &svc.ports {
+        let eps = select::endpoints_for_port(set, sp);
+        let c = select::categorize(svc, &eps, node);
+        if !c.has_any_endpoints || !c.local.is_empty() {
+            continue;
+        }
+        out.internal += usize::from(svc.internal_policy_local);
+        out.external += usize::from(external_local);
+    }
+    out
+}
+
+impl std::ops::AddAssign for NoLocalEndpoints {
+    fn add_assign(&mut self, other: Self) {
+        self.internal += other.internal;
+        self.external += other.external;
+    }
+}
+
+impl std::ops::SubAssign for NoLocalEndpoints {
+    fn sub_assign(&mut self, other: Self) {
+        self.internal -= other.internal;
+        self.external -= other.external;
+    }
 }
 
 /// The open health check servers.
@@ -292,6 +324,65 @@ mod tests {
             st.services.insert(svc.key.clone(), StdArc::new(svc));
         }
         st
+    }
+
+    /// The engine keeps these between syncs and recomputes only the services a sync
+    /// changed: after any walk of changes, what it keeps is what a walk of every service
+    /// gives.
+    #[test]
+    fn kept_between_syncs_as_computed_afresh() {
+        use crate::{model::tracker::ChangeTracker, sync::local_policy::LocalPolicy};
+        let node = NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        };
+        let ports = vec![SlicePort {
+            name: "http".into(),
+            port: 8080,
+            protocol: Protocol::Tcp,
+        }];
+        let (mut tracker, mut kept) = (ChangeTracker::new(), LocalPolicy::default());
+        let mut seed: u64 = 3;
+        let mut counted = 0;
+        for step in 0..300 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let r = (seed >> 33) as usize;
+            let name = format!("s{}", r % 5);
+            let key = ServiceKey::new("demo", &name);
+            match (r / 5) % 4 {
+                0 => {
+                    let mut svc = lb(&name, r >> 8 & 1 == 0, (r >> 9 & 1 == 0).then_some(32000));
+                    svc.internal_policy_local = r >> 10 & 3 == 0;
+                    tracker.apply_service(key, Some(svc));
+                }
+                1 => tracker.apply_service(key, None),
+                2 => {
+                    let at = if r >> 8 & 1 == 0 { "node-a" } else { "node-b" };
+                    let ready = r >> 9 & 3 != 0;
+                    let endpoints = vec![ep(&format!("198.18.1.{}", r % 200), at, ready)];
+                    let ports = ports.clone();
+                    tracker.apply_slice(key, "s".into(), Some(SliceInfo { ports, endpoints }));
+                }
+                _ => tracker.apply_slice(key, "s".into(), None),
+            }
+            let changes = tracker.take_changes();
+            let full = step % 17 == 0;
+            kept.update(&changes.state, &node, (!full).then_some(&changes.changed));
+            assert_eq!(
+                kept.health_checks(),
+                &desired(&changes.state, &node),
+                "step {step}"
+            );
+            let afresh = no_local_endpoints(&changes.state, &node);
+            assert_eq!(kept.no_local_endpoints(), afresh, "step {step}");
+            counted += usize::from(afresh != NoLocalEndpoints::default());
+        }
+        assert!(
+            counted >= 10,
+            "the walk reached services without local endpoints: {counted}"
+        );
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::{
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
 
-use super::{BoundedFrequency, SyncPeriods, runner::Due};
+use super::{BoundedFrequency, SyncPeriods, local_policy::LocalPolicy, runner::Due};
 use crate::{
     admin::{SyncRecord, healthcheck},
     dataplane::{
@@ -187,6 +187,7 @@ struct Loop {
     /// Map entries: services and backends as the dataplane counts them at each sync, the
     /// kernel-filled maps as the census last counted them.
     occupancy: Arc<Mutex<Occupancy>>,
+    local_policy: LocalPolicy,
 }
 
 impl Loop {
@@ -206,6 +207,7 @@ impl Loop {
             retry: BTreeSet::new(),
             pending_since: None,
             occupancy,
+            local_policy: LocalPolicy::default(),
         }
     }
 
@@ -320,6 +322,8 @@ impl Loop {
             self.retry.insert(key.clone());
         }
         self.runner.ran(due, started, !report.failed.is_empty());
+        self.local_policy
+            .update(&changes.state, &self.node, (!full).then_some(&keys));
         let took = started.elapsed();
         let services = changes.state.services.len();
         let record = SyncRecord {
@@ -338,12 +342,12 @@ impl Loop {
             services_changed_total: self.tracker.services_changed_total(),
             endpoints_changed_total: self.tracker.endpoints_changed_total(),
             udp_socket_resets: (report.udp_sockets_reset, report.udp_socket_resets_failed),
-            no_local_endpoints: healthcheck::no_local_endpoints(&changes.state, &self.node),
+            no_local_endpoints: self.local_policy.no_local_endpoints(),
         };
         if full {
             return_free_memory();
         }
-        let health_checks = healthcheck::desired(&changes.state, &self.node);
+        let health_checks = self.local_policy.health_checks().clone();
         if !self.synced_once {
             info!(
                 services,

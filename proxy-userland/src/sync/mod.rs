@@ -9,6 +9,7 @@
 //!   check node ports, Events).
 
 pub mod engine;
+pub(crate) mod local_policy;
 pub mod report;
 pub mod runner;
 
