@@ -378,13 +378,16 @@ pub async fn run(
     let mut last: Option<Fingerprint> = None;
     let mut state = Manifests::default();
     let mut first = true;
+    // The node's addresses (no cluster IP may be one), read again at each poll, not at
+    // each change: getifaddrs dumps every interface, a hundred on a node full of pods.
+    let mut node_ips = Vec::new();
 
     loop {
-        let woken = tokio::select! {
+        let (ticked, woken) = tokio::select! {
             biased;
             () = &mut shutdown => return,
-            _ = ticker.tick() => Ok(()),
-            woken = changed(&mut wake) => woken,
+            _ = ticker.tick() => (true, Ok(())),
+            woken = changed(&mut wake) => (false, woken),
         };
         match (&mut wake, woken) {
             (Some(w), Ok(())) => w.arm(),
@@ -397,6 +400,7 @@ pub async fn run(
         let (p, previous, to_engine) = (path.clone(), last.take(), tx.clone());
         let mut taken = std::mem::take(&mut state);
         let full = first;
+        let mut addrs = std::mem::take(&mut node_ips);
         // Fingerprint before reading: a change during the read is then seen by the next
         // look instead of being lost. Reading and parsing block: not on the runtime. The
         // events go to the engine from here: a hop back through the runtime cost a wake-up
@@ -404,8 +408,11 @@ pub async fn run(
         let work = tokio::task::spawn_blocking(move || {
             let now = fingerprint(&p);
             let mut sent = None;
+            if ticked || full {
+                addrs = file::node_addresses();
+            }
             if previous.as_ref() != Some(&now) {
-                let mut read = taken.refresh(&now, &file::node_addresses());
+                let mut read = taken.refresh(&now, &addrs);
                 report(&p, &read);
                 let events = std::mem::take(&mut read.events);
                 let events: Vec<SourceEvent> = match full {
@@ -418,14 +425,14 @@ pub async fn run(
                         .all(|ev| to_engine.blocking_send(ev).is_ok()),
                 );
             }
-            (now, sent, taken)
+            (now, sent, taken, addrs)
         });
         let (now, sent) = tokio::select! {
             biased;
             () = &mut shutdown => return,
             done = work => match done {
-                Ok((now, sent, back)) => {
-                    state = back;
+                Ok((now, sent, back, addrs)) => {
+                    (state, node_ips) = (back, addrs);
                     (now, sent)
                 }
                 Err(e) => {
