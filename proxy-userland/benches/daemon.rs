@@ -24,6 +24,7 @@
 //! so). Sizes: FASTPATH_BENCH_DAEMON_SIZES (default 100,1000,10000,50000); modes:
 //! FASTPATH_BENCH_MODES (ebpf,iptables); sources: FASTPATH_BENCH_SOURCES (kube,manifests);
 //! FASTPATH_BENCH_MANIFEST_MAX (default 10000): no manifest rows above that size;
+//! FASTPATH_BENCH_MANIFEST_CHUNK (default 500): objects per manifest file (1: a file each);
 //! FASTPATH_BENCH_IPTABLES_MAX: no iptables rows above that size. Writes
 //! target/bench/daemon.md.
 
@@ -107,6 +108,8 @@ struct Opts {
     phase: Duration,
     sync_limit: Duration,
     manifest_max: u32,
+    /// Objects per manifest file.
+    manifest_chunk: u32,
     iptables_max: u32,
 }
 
@@ -156,6 +159,7 @@ impl Opts {
                 env("FASTPATH_BENCH_SYNC_SECS", 300u64).clamp(10, 3600),
             ),
             manifest_max: env("FASTPATH_BENCH_MANIFEST_MAX", 10_000u32),
+            manifest_chunk: env("FASTPATH_BENCH_MANIFEST_CHUNK", 500u32).max(1),
             iptables_max: env("FASTPATH_BENCH_IPTABLES_MAX", u32::MAX),
         }
     }
@@ -571,7 +575,7 @@ fn main() -> Result<()> {
         }
         if opts.sources.contains(&Source::Manifests) && n <= opts.manifest_max {
             eprintln!("bench: daemon, manifests, {n} services");
-            let files = Manifests::write(n)?;
+            let files = Manifests::write(n, opts.manifest_chunk)?;
             for &mode in &modes {
                 let result = run_row(&opts, mode, &Feed::Files(&files), n);
                 report_row(mode, Source::Manifests, n, &result);
@@ -651,10 +655,12 @@ fn latency_table(out: &mut String, opts: &Opts, rows: &[Row]) {
          the columns \"with the write\" count from the write's start, and the write's own \
          median is shown) until the dataplane holds it, read from outside the daemon (eBPF: the pinned maps, every 0.1 ms; iptables: `iptables -S` of the service's chain, every 10 ms plus the look itself). At most {} changes and {} s per row; \
          meanwhile {} other endpoint changes/s (kube source only), connections through a ClusterIP \
-         (~1/ms), and in eBPF mode both socket reverse-NAT LRU maps full.\n",
+         (~1/ms), and in eBPF mode both socket reverse-NAT LRU maps full. Manifests: JSON \
+         Lists of {} objects a file.\n",
         opts.samples,
         opts.phase.as_secs(),
-        opts.churn
+        opts.churn,
+        opts.manifest_chunk
     );
     let _ = writeln!(
         out,

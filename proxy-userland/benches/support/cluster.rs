@@ -115,29 +115,30 @@ pub fn api_server(n: u32) -> anyhow::Result<ApiServer> {
     Ok(api)
 }
 
-/// A folder of manifests for a cluster of `n` services: JSON `List`s of `CHUNK` objects, so
-/// a change rewrites one small file (the daemon still re-reads the folder). Removed on drop.
+/// A folder of manifests for a cluster of `n` services: JSON `List`s of `chunk` objects
+/// (FASTPATH_BENCH_MANIFEST_CHUNK, default 500; 1 is a file per object), so a change
+/// rewrites one file. Removed on drop.
 pub struct Manifests {
     pub dir: PathBuf,
+    pub chunk: u32,
 }
 
-const CHUNK: u32 = 500;
-
 impl Manifests {
-    pub fn write(n: u32) -> anyhow::Result<Manifests> {
+    pub fn write(n: u32, chunk: u32) -> anyhow::Result<Manifests> {
         let dir = std::env::temp_dir().join(format!(
             "fastpath-bench-manifests-{}-{n}",
             std::process::id()
         ));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
-        let m = Manifests { dir };
+        let chunk = chunk.max(1);
+        let m = Manifests { dir, chunk };
         let (services, _) = objects(n);
-        for (c, chunk) in services.chunks(CHUNK as usize).enumerate() {
-            write_list(&m.dir.join(format!("services-{c:04}.json")), chunk)?;
+        for (c, part) in services.chunks(chunk as usize).enumerate() {
+            write_list(&m.dir.join(format!("services-{c:05}.json")), part)?;
         }
         write_list(&m.dir.join("slices-web.json"), &[slice("web", &[WEB_POD])])?;
-        for c in 0..n.div_ceil(CHUNK) {
+        for c in 0..n.div_ceil(chunk) {
             m.write_slices(n, c, None)?;
         }
         Ok(m)
@@ -147,7 +148,7 @@ impl Manifests {
     /// made before the change is timed, as an editor or a ConfigMap update has its text
     /// ready before it writes; [`write_file`] writes it.
     pub fn change(&self, n: u32, i: u32, eps: &[Ipv4Addr]) -> anyhow::Result<(PathBuf, Vec<u8>)> {
-        self.slices_file(n, i / CHUNK, Some((i, eps)))
+        self.slices_file(n, i / self.chunk, Some((i, eps)))
     }
 
     fn write_slices(
@@ -166,13 +167,14 @@ impl Manifests {
         chunk: u32,
         change: Option<(u32, &[Ipv4Addr])>,
     ) -> anyhow::Result<(PathBuf, Vec<u8>)> {
-        let items: Vec<Value> = (chunk * CHUNK..((chunk + 1) * CHUNK).min(n))
+        let size = self.chunk;
+        let items: Vec<Value> = (chunk * size..((chunk + 1) * size).min(n))
             .map(|i| match change {
                 Some((c, eps)) if c == i => slice(&service_name(i), eps),
                 _ => slice(&service_name(i), &initial_endpoints(i)),
             })
             .collect();
-        let path = self.dir.join(format!("slices-{chunk:04}.json"));
+        let path = self.dir.join(format!("slices-{chunk:05}.json"));
         Ok((path, list_text(&items)?))
     }
 }
