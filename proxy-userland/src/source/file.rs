@@ -146,7 +146,7 @@ pub fn load_for_node(path: &Path, node_ips: &[IpAddr]) -> Loaded {
     };
     let files = if path.is_dir() {
         match manifest_files(path) {
-            Ok(files) => files,
+            Ok(files) => files.into_iter().map(|(f, _)| f).collect(),
             Err(source) => {
                 loaded.errors.push(LoadError::Read {
                     path: path.to_owned(),
@@ -278,15 +278,22 @@ pub(super) fn is_manifest_name(path: &Path) -> bool {
 }
 
 /// The manifests in `dir`, sorted so that later files override earlier ones predictably.
-pub(super) fn manifest_files(dir: &Path) -> io::Result<Vec<PathBuf>> {
+pub(super) fn manifest_files(dir: &Path) -> io::Result<Vec<(PathBuf, fs::Metadata)>> {
     let mut files = Vec::new();
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
-        if is_manifest_name(&path) && path.is_file() {
-            files.push(path);
+        if !is_manifest_name(&path) {
+            continue;
+        }
+        // Followed, as ConfigMap volumes present their keys as symlinks; one stat, which
+        // the poll's fingerprint reuses (a folder may hold a file per object).
+        if let Ok(meta) = fs::metadata(&path)
+            && meta.is_file()
+        {
+            files.push((path, meta));
         }
     }
-    files.sort();
+    files.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(files)
 }
 

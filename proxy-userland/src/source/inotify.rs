@@ -4,6 +4,7 @@
 //! (network file systems, a folder created after start, a full event queue).
 
 use std::{
+    collections::BTreeSet,
     ffi::{CString, OsStr, OsString},
     io,
     os::{
@@ -99,21 +100,24 @@ impl DirWatch {
     }
 
     /// Waits until something that matters happened in the folder, then takes every queued
-    /// event.
-    pub async fn changed(&mut self) -> io::Result<()> {
+    /// event: what changed.
+    pub async fn changed(&mut self) -> io::Result<Woken> {
         loop {
             let mut ready = self.fd.readable().await?;
             let file = self.file.as_deref();
             let matters = |name: &[u8]| matters(file, OsStr::from_bytes(name));
             match ready.try_io(|fd| drain(fd.get_ref(), &matters)) {
-                Ok(Ok(Drained { gone, matters })) => {
+                Ok(Ok(Drained { gone, all, names })) => {
                     // The watch was removed with its folder; `arm` adds it again.
                     if gone {
                         self.watching = false;
-                        return Ok(());
+                        return Ok(Woken::All);
                     }
-                    if matters {
-                        return Ok(());
+                    if all {
+                        return Ok(Woken::All);
+                    }
+                    if !names.is_empty() {
+                        return Ok(Woken::Names(names));
                     }
                 }
                 Ok(Err(e)) => return Err(e),
@@ -124,42 +128,66 @@ impl DirWatch {
     }
 }
 
-/// Whether an event for `name` in the folder can change what is read: the watched file,
-/// a manifest of the folder, or a ConfigMap volume's `..data` swap (names starting `..`).
-fn matters(file: Option<&OsStr>, name: &OsStr) -> bool {
+/// What a wake-up says changed in the folder.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Woken {
+    /// These manifests (names in the folder) were written, renamed in or out, or deleted;
+    /// nothing else that matters.
+    Names(BTreeSet<OsString>),
+    /// Anything may have: the folder itself, a ConfigMap volume's `..data` swap, or a
+    /// queue that overflowed.
+    All,
+}
+
+/// How an event for `name` in the folder bears on what is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Matters {
+    No,
+    /// The watched file, or a manifest of the folder.
+    This,
+    /// The folder itself (no name) or a ConfigMap volume's `..data` swap (names starting
+    /// `..`), behind which every file may have changed.
+    All,
+}
+
+fn matters(file: Option<&OsStr>, name: &OsStr) -> Matters {
     let bytes = name.as_bytes();
-    bytes.is_empty()
-        || bytes.starts_with(b"..")
-        || match file {
-            Some(file) => name == file,
-            None => crate::source::file::is_manifest_name(Path::new(name)),
-        }
+    if bytes.is_empty() || bytes.starts_with(b"..") {
+        return Matters::All;
+    }
+    let this = match file {
+        Some(file) => name == file,
+        None => crate::source::file::is_manifest_name(Path::new(name)),
+    };
+    if this { Matters::This } else { Matters::No }
 }
 
 /// What a drain of the queue found.
+#[derive(Default)]
 struct Drained {
     /// The kernel dropped the watch (IN_IGNORED).
     gone: bool,
-    /// An event for a name that matters, or one without a name (the folder itself, an
-    /// overflowed queue).
-    matters: bool,
+    /// An event that may concern every file: see [`Matters::All`], or an overflowed queue.
+    all: bool,
+    /// The manifests events named.
+    names: BTreeSet<OsString>,
 }
 
 /// Reads the queued events. WouldBlock when nothing was queued.
-fn drain(fd: &OwnedFd, name_matters: &impl Fn(&[u8]) -> bool) -> io::Result<Drained> {
+fn drain(fd: &OwnedFd, matters: &impl Fn(&[u8]) -> Matters) -> io::Result<Drained> {
     // Aligned for the event headers read out of it.
     #[repr(C, align(8))]
     struct Buf([u8; 4096]);
     let mut buf = Buf([0; 4096]);
     let header = std::mem::size_of::<libc::inotify_event>();
-    let (mut read_any, mut gone, mut matters) = (false, false, false);
+    let (mut read_any, mut found) = (false, Drained::default());
     for _ in 0..MAX_READS {
         // SAFETY: the buffer is ours, writable and as long as we say; the descriptor is open.
         let n = unsafe { libc::read(fd.as_raw_fd(), buf.0.as_mut_ptr().cast(), buf.0.len()) };
         if n < 0 {
             let e = io::Error::last_os_error();
             return match e.kind() {
-                io::ErrorKind::WouldBlock if read_any => Ok(Drained { gone, matters }),
+                io::ErrorKind::WouldBlock if read_any => Ok(found),
                 _ => Err(e),
             };
         }
@@ -171,7 +199,7 @@ fn drain(fd: &OwnedFd, name_matters: &impl Fn(&[u8]) -> bool) -> io::Result<Drai
             // read_unaligned makes no assumption about its alignment.
             let ev: libc::inotify_event =
                 unsafe { std::ptr::read_unaligned(buf.0.as_ptr().add(at).cast()) };
-            gone |= ev.mask & libc::IN_IGNORED != 0;
+            found.gone |= ev.mask & libc::IN_IGNORED != 0;
             let name_at = at + header;
             let name = buf
                 .0
@@ -179,11 +207,18 @@ fn drain(fd: &OwnedFd, name_matters: &impl Fn(&[u8]) -> bool) -> io::Result<Drai
                 .unwrap_or(&[]);
             // The name is NUL-padded.
             let name = name.split(|&b| b == 0).next().unwrap_or(&[]);
-            matters |= ev.mask & libc::IN_Q_OVERFLOW != 0 || name_matters(name);
+            match matters(name) {
+                _ if ev.mask & libc::IN_Q_OVERFLOW != 0 => found.all = true,
+                Matters::All => found.all = true,
+                Matters::This => {
+                    found.names.insert(OsStr::from_bytes(name).to_owned());
+                }
+                Matters::No => {}
+            }
             at += header + ev.len as usize;
         }
     }
-    Ok(Drained { gone, matters })
+    Ok(found)
 }
 
 #[cfg(test)]
@@ -199,6 +234,11 @@ mod tests {
             .is_ok_and(|r| r.is_ok())
     }
 
+    async fn names(w: &mut DirWatch) -> Option<Woken> {
+        let woken = tokio::time::timeout(Duration::from_secs(2), w.changed()).await;
+        woken.ok().and_then(Result::ok)
+    }
+
     async fn idle(w: &mut DirWatch) -> bool {
         (tokio::time::timeout(Duration::from_millis(100), w.changed()).await).is_err()
     }
@@ -209,21 +249,35 @@ mod tests {
         let mut w = DirWatch::for_manifests(&dir.0).unwrap();
         assert!(w.watching);
 
+        let only = |names: &[&str]| Some(Woken::Names(names.iter().map(OsString::from).collect()));
         dir.write("a.yaml", "a: 1\n");
-        assert!(woken(&mut w).await, "a file written");
+        assert_eq!(names(&mut w).await, only(&["a.yaml"]), "a file written");
         // An atomic writer's temporary file is not a manifest: its rename is the change.
         dir.write("b.tmp", "b: 1\n");
         assert!(idle(&mut w).await, "a temporary file written");
         std::fs::rename(dir.0.join("b.tmp"), dir.0.join("b.yaml")).unwrap();
-        assert!(woken(&mut w).await, "a file renamed in");
+        assert_eq!(names(&mut w).await, only(&["b.yaml"]), "a file renamed in");
+        // Renamed out and deleted, both in one drain.
+        std::fs::rename(dir.0.join("b.yaml"), dir.0.join("b.old")).unwrap();
         std::fs::remove_file(dir.0.join("a.yaml")).unwrap();
-        assert!(woken(&mut w).await, "a file deleted");
+        let mut seen = BTreeSet::new();
+        while let Some(Woken::Names(n)) = names(&mut w).await {
+            seen.extend(n);
+            if seen.len() == 2 {
+                break;
+            }
+        }
+        assert_eq!(
+            seen,
+            ["a.yaml", "b.yaml"].map(OsString::from).into(),
+            "renamed out, deleted"
+        );
         dir.write(".b.yaml.swp", "x");
         assert!(idle(&mut w).await, "an editor's swap file");
-        // A ConfigMap volume swaps its `..data` link.
+        // A ConfigMap volume swaps its `..data` link: every file may have changed.
         std::os::unix::fs::symlink(".", dir.0.join("..data_tmp")).unwrap();
         std::fs::rename(dir.0.join("..data_tmp"), dir.0.join("..data")).unwrap();
-        assert!(woken(&mut w).await, "a ConfigMap update");
+        assert_eq!(names(&mut w).await, Some(Woken::All), "a ConfigMap update");
 
         // Nothing happened: no wake-up.
         assert!(idle(&mut w).await);

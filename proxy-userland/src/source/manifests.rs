@@ -12,7 +12,8 @@
 //! order, the last copy wins. Removing the winning copy brings back the one before it.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeSet, HashMap, HashSet},
+    ffi::OsString,
     future::Future,
     hash::Hash,
     io,
@@ -29,7 +30,7 @@ use tracing::{error, info, warn};
 use super::{
     SourceEvent,
     file::{self, LoadError, Pieces, Previous, Slice},
-    inotify::DirWatch,
+    inotify::{DirWatch, Woken},
 };
 use crate::model::{Service, ServiceKey};
 
@@ -48,29 +49,61 @@ struct Stamp {
 }
 
 fn fingerprint(path: &Path) -> Fingerprint {
-    let files = if path.is_dir() {
-        match file::manifest_files(path) {
-            Ok(files) => files,
-            Err(_) => return Fingerprint(vec![(path.to_owned(), None)]),
-        }
-    } else {
-        vec![path.to_owned()]
-    };
-    Fingerprint(
-        files
-            .into_iter()
-            .map(|file| {
-                let stamp = std::fs::metadata(&file).ok().map(|m| Stamp {
-                    modified: m.modified().ok(),
-                    len: m.len(),
-                    inode: m.ino(),
-                    ctime: (m.ctime(), m.ctime_nsec()),
-                });
-                (file, stamp)
-            })
-            .collect(),
-    )
+    if !path.is_dir() {
+        return Fingerprint(vec![(path.to_owned(), stamp_of(path))]);
+    }
+    match file::manifest_files(path) {
+        Ok(files) => Fingerprint(
+            (files.into_iter())
+                .map(|(file, meta)| (file, Some(Stamp::of(&meta))))
+                .collect(),
+        ),
+        Err(_) => Fingerprint(vec![(path.to_owned(), None)]),
+    }
 }
+
+fn stamp_of(file: &Path) -> Option<Stamp> {
+    std::fs::metadata(file).ok().map(|m| Stamp::of(&m))
+}
+
+impl Stamp {
+    fn of(m: &std::fs::Metadata) -> Self {
+        Stamp {
+            modified: m.modified().ok(),
+            len: m.len(),
+            inode: m.ino(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
+impl Fingerprint {
+    /// The folder's files named by inotify, each with its stamp now, or `None` when it is
+    /// no longer a manifest file there; the fingerprint updated to match.
+    fn update_named(&mut self, dir: &Path, names: BTreeSet<OsString>) -> Named {
+        let mut named = Vec::with_capacity(names.len());
+        for name in names {
+            let file = dir.join(name);
+            let stamp = (file::is_manifest_name(&file) && file.is_file())
+                .then(|| stamp_of(&file))
+                .flatten();
+            // Sorted as manifest_files sorts.
+            match (self.0.binary_search_by(|(f, _)| f.cmp(&file)), &stamp) {
+                (Ok(i), Some(s)) => self.0[i].1 = Some(s.clone()),
+                (Ok(i), None) => {
+                    self.0.remove(i);
+                }
+                (Err(i), Some(s)) => self.0.insert(i, (file.clone(), Some(s.clone()))),
+                (Err(_), None) => {}
+            }
+            named.push((file, stamp));
+        }
+        named
+    }
+}
+
+/// Files inotify named, each with its stamp (`None`: gone).
+type Named = Vec<(PathBuf, Option<Stamp>)>;
 
 /// One file's objects as last read, in file order, with the stamp the file had then.
 #[derive(Default)]
@@ -106,6 +139,13 @@ struct Read {
     skipped: usize,
 }
 
+/// One file to bring up to date: gone from the path, or to read (again) with the stamp it
+/// had when listed (`None`: it vanished meanwhile).
+enum Update<'a> {
+    Gone(&'a Path),
+    Read(&'a Path, Option<&'a Stamp>),
+}
+
 /// The objects a look changed, each with its copy in force before the look, taken when the
 /// first file holding it was applied. Events are made from these at the end, so an object
 /// moved between two files in one look is no change rather than a removal and an addition
@@ -120,25 +160,59 @@ impl Manifests {
     /// Brings the state to `now`, the path's fingerprint: files gone are dropped, files
     /// whose stamp changed are read again. Returns the objects whose copy in force changed.
     fn refresh(&mut self, now: &Fingerprint, node_ips: &[IpAddr]) -> Read {
-        let mut touched = Touched::default();
-        let mut errors = Vec::new();
         // A set, not a scan: a folder may hold a file per object, thousands of them.
         let listed: HashSet<&Path> = now.0.iter().map(|(f, _)| f.as_path()).collect();
         let gone: Vec<Arc<Path>> = (self.files.keys())
             .filter(|f| !listed.contains(&***f))
             .cloned()
             .collect();
-        for file in gone {
-            self.apply(file, None, &mut touched);
-        }
+        let mut updates: Vec<Update> = gone.iter().map(|f| Update::Gone(f)).collect();
         for (file, stamp) in &now.0 {
-            let cached = self.files.get_key_value(file.as_path());
-            if let (Some((_, cached)), Some(stamp)) = (cached, stamp)
-                && cached.stamp.as_ref() == Some(stamp)
-            {
-                continue;
+            if !self.unchanged(file, stamp.as_ref()) {
+                updates.push(Update::Read(file, stamp.as_ref()));
             }
-            let name = cached.map_or_else(|| Arc::from(file.as_path()), |(k, _)| k.clone());
+        }
+        self.apply_updates(updates, node_ips)
+    }
+
+    /// Brings only the files inotify named up to date, without looking at the others: a
+    /// folder of a file per object made every change look at all of them (9 µs a file:
+    /// 92 ms at 10,000 services). `None` when none of them changed.
+    fn refresh_named(&mut self, named: &Named, node_ips: &[IpAddr]) -> Option<Read> {
+        let updates: Vec<Update> = (named.iter())
+            .filter_map(|(file, stamp)| match stamp {
+                None => self
+                    .files
+                    .contains_key(file.as_path())
+                    .then_some(Update::Gone(file)),
+                Some(s) => (!self.unchanged(file, Some(s))).then_some(Update::Read(file, Some(s))),
+            })
+            .collect();
+        (!updates.is_empty()).then(|| self.apply_updates(updates, node_ips))
+    }
+
+    /// Whether `file` was read with `stamp` (a file without one is always read again).
+    fn unchanged(&self, file: &Path, stamp: Option<&Stamp>) -> bool {
+        let cached = self.files.get(file).and_then(|c| c.stamp.as_ref());
+        cached.is_some() && cached == stamp
+    }
+
+    fn apply_updates(&mut self, updates: Vec<Update>, node_ips: &[IpAddr]) -> Read {
+        let mut touched = Touched::default();
+        let mut errors = Vec::new();
+        for update in updates {
+            let (file, stamp) = match update {
+                Update::Gone(file) => {
+                    let key = self.files.get_key_value(file).map(|(k, _)| k.clone());
+                    if let Some(key) = key {
+                        self.apply(key, None, &mut touched);
+                    }
+                    continue;
+                }
+                Update::Read(file, stamp) => (file, stamp),
+            };
+            let cached = self.files.get_key_value(file);
+            let name = cached.map_or_else(|| Arc::from(file), |(k, _)| k.clone());
             let previous = cached.map(|(_, c)| Previous {
                 services: &c.services,
                 slices: &c.slices,
@@ -148,7 +222,7 @@ impl Manifests {
             errors.append(&mut loaded.errors);
             // No stamp (it vanished meanwhile): kept without one, so it is read again.
             let objects = FileObjects {
-                stamp: stamp.clone(),
+                stamp: stamp.cloned(),
                 services: loaded.services,
                 slices: loaded.slices,
                 skipped: loaded.skipped,
@@ -386,17 +460,21 @@ pub async fn run(
         let (ticked, woken) = tokio::select! {
             biased;
             () = &mut shutdown => return,
-            _ = ticker.tick() => (true, Ok(())),
+            _ = ticker.tick() => (true, Ok(Woken::All)),
             woken = changed(&mut wake) => (false, woken),
         };
-        match (&mut wake, woken) {
-            (Some(w), Ok(())) => w.arm(),
+        let woken = match (&mut wake, woken) {
+            (Some(w), Ok(woken)) => {
+                w.arm();
+                woken
+            }
             (_, Err(e)) => {
                 warn!("inotify failed ({e}); polling only");
                 wake = None;
+                Woken::All
             }
-            (None, Ok(())) => {}
-        }
+            (None, Ok(woken)) => woken,
+        };
         let (p, previous, to_engine) = (path.clone(), last.take(), tx.clone());
         let mut taken = std::mem::take(&mut state);
         let full = first;
@@ -406,13 +484,25 @@ pub async fn run(
         // events go to the engine from here: a hop back through the runtime cost a wake-up
         // (and, on a busy machine, a wait for a CPU) per change.
         let work = tokio::task::spawn_blocking(move || {
-            let now = fingerprint(&p);
             let mut sent = None;
             if ticked || full {
                 addrs = file::node_addresses();
             }
-            if previous.as_ref() != Some(&now) {
-                let mut read = taken.refresh(&now, &addrs);
+            // inotify named the files that changed: look at those only. The poll (and any
+            // wake-up that may concern every file) looks at the whole folder.
+            let (now, read) = match (woken, previous) {
+                (Woken::Names(names), Some(mut now)) if p.is_dir() => {
+                    let named = now.update_named(&p, names);
+                    (now, taken.refresh_named(&named, &addrs))
+                }
+                (_, previous) => {
+                    let now = fingerprint(&p);
+                    let changed = previous.as_ref() != Some(&now);
+                    let read = changed.then(|| taken.refresh(&now, &addrs));
+                    (now, read)
+                }
+            };
+            if let Some(mut read) = read {
                 report(&p, &read);
                 let events = std::mem::take(&mut read.events);
                 let events: Vec<SourceEvent> = match full {
@@ -453,7 +543,7 @@ pub async fn run(
     }
 }
 
-async fn changed(wake: &mut Option<DirWatch>) -> io::Result<()> {
+async fn changed(wake: &mut Option<DirWatch>) -> io::Result<Woken> {
     match wake {
         Some(w) => w.changed().await,
         None => std::future::pending().await,

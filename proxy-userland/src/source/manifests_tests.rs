@@ -1,4 +1,4 @@
-use std::fs;
+use std::{collections::BTreeSet, ffi::OsString, fs};
 
 use super::*;
 use crate::{
@@ -43,26 +43,69 @@ struct Follow {
     dir: TempDir,
     state: Manifests,
     tracker: ChangeTracker,
+    /// Looks at the files written or removed since the last look only, as after an inotify
+    /// wake-up naming them, once a first look at the whole folder has been made.
+    named: Option<(Option<Fingerprint>, BTreeSet<OsString>)>,
 }
 
 impl Follow {
-    fn new() -> Self {
+    /// `named`: look as after inotify wake-ups; else as after polls.
+    fn new(named: bool) -> Self {
         Self {
             dir: TempDir::new(),
             state: Manifests::default(),
             tracker: ChangeTracker::new(),
+            named: named.then(Default::default),
         }
     }
 
     /// Written as a new file renamed over the old one: a new inode, so the change is seen
     /// even within the file system's timestamp granularity.
-    fn write(&self, name: &str, docs: &[String]) {
+    fn write(&mut self, name: &str, docs: &[String]) {
         let tmp = self.dir.write(&format!("{name}.tmp"), &docs.join("---\n"));
         fs::rename(tmp, self.dir.0.join(name)).unwrap();
+        self.note(name);
+    }
+
+    fn remove(&mut self, name: &str) {
+        fs::remove_file(self.dir.0.join(name)).unwrap();
+        self.note(name);
+    }
+
+    fn note(&mut self, name: &str) {
+        if let Some((_, names)) = &mut self.named {
+            names.insert(name.into());
+        }
     }
 
     fn look(&mut self) -> Vec<String> {
-        let read = self.state.refresh(&fingerprint(&self.dir.0), &[]);
+        let dir = self.dir.0.clone();
+        let read = match &mut self.named {
+            Some((Some(now), names)) => {
+                let named = now.update_named(&dir, std::mem::take(names));
+                let read = self.state.refresh_named(&named, &[]);
+                assert_eq!(
+                    *now,
+                    fingerprint(&dir),
+                    "the named files updated the fingerprint"
+                );
+                read.unwrap_or(Read {
+                    events: vec![],
+                    errors: vec![],
+                    services: self.state.services.len(),
+                    slices: self.state.slices.len(),
+                    skipped: 0,
+                })
+            }
+            Some((first, names)) => {
+                let now = fingerprint(&dir);
+                names.clear();
+                let read = self.state.refresh(&now, &[]);
+                *first = Some(now);
+                read
+            }
+            None => self.state.refresh(&fingerprint(&dir), &[]),
+        };
         assert!(read.errors.is_empty(), "{:?}", read.errors);
         let got = lines(&read.events);
         for ev in read.events {
@@ -117,145 +160,151 @@ fn slice(service: &str, name: &str, ip: &str) -> String {
 
 #[test]
 fn a_change_sends_what_was_added_changed_or_removed() {
-    let mut f = Follow::new();
-    f.write(
-        "a.yaml",
-        &[
-            svc("web", "198.19.96.1"),
-            slice("web", "web-1", "198.18.1.1"),
-        ],
-    );
-    f.write("b.yaml", &[svc("api", "198.19.96.2")]);
-    assert_eq!(
-        f.look(),
-        [
-            "slice shop/web-1 shop/web 198.18.1.1",
-            "svc shop/api 198.19.96.2",
-            "svc shop/web 198.19.96.1",
-        ]
-    );
-    assert!(f.look().is_empty(), "nothing changed");
+    for named in [false, true] {
+        let mut f = Follow::new(named);
+        f.write(
+            "a.yaml",
+            &[
+                svc("web", "198.19.96.1"),
+                slice("web", "web-1", "198.18.1.1"),
+            ],
+        );
+        f.write("b.yaml", &[svc("api", "198.19.96.2")]);
+        assert_eq!(
+            f.look(),
+            [
+                "slice shop/web-1 shop/web 198.18.1.1",
+                "svc shop/api 198.19.96.2",
+                "svc shop/web 198.19.96.1",
+            ]
+        );
+        assert!(f.look().is_empty(), "nothing changed");
 
-    // One endpoint changes: one event.
-    f.write(
-        "a.yaml",
-        &[
-            svc("web", "198.19.96.1"),
-            slice("web", "web-1", "198.18.1.2"),
-        ],
-    );
-    assert_eq!(f.look(), ["slice shop/web-1 shop/web 198.18.1.2"]);
+        // One endpoint changes: one event.
+        f.write(
+            "a.yaml",
+            &[
+                svc("web", "198.19.96.1"),
+                slice("web", "web-1", "198.18.1.2"),
+            ],
+        );
+        assert_eq!(f.look(), ["slice shop/web-1 shop/web 198.18.1.2"]);
 
-    // Rewritten with the same objects in another order: nothing.
-    f.write(
-        "a.yaml",
-        &[
-            slice("web", "web-1", "198.18.1.2"),
-            svc("web", "198.19.96.1"),
-        ],
-    );
-    assert!(f.look().is_empty());
+        // Rewritten with the same objects in another order: nothing.
+        f.write(
+            "a.yaml",
+            &[
+                slice("web", "web-1", "198.18.1.2"),
+                svc("web", "198.19.96.1"),
+            ],
+        );
+        assert!(f.look().is_empty());
 
-    // Added, and removed from a file that stays.
-    f.write(
-        "b.yaml",
-        &[svc("api", "198.19.96.2"), svc("db", "198.19.96.3")],
-    );
-    assert_eq!(f.look(), ["svc shop/db 198.19.96.3"]);
-    f.write("b.yaml", &[svc("db", "198.19.96.3")]);
-    assert_eq!(f.look(), ["svc shop/api -"]);
+        // Added, and removed from a file that stays.
+        f.write(
+            "b.yaml",
+            &[svc("api", "198.19.96.2"), svc("db", "198.19.96.3")],
+        );
+        assert_eq!(f.look(), ["svc shop/db 198.19.96.3"]);
+        f.write("b.yaml", &[svc("db", "198.19.96.3")]);
+        assert_eq!(f.look(), ["svc shop/api -"]);
 
-    // A file deleted takes its objects with it.
-    fs::remove_file(f.dir.0.join("a.yaml")).unwrap();
-    assert_eq!(f.look(), ["slice shop/web-1 -", "svc shop/web -"]);
-    assert_eq!(f.state.files.len(), 1);
-    assert_eq!(f.state.slices.len(), 0);
+        // A file deleted takes its objects with it.
+        f.remove("a.yaml");
+        assert_eq!(f.look(), ["slice shop/web-1 -", "svc shop/web -"]);
+        assert_eq!(f.state.files.len(), 1);
+        assert_eq!(f.state.slices.len(), 0);
+    }
 }
 
 #[test]
 fn an_object_moving_between_files_is_no_change() {
-    let mut f = Follow::new();
-    f.write(
-        "a.yaml",
-        &[svc("web", "198.19.96.1"), svc("api", "198.19.96.2")],
-    );
-    f.write("b.yaml", &[slice("web", "web-1", "198.18.1.1")]);
-    assert_eq!(f.look().len(), 3);
+    for named in [false, true] {
+        let mut f = Follow::new(named);
+        f.write(
+            "a.yaml",
+            &[svc("web", "198.19.96.1"), svc("api", "198.19.96.2")],
+        );
+        f.write("b.yaml", &[slice("web", "web-1", "198.18.1.1")]);
+        assert_eq!(f.look().len(), 3);
 
-    // Both files change before the next look: web and its slice swap files.
-    f.write(
-        "a.yaml",
-        &[
-            svc("api", "198.19.96.2"),
-            slice("web", "web-1", "198.18.1.1"),
-        ],
-    );
-    f.write("b.yaml", &[svc("web", "198.19.96.1")]);
-    assert!(f.look().is_empty());
+        // Both files change before the next look: web and its slice swap files.
+        f.write(
+            "a.yaml",
+            &[
+                svc("api", "198.19.96.2"),
+                slice("web", "web-1", "198.18.1.1"),
+            ],
+        );
+        f.write("b.yaml", &[svc("web", "198.19.96.1")]);
+        assert!(f.look().is_empty());
 
-    // Moved and changed at once: one event, for the change.
-    fs::remove_file(f.dir.0.join("b.yaml")).unwrap();
-    f.write("c.yaml", &[svc("web", "198.19.96.9")]);
-    assert_eq!(f.look(), ["svc shop/web 198.19.96.9"]);
+        // Moved and changed at once: one event, for the change.
+        f.remove("b.yaml");
+        f.write("c.yaml", &[svc("web", "198.19.96.9")]);
+        assert_eq!(f.look(), ["svc shop/web 198.19.96.9"]);
 
-    // Moved in two looks: gone, then back.
-    fs::remove_file(f.dir.0.join("c.yaml")).unwrap();
-    assert_eq!(f.look(), ["svc shop/web -"]);
-    f.write("d.yaml", &[svc("web", "198.19.96.9")]);
-    assert_eq!(f.look(), ["svc shop/web 198.19.96.9"]);
+        // Moved in two looks: gone, then back.
+        f.remove("c.yaml");
+        assert_eq!(f.look(), ["svc shop/web -"]);
+        f.write("d.yaml", &[svc("web", "198.19.96.9")]);
+        assert_eq!(f.look(), ["svc shop/web 198.19.96.9"]);
+    }
 }
 
 /// As with the full list: the last copy in file order wins, and removing it brings back
 /// the one before.
 #[test]
 fn duplicates_resolve_as_the_full_list_did() {
-    let mut f = Follow::new();
-    f.write("a.yaml", &[svc("dup", "198.19.96.1")]);
-    f.write("b.yaml", &[svc("dup", "198.19.96.2")]);
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.2"]);
+    for named in [false, true] {
+        let mut f = Follow::new(named);
+        f.write("a.yaml", &[svc("dup", "198.19.96.1")]);
+        f.write("b.yaml", &[svc("dup", "198.19.96.2")]);
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.2"]);
 
-    // The copy not in force changes: nothing to send.
-    f.write("a.yaml", &[svc("dup", "198.19.96.3")]);
-    assert!(f.look().is_empty());
-    // The copy in force changes.
-    f.write("b.yaml", &[svc("dup", "198.19.96.4")]);
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.4"]);
-    // A copy in a later file takes over; removing it gives the earlier one back.
-    f.write("c.yaml", &[svc("dup", "198.19.96.5")]);
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.5"]);
-    fs::remove_file(f.dir.0.join("c.yaml")).unwrap();
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.4"]);
-    f.write("b.yaml", &[]);
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.3"]);
+        // The copy not in force changes: nothing to send.
+        f.write("a.yaml", &[svc("dup", "198.19.96.3")]);
+        assert!(f.look().is_empty());
+        // The copy in force changes.
+        f.write("b.yaml", &[svc("dup", "198.19.96.4")]);
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.4"]);
+        // A copy in a later file takes over; removing it gives the earlier one back.
+        f.write("c.yaml", &[svc("dup", "198.19.96.5")]);
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.5"]);
+        f.remove("c.yaml");
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.4"]);
+        f.write("b.yaml", &[]);
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.3"]);
 
-    // Twice in one file: the later one.
-    f.write(
-        "a.yaml",
-        &[svc("dup", "198.19.96.6"), svc("dup", "198.19.96.7")],
-    );
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
-    // Edited in place: the earlier copy changes nothing, the later one does.
-    f.write(
-        "a.yaml",
-        &[svc("dup", "198.19.96.8"), svc("dup", "198.19.96.7")],
-    );
-    assert!(f.look().is_empty());
-    f.write(
-        "a.yaml",
-        &[svc("dup", "198.19.96.8"), svc("dup", "198.19.96.9")],
-    );
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.9"]);
-    f.write("a.yaml", &[svc("dup", "198.19.96.7")]);
-    assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
+        // Twice in one file: the later one.
+        f.write(
+            "a.yaml",
+            &[svc("dup", "198.19.96.6"), svc("dup", "198.19.96.7")],
+        );
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
+        // Edited in place: the earlier copy changes nothing, the later one does.
+        f.write(
+            "a.yaml",
+            &[svc("dup", "198.19.96.8"), svc("dup", "198.19.96.7")],
+        );
+        assert!(f.look().is_empty());
+        f.write(
+            "a.yaml",
+            &[svc("dup", "198.19.96.8"), svc("dup", "198.19.96.9")],
+        );
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.9"]);
+        f.write("a.yaml", &[svc("dup", "198.19.96.7")]);
+        assert_eq!(f.look(), ["svc shop/dup 198.19.96.7"]);
 
-    // A slice (namespace and name) listed for two services belongs to the later one.
-    f.write("s1.yaml", &[slice("web", "s", "198.18.1.1")]);
-    f.write("s2.yaml", &[slice("api", "s", "198.18.1.2")]);
-    assert_eq!(f.look(), ["slice shop/s shop/api 198.18.1.2"]);
-    fs::remove_file(f.dir.0.join("s2.yaml")).unwrap();
-    assert_eq!(f.look(), ["slice shop/s shop/web 198.18.1.1"]);
-    fs::remove_file(f.dir.0.join("s1.yaml")).unwrap();
-    assert_eq!(f.look(), ["slice shop/s -"]);
+        // A slice (namespace and name) listed for two services belongs to the later one.
+        f.write("s1.yaml", &[slice("web", "s", "198.18.1.1")]);
+        f.write("s2.yaml", &[slice("api", "s", "198.18.1.2")]);
+        assert_eq!(f.look(), ["slice shop/s shop/api 198.18.1.2"]);
+        f.remove("s2.yaml");
+        assert_eq!(f.look(), ["slice shop/s shop/web 198.18.1.1"]);
+        f.remove("s1.yaml");
+        assert_eq!(f.look(), ["slice shop/s -"]);
+    }
 }
 
 #[test]
