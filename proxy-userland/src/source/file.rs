@@ -293,7 +293,9 @@ pub(super) fn manifest_files(dir: &Path) -> io::Result<Vec<(PathBuf, fs::Metadat
             files.push((path, meta));
         }
     }
-    files.sort_by(|a, b| a.0.cmp(&b.0));
+    // By bytes: for names in one folder that is Path's order, without its walk over the
+    // components of each path (most of the sort's time for thousands of files).
+    files.sort_by(|a, b| a.0.as_os_str().cmp(b.0.as_os_str()));
     Ok(files)
 }
 
