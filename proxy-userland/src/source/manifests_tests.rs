@@ -1,9 +1,18 @@
-use std::{collections::BTreeSet, ffi::OsString, fs};
+use std::{
+    collections::{BTreeSet, HashSet},
+    ffi::OsString,
+    fs,
+    path::PathBuf,
+    sync::Arc,
+};
 
 use super::*;
 use crate::{
     model::tracker::ChangeTracker,
-    source::file::testdata::{TempDir, service_yaml, slice_yaml},
+    source::file::{
+        LoadError,
+        testdata::{TempDir, service_yaml, slice_yaml},
+    },
 };
 
 /// Events, one line each: `svc shop/web 198.19.96.1`, `svc shop/web -`,
@@ -472,4 +481,47 @@ async fn run_on_a_single_file_that_appears_later() {
     fs::write(&file, svc("web", "198.19.96.1")).unwrap();
     assert_eq!(lines(&[next(&mut rx).await]), ["svc shop/web 198.19.96.1"]);
     task.abort();
+}
+
+/// The poll's scan of the folder runs beside looks by name: it brings in what they missed,
+/// and what they saw after it began wins over it (a file created meanwhile is not gone, a
+/// file removed meanwhile does not come back).
+#[test]
+fn a_scan_folds_in_what_looks_by_name_missed_and_nothing_they_saw() {
+    let dir = TempDir::new();
+    let write = |name: &str, doc: &str| {
+        let tmp = dir.write(&format!("{name}.tmp"), doc);
+        fs::rename(tmp, dir.0.join(name)).unwrap();
+    };
+    write("a.yaml", &svc("a", "198.19.96.1"));
+    write("b.yaml", &svc("b", "198.19.96.2"));
+    let mut state = Manifests::default();
+    let mut known = fingerprint(&dir.0);
+    state.refresh(&known, &[]);
+
+    // a changes and its event is missed; then the scan lists the folder.
+    write("a.yaml", &svc("a", "198.19.96.3"));
+    let scan = fingerprint(&dir.0);
+    // Meanwhile c is created and b removed, each looked at by name.
+    write("c.yaml", &svc("c", "198.19.96.4"));
+    fs::remove_file(dir.0.join("b.yaml")).unwrap();
+    let names: BTreeSet<OsString> = ["b.yaml", "c.yaml"].map(OsString::from).into();
+    let named = known.update_named(&dir.0, names);
+    let by_name = state.refresh_named(&named, &[]).expect("b and c changed");
+    assert_eq!(
+        lines(&by_name.events),
+        ["svc shop/b -", "svc shop/c 198.19.96.4"]
+    );
+
+    let seen: HashSet<PathBuf> = named.into_iter().map(|(f, _)| f).collect();
+    let changed = known.fold_scan(scan, &seen);
+    assert_eq!(changed.len(), 1, "only a: {changed:?}");
+    let folded = state.refresh_named(&changed, &[]).expect("a changed");
+    assert_eq!(lines(&folded.events), ["svc shop/a 198.19.96.3"]);
+    assert_eq!(known, fingerprint(&dir.0));
+    assert_eq!(folded.services, 2);
+
+    // Nothing changed since: a scan folds in nothing.
+    let again = fingerprint(&dir.0);
+    assert!(known.fold_scan(again, &HashSet::new()).is_empty());
 }
