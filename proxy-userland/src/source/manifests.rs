@@ -16,7 +16,7 @@ use std::{
     future::Future,
     io,
     path::{Path, PathBuf},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::{sync::mpsc, time::MissedTickBehavior};
@@ -72,6 +72,8 @@ pub async fn run(
     // by name since it began.
     let mut scan: Option<tokio::task::JoinHandle<Fingerprint>> = None;
     let mut named_since_scan: HashSet<PathBuf> = HashSet::new();
+    // When the last scan began and how long it took: see [`poll_due`].
+    let (mut scan_began, mut scan_took) = (Instant::now(), Duration::ZERO);
 
     loop {
         let look = tokio::select! {
@@ -79,12 +81,16 @@ pub async fn run(
             () = &mut shutdown => return,
             done = async { scan.as_mut().expect("guarded").await }, if scan.is_some() => {
                 scan = None;
+                scan_took = scan_began.elapsed();
                 match done {
                     Ok(found) if found.complete() => Look::Scanned(found),
                     _ => Look::Full,
                 }
             }
-            _ = ticker.tick() => Look::Poll,
+            _ = ticker.tick() => match poll_due(scan_began.elapsed(), scan_took, wake.is_some()) {
+                true => Look::Poll,
+                false => continue,
+            },
             woken = changed(&mut wake) => match (&mut wake, woken) {
                 (Some(w), Ok(woken)) => {
                     w.arm();
@@ -106,6 +112,7 @@ pub async fn run(
             _ if last.is_none() || !folder => Look::Full,
             Look::Poll => {
                 if scan.is_none() {
+                    scan_began = Instant::now();
                     named_since_scan.clear();
                     let p = path.clone();
                     scan = Some(tokio::task::spawn_blocking(move || fingerprint(&p)));
@@ -192,6 +199,15 @@ pub async fn run(
             None => {}
         }
     }
+}
+
+/// Whether the poll's tick should scan the folder, `since` the last scan began, which took
+/// `took`. While inotify watches, the scan is a safety net: it waits at least 50 times its
+/// own length, so that it takes at most 2% of a CPU (a folder of 20,000 files took ~50
+/// ms: every 2.5 s instead of every 500 ms). A wake-up that may concern every file scans
+/// at once regardless.
+fn poll_due(since: Duration, took: Duration, watching: bool) -> bool {
+    !watching || since >= took.saturating_mul(50)
 }
 
 /// What a wake-up asks of the next look.

@@ -525,3 +525,15 @@ fn a_scan_folds_in_what_looks_by_name_missed_and_nothing_they_saw() {
     let again = fingerprint(&dir.0);
     assert!(known.fold_scan(again, &HashSet::new()).is_empty());
 }
+
+#[test]
+fn the_poll_scans_at_most_two_percent_of_the_time_while_inotify_watches() {
+    let ms = Duration::from_millis;
+    // A quick scan: every tick.
+    assert!(poll_due(ms(500), ms(1), true));
+    // 50 ms scans: not before 2.5 s.
+    assert!(!poll_due(ms(500), ms(50), true));
+    assert!(poll_due(ms(2500), ms(50), true));
+    // Without inotify the poll is all there is: every tick.
+    assert!(poll_due(ms(500), ms(50), false));
+}
