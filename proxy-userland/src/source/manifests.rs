@@ -61,7 +61,6 @@ pub async fn run(
             None
         }
     };
-    let folder = path.is_dir();
     let mut last: Option<Fingerprint> = None;
     let mut state = Manifests::default();
     let mut first = true;
@@ -108,8 +107,8 @@ pub async fn run(
             },
         };
         let look = match look {
-            // Nothing read yet, or a single file: the whole path, now.
-            _ if last.is_none() || !folder => Look::Full,
+            // Nothing read yet: the whole path, now.
+            _ if last.is_none() => Look::Full,
             Look::Poll => {
                 if scan.is_none() {
                     scan_began = Instant::now();
@@ -138,12 +137,14 @@ pub async fn run(
             }
             let mut named_now = Vec::new();
             let (now, read) = match (look, previous) {
-                (Look::Named(names), Some(mut now)) => {
+                // A folder, looked at now: the path may have become one (or stopped being
+                // one) since the start. A single file is read whole.
+                (Look::Named(names), Some(mut now)) if p.is_dir() => {
                     let named = now.update_named(&p, names);
                     named_now.extend(named.iter().map(|(f, _)| f.clone()));
                     (now, taken.refresh_named(&named, &addrs))
                 }
-                (Look::Scanned(found), Some(mut now)) => {
+                (Look::Scanned(found), Some(mut now)) if p.is_dir() => {
                     let changed = now.fold_scan(found, &named_before);
                     (now, taken.refresh_named(&changed, &addrs))
                 }
