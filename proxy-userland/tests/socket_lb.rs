@@ -300,6 +300,55 @@ fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out()
     );
 }
 
+/// Affinity switched off, the client's backend leaving meanwhile, then affinity back on
+/// with a long timeout: what the client had before must not bring it back to the backend
+/// that left. The backend stays another service's, so its id still leads somewhere.
+#[test]
+fn affinity_turned_off_and_on_forgets_a_backend_that_left_meanwhile() {
+    let (bed, _pods) = bed_with_pods("affoffon", 4);
+    let mut dp = attach(&bed);
+    let mut svc = web_service("web", WEB_IP);
+    svc.affinity_timeout = Some(600);
+    let other = web_service("other", Ipv4Addr::new(198, 19, 0, 20));
+    let all: Vec<_> = (1..=4).map(|i| ready(pod_ip(i))).collect();
+    let sync = |dp: &mut BpfDataplane, svc: &proxy_userland::model::Service, eps: &[_]| {
+        let report = dp.sync(
+            &state_of(vec![
+                (svc.clone(), Some(web_endpoints(eps.to_vec()))),
+                (other.clone(), Some(web_endpoints(all.clone()))),
+            ]),
+            &node(),
+            Scope::Full,
+        );
+        assert!(report.failed.is_empty(), "{report:?}");
+    };
+    sync(&mut dp, &svc, &all);
+    let stuck = reached(&tcp(&bed, WEB, 10));
+    assert_eq!(stuck.len(), 1, "one client, one backend: {stuck:?}");
+    let pod = stuck.into_iter().next().unwrap();
+    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
+
+    svc.affinity_timeout = None;
+    sync(&mut dp, &svc, &all);
+    let rest: Vec<_> = all
+        .iter()
+        .filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i)))
+        .cloned()
+        .collect();
+    sync(&mut dp, &svc, &rest);
+    svc.affinity_timeout = Some(600);
+    sync(&mut dp, &svc, &rest);
+
+    let after = tcp(&bed, WEB, 10);
+    assert!(after.iter().all(|a| a.is_ok()), "{after:?}");
+    let after = reached(&after);
+    assert!(
+        !after.contains(&pod),
+        "sent to the removed {pod}: {after:?}"
+    );
+    assert_eq!(after.len(), 1, "and sticks again: {after:?}");
+}
+
 /// A long-lived connected UDP client (statsd, a DNS forwarder) whose backend dies: its
 /// socket is reset so it reconnects to a live backend, instead of sending into the void.
 #[test]

@@ -1,8 +1,12 @@
 //! What one endpoint change costs through the sync engine with the real eBPF dataplane,
-//! with the socket reverse-NAT map empty and then full (262,144 entries). Counting that map
-//! used to be part of every sync (65,000 bpf() calls, 200-500 ms); now the programmer's own
-//! counts serve the metrics and the kernel-filled maps are counted off the sync path, so the
-//! two cases must cost the same few milliseconds. Run with `--nocapture` to see the numbers.
+//! with the kernel-filled maps empty and then full: the socket reverse-NAT map (262,144
+//! entries) and the ClientIP affinity map (65,536). Counting the reverse-NAT map used to be
+//! part of every sync (65,000 bpf() calls, 200-500 ms); and every backend leaving any
+//! frontend used to walk the whole affinity map to forget clients of that backend (a bpf()
+//! call per entry, even for services without affinity). Now the programmer's own counts
+//! serve the metrics, the kernel-filled maps are counted off the sync path, and a change
+//! touches the affinity map only for a frontend that has affinity, so the two cases must
+//! cost the same few milliseconds. Run with `--nocapture` to see the numbers.
 
 mod common;
 
@@ -13,7 +17,10 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData};
 use common::*;
-use proxy_common::{SockRevNat4Key, SockRevNat4Value, maps::SOCK_REVNAT_MAX};
+use proxy_common::{
+    AffinityKey, AffinityValue, SockRevNat4Key, SockRevNat4Value,
+    maps::{AFFINITY_MAX, SOCK_REVNAT_MAX},
+};
 use proxy_userland::{
     dataplane::{Proxier, bpf::BpfDataplane},
     model::{ServiceKey, SliceInfo},
@@ -102,15 +109,8 @@ async fn an_endpoint_change_costs_the_same_with_the_reverse_nat_map_full() {
     let empty = endpoint_changes(&tx, &mut out).await;
 
     // Fill the socket reverse-NAT map as a node with many open connections would.
-    let path = std::fs::read_dir(&bpffs.0)
-        .unwrap()
-        .filter_map(Result::ok)
-        .map(|e| e.path().join(proxy_common::maps::SOCK_REVNAT4))
-        .find(|p| p.exists())
-        .expect("the pinned reverse-NAT map");
-    let map = Map::from_map_data(MapData::from_pin(&path).unwrap()).unwrap();
     let mut revnat: HashMap<MapData, SockRevNat4Key, SockRevNat4Value> =
-        HashMap::try_from(map).unwrap();
+        pinned(&bpffs.0, proxy_common::maps::SOCK_REVNAT4);
     let fill = Instant::now();
     for cookie in 0..u64::from(SOCK_REVNAT_MAX) {
         let key = SockRevNat4Key {
@@ -137,24 +137,66 @@ async fn an_endpoint_change_costs_the_same_with_the_reverse_nat_map_full() {
         entries as u32 >= SOCK_REVNAT_MAX * 9 / 10,
         "only {entries} entries"
     );
+    // And the affinity map, as ClientIP-affinity services with many clients would.
+    let mut affinity: HashMap<MapData, AffinityKey, AffinityValue> =
+        pinned(&bpffs.0, proxy_common::maps::AFFINITY);
+    let fill = Instant::now();
+    for client in 0..u64::from(AFFINITY_MAX) {
+        let key = AffinityKey {
+            client: client + 1,
+            rev_nat_index: 1 + (client % u64::from(SERVICES)) as u16,
+            _pad: [0; 6],
+        };
+        let value = AffinityValue {
+            backend_id: 1,
+            _pad: 0,
+            last_used_ns: 0,
+        };
+        affinity.insert(key, value, 0).unwrap();
+        assert!(
+            fill.elapsed() < Duration::from_secs(60),
+            "filling took too long"
+        );
+    }
+    let affinity_walk = Instant::now();
+    let affinity_entries = affinity.keys().take(AFFINITY_MAX as usize + 1).count();
+    let affinity_walk = affinity_walk.elapsed();
+    assert!(
+        affinity_entries as u32 >= AFFINITY_MAX * 9 / 10,
+        "only {affinity_entries} affinity entries"
+    );
     let full = endpoint_changes(&tx, &mut out).await;
 
     let (empty_p50, empty_max) = summary(&empty);
     let (full_p50, full_max) = summary(&full);
     println!(
-        "endpoint change through the engine, {SERVICES} services: reverse-NAT map empty: p50 {empty_p50:?}, max {empty_max:?}; \
-         full ({entries} entries, one walk of it takes {walk:?}): p50 {full_p50:?}, max {full_max:?}"
+        "endpoint change through the engine, {SERVICES} services: maps empty: p50 {empty_p50:?}, max {empty_max:?}; \
+         full (reverse-NAT {entries} entries, one walk of it takes {walk:?}; affinity \
+         {affinity_entries} entries, one walk {affinity_walk:?}): p50 {full_p50:?}, max {full_max:?}"
     );
-    // Counting the full map per sync would add at least one walk to every change.
+    // Counting the reverse-NAT map or walking the affinity map per sync would add at least
+    // one walk of it to every change.
     assert!(
-        full_p50 < empty_p50 + walk / 4,
-        "a full map slows syncs: {full_p50:?} against {empty_p50:?} empty"
+        full_p50 < empty_p50 + walk.min(affinity_walk) / 2,
+        "full maps slow syncs: {full_p50:?} against {empty_p50:?} empty"
     );
     assert!(full_p50 < Duration::from_millis(20), "p50 {full_p50:?}");
 
     engine.shutdown().await.unwrap();
-    drop(revnat);
+    drop((revnat, affinity));
     drop(bpffs_cleanup(&bpffs.0));
+}
+
+/// A map the dataplane pinned under `dir`, by name.
+fn pinned<K: aya::Pod, V: aya::Pod>(dir: &std::path::Path, name: &str) -> HashMap<MapData, K, V> {
+    let path = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.path().join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("the pinned {name}"));
+    let map = Map::from_map_data(MapData::from_pin(&path).unwrap()).unwrap();
+    HashMap::try_from(map).unwrap()
 }
 
 fn bpffs_cleanup(dir: &std::path::Path) -> Result<(), String> {

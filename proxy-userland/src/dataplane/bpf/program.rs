@@ -511,6 +511,7 @@ impl Programmer {
             })
             .unwrap_or_default();
         let old_owner = old.map(|o| o.owner.clone());
+        let had_affinity = old.is_some_and(|o| o.programmed.affinity_timeout.is_some());
         let (rev_nat_index, new_rev) = match old {
             Some(o) => (o.rev_nat_index, false),
             None => (
@@ -539,9 +540,18 @@ impl Programmer {
             .copied()
             .filter(|id| !kept.contains(id))
             .collect();
-        if !gone.is_empty() {
-            self.maps
-                .purge_affinity(rev_nat_index, |id| gone.contains(&id));
+        // The programs write affinity entries only while the master says AFFINITY, and a
+        // frontend that had it is purged when it goes, so one that never had it has none:
+        // walking the whole LRU map for it would cost a bpf() call per entry for nothing.
+        if had_affinity {
+            if want.affinity_timeout.is_none() {
+                // Turned back on later, these would send clients to backends that may
+                // have left meanwhile (or whose ids went to another service).
+                self.maps.purge_affinity(rev_nat_index, |_| true);
+            } else if !gone.is_empty() {
+                self.maps
+                    .purge_affinity(rev_nat_index, |id| gone.contains(&id));
+            }
         }
         for slot in ids.len() + 1..=old_ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
@@ -692,7 +702,9 @@ impl Programmer {
         self.maps
             .del_source_ranges(st.rev_nat_index, &st.programmed.source_ranges);
         self.note_departed(&st.owner, fe, st.programmed.backends.iter().copied());
-        self.maps.purge_affinity(st.rev_nat_index, |_| true);
+        if st.programmed.affinity_timeout.is_some() {
+            self.maps.purge_affinity(st.rev_nat_index, |_| true);
+        }
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         self.disown(&st.owner, fe);
         Ok(())
