@@ -67,10 +67,11 @@ impl ListText {
             .map(|(a, k)| (a.as_str(), k.as_str()))
     }
 
-    /// The items of `new`, this List's file written again, each as its text and key,
-    /// parsing only those between the text the two share at the start and at the end.
-    /// `None` when the List's own text is not all shared, or what lies between the
-    /// shared parts is not items: the file is then read in full.
+    /// The items of `new`, this List's file written again, each as its text and key.
+    /// The text the two share at the start and at the end is not looked at; between, an
+    /// item whose text is the next old item's is taken by comparing bytes, and only the
+    /// others are parsed. `None` when the List's own text is not all shared, or what lies
+    /// between the shared parts is not items: the file is then read in full.
     fn items_of<'t>(&self, new: &'t str) -> Option<Vec<(&'t str, u64)>> {
         let (old_b, new_b) = (self.text.as_bytes(), new.as_bytes());
         let prefix = shared(old_b, new_b, false);
@@ -98,15 +99,22 @@ impl ListText {
             m => self.items[n - m].0.start,
         })?;
         let between = new.get(from..to)?;
-        let middle = items_between(between, kept_front > 0, kept_back > 0)?;
+        let old_between: Vec<(&str, u64)> = (self.items[kept_front..n - kept_back].iter())
+            .map(|(range, key)| Some((self.text.get(range.clone())?, *key)))
+            .collect::<Option<_>>()?;
         let item_type = self.item_type();
+        let middle = items_between(
+            between,
+            (kept_front > 0, kept_back > 0),
+            &old_between,
+            |item| hash((item_type, item)),
+        )?;
         let mut items = Vec::with_capacity(kept_front + middle.len() + kept_back);
         for (range, key) in &self.items[..kept_front] {
             items.push((new.get(range.clone())?, *key));
         }
-        for (at, len) in middle {
-            let item = new.get(from + at..from + at + len)?;
-            items.push((item, hash((item_type, item))));
+        for (at, len, key) in middle {
+            items.push((new.get(from + at..from + at + len)?, key));
         }
         for (range, key) in &self.items[n - kept_back..] {
             items.push((new.get(shift(range.start)?..shift(range.end)?)?, *key));
@@ -137,40 +145,88 @@ fn shared(a: &[u8], b: &[u8], from_end: bool) -> usize {
     n
 }
 
-/// The items in `text`, the part of a List's items between kept ones, as (offset, length)
-/// in `text`. `after`: an item precedes `text`, which then starts with its comma; `before`:
-/// an item follows, and `text` ends with the comma before it. `None` when `text` is not
-/// that (or an item nests deeper than the JSON parser allows).
-fn items_between(text: &str, after: bool, before: bool) -> Option<Vec<(usize, usize)>> {
-    const WS: [char; 4] = [' ', '\t', '\n', '\r'];
-    let trimmed = text.trim_matches(WS);
-    // No item: nothing between an item and the List's end, or a comma between two items.
-    if trimmed.is_empty() {
-        return (!(after && before)).then(Vec::new);
+/// The items in `text`, the part of a List's items between kept ones, as (offset, length,
+/// key) in `text`. `after`: an item precedes `text`, which then starts with its comma;
+/// `before`: an item follows, and `text` ends with the comma before it. `None` when `text`
+/// is not that (or an item nests deeper than the JSON parser allows).
+///
+/// `old` is what was between the same kept items before, each item with its key. Where
+/// the next old item's text comes next, it is that item, found by comparing bytes; else
+/// one item is parsed (and keyed with `key_of`), and the walk goes on after the old item
+/// it equals, if any, or after the one it replaced. Two items changed far apart in a List
+/// of 500 then cost two parses, not the parse and hash of every item between them.
+fn items_between(
+    text: &str,
+    (after, before): (bool, bool),
+    old: &[(&str, u64)],
+    key_of: impl Fn(&str) -> u64,
+) -> Option<Vec<(usize, usize, u64)>> {
+    let bytes = text.as_bytes();
+    let skip_ws = |mut at: usize| {
+        while at < bytes.len() && matches!(bytes[at], b' ' | b'\t' | b'\n' | b'\r') {
+            at += 1;
+        }
+        at
+    };
+    // An item's text ends a value only if what follows cannot continue it (a number).
+    let ends_value =
+        |at: usize| at == bytes.len() || matches!(bytes[at], b' ' | b'\t' | b'\n' | b'\r' | b',');
+    let mut found = Vec::new();
+    let mut next_old = 0;
+    let mut old_at: Option<HashMap<u64, usize, BuildHasherDefault<KeyHasher>>> = None;
+    let (mut want_item, mut last_comma) = (!after, false);
+    let mut at = 0;
+    loop {
+        at = skip_ws(at);
+        if at == bytes.len() {
+            break;
+        }
+        if !want_item {
+            if bytes[at] != b',' {
+                return None;
+            }
+            (at, want_item, last_comma) = (at + 1, true, true);
+            continue;
+        }
+        if bytes[at] == b',' {
+            return None;
+        }
+        let rest = &text[at..];
+        let kept = old
+            .get(next_old)
+            .filter(|(item, _)| rest.starts_with(item) && ends_value(at + item.len()));
+        let (len, key) = match kept {
+            Some((item, key)) => {
+                next_old += 1;
+                (item.len(), *key)
+            }
+            None => {
+                let mut stream = serde_json::Deserializer::from_str(rest).into_iter::<&RawValue>();
+                let item = stream.next()?.ok()?.get();
+                if item.as_ptr() != rest.as_ptr() {
+                    return None;
+                }
+                let key = key_of(item);
+                let index = old_at.get_or_insert_with(|| {
+                    (old.iter().enumerate())
+                        .map(|(i, (_, key))| (*key, i))
+                        .collect()
+                });
+                next_old = index.get(&key).map_or(next_old + 1, |i| i + 1);
+                (item.len(), key)
+            }
+        };
+        found.push((at, len, key));
+        (at, want_item, last_comma) = (at + len, false, false);
     }
-    if after && before && trimmed == "," {
-        return Some(Vec::new());
-    }
-    let mut inner = trimmed;
-    if after {
-        inner = inner.strip_prefix(',')?;
-    }
-    if before {
-        inner = inner.strip_suffix(',')?;
-    }
-    if inner.trim_matches(WS).is_empty() {
-        return None;
-    }
-    let wrapped = format!("[{inner}]");
-    let raw: Vec<&RawValue> = serde_json::from_str(&wrapped).ok()?;
-    // Where `inner` is in `text`, and each item in `wrapped` (one past its `[`).
-    let base = inner.as_ptr() as usize - text.as_ptr() as usize;
-    let start = wrapped.as_ptr() as usize + 1;
-    Some(
-        raw.iter()
-            .map(|r| (base + (r.get().as_ptr() as usize - start), r.get().len()))
-            .collect(),
-    )
+    // Ended after an item: no item may follow without a comma. Ended after a comma: an
+    // item must follow. Ended where it began: nothing between two items needs a comma.
+    let whole = match (want_item, last_comma) {
+        (false, _) => !before,
+        (true, true) => before,
+        (true, false) => true,
+    };
+    whole.then_some(found)
 }
 
 /// The (apiVersion, kind) a List's items default to.
@@ -619,7 +675,13 @@ mod tests {
             let r = (seed >> 33) as usize;
             let (at, len) = (r % (items.len() + 1), items.len());
             match (r / 7) % 9 {
-                0 | 1 if len > 0 => items[at.min(len - 1)] = item(at, step),
+                0 if len > 0 => items[at.min(len - 1)] = item(at, step),
+                // Two items far apart, as two writers' changes between two reads.
+                1 if len > 0 => {
+                    items[at.min(len - 1)] = item(at, step);
+                    let other = (at + len / 2) % len;
+                    items[other] = item(other, step + 1);
+                }
                 2 => items.insert(at, item(at + 40, step)),
                 3 if !items.is_empty() => {
                     items.remove(at.min(items.len() - 1));
@@ -696,8 +758,8 @@ mod tests {
     #[test]
     fn items_between_kept_items() {
         fn got(t: &str, after: bool, before: bool) -> Option<Vec<&str>> {
-            let found = items_between(t, after, before)?;
-            Some(found.iter().map(|&(at, n)| &t[at..at + n]).collect())
+            let found = items_between(t, (after, before), &[], |_| 0)?;
+            Some(found.iter().map(|&(at, n, _)| &t[at..at + n]).collect())
         }
         assert_eq!(got(" , ", true, true), Some(vec![]));
         assert_eq!(got("", true, true), None, "two items need a comma");
@@ -720,5 +782,65 @@ mod tests {
         assert_eq!(got("{\"a\": 1}", false, false), Some(vec!["{\"a\": 1}"]));
         assert_eq!(got(",{\"a\": 1},", true, false), None, "a trailing comma");
         assert_eq!(got("]}, {\"x\": [", true, true), None);
+        assert_eq!(got("12 3", false, false), None, "two values need a comma");
+    }
+
+    /// Between kept items, the old items found in place are taken by comparing bytes:
+    /// only the changed, added or moved ones are parsed, and each item has its key.
+    #[test]
+    fn items_between_parses_only_what_is_not_the_next_old_item() {
+        let old = [
+            ("{\"a\": 1}", 1),
+            ("[2]", 2),
+            ("3", 3),
+            ("\"x\"", 4),
+            ("{}", 5),
+        ];
+        let walk = |t: &str| {
+            let parsed = std::cell::RefCell::new(Vec::new());
+            let found = items_between(t, (true, true), &old, |item| {
+                parsed.borrow_mut().push(item.to_owned());
+                // Keys are of the text, as the real ones.
+                let same = old.iter().find(|(text, _)| *text == item);
+                same.map_or(100 + item.len() as u64, |(_, key)| *key)
+            });
+            let found = found.map(|f| {
+                (f.iter())
+                    .map(|&(at, n, key)| format!("{} {key}", &t[at..at + n]))
+                    .collect::<Vec<_>>()
+            });
+            (found, parsed.into_inner())
+        };
+        // Nothing changed: no parse.
+        let (found, parsed) = walk(",{\"a\": 1},[2],3,\"x\",{},");
+        assert_eq!(
+            found.unwrap(),
+            ["{\"a\": 1} 1", "[2] 2", "3 3", "\"x\" 4", "{} 5"]
+        );
+        assert!(parsed.is_empty());
+        // The first and the fourth changed, far apart: two parses.
+        let (found, parsed) = walk(",{\"a\": 9},[2],3,\"yy\",{},");
+        assert_eq!(
+            found.unwrap(),
+            ["{\"a\": 9} 108", "[2] 2", "3 3", "\"yy\" 104", "{} 5"]
+        );
+        assert_eq!(parsed, ["{\"a\": 9}", "\"yy\""]);
+        // One removed: the next item is parsed, found to be an old one, and the walk
+        // goes on after it.
+        let (found, parsed) = walk(", [2] ,3,\"x\",{},");
+        assert_eq!(found.unwrap().len(), 4);
+        assert_eq!(parsed, ["[2]"]);
+        // One added: parsed, then the old ones follow in place.
+        let (found, parsed) = walk(",{\"a\": 1},[7],[2],3,\"x\",{},");
+        assert_eq!(found.unwrap().len(), 6);
+        assert_eq!(parsed, ["[7]", "[2]"]);
+        // A number that only starts like the old one is another number.
+        let (found, parsed) = walk(",{\"a\": 1},[2],34,\"x\",{},");
+        assert_eq!(found.unwrap()[2], "34 102");
+        assert_eq!(parsed, ["34"]);
+        // Not items: refused, as when everything was parsed.
+        assert!(walk(",{\"a\": 1}[2],3,\"x\",{},").0.is_none());
+        assert!(walk(",{\"a\": 1},,[2],").0.is_none());
+        assert!(walk(",{\"a\": 1},{\"b\":").0.is_none());
     }
 }
