@@ -9,7 +9,8 @@
 //! - [`service`]: the service map (frontend + backend slot -> master entry or backend id).
 //! - [`backend`]: the backend map (backend id -> address, port).
 //! - [`revnat`]: reverse translation for sockets (cookie + backend -> service).
-//! - [`affinity`]: which backend a client got last, for ClientIP session affinity.
+//! - [`affinity`]: which backend a client got last, for ClientIP session affinity, and which
+//!   backends may still be honoured.
 //! - [`nat`]: the packet path's connection tracking and source ranges (node ports,
 //!   external and load-balancer IPs).
 //! - [`sockcfg`]: what the socket hooks leave to the pods' devices (per-packet path).
@@ -24,7 +25,7 @@ pub mod revnat;
 pub mod service;
 pub mod sockcfg;
 
-pub use affinity::{AffinityKey, AffinityValue};
+pub use affinity::{AffinityKey, AffinityMatchKey, AffinityValue};
 pub use backend::{Backend4, Backend6, BackendId};
 pub use nat::{
     Addr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, CtKey, CtValue, FlowAddr, SourceRange, SourceRange4,
@@ -61,6 +62,7 @@ macro_rules! user_pod {
 
 user_pod!(
     AffinityKey,
+    AffinityMatchKey,
     AffinityValue,
     Service4Key,
     Service6Key,

@@ -9,6 +9,8 @@ pub const SERVICES6: &str = "FP_SERVICES6";
 pub const BACKENDS6: &str = "FP_BACKENDS6";
 pub const SOCK_REVNAT6: &str = "FP_SOCK_RNAT6";
 pub const AFFINITY: &str = "FP_AFFINITY";
+/// (backend id, reverse-NAT index) of every backend of a frontend with affinity.
+pub const AFFINITY_MATCH: &str = "FP_AFF_MATCH";
 pub const CT4: &str = "FP_CT4";
 pub const CT6: &str = "FP_CT6";
 pub const SOURCE_RANGES4: &str = "FP_SRC_RANGE4";
@@ -30,6 +32,9 @@ pub const BACKENDS_MAX: u32 = 131_072;
 pub const SOCK_REVNAT_MAX: u32 = 262_144;
 /// LRU: clients that have not connected for longest are forgotten first.
 pub const AFFINITY_MAX: u32 = 65_536;
+/// One entry per backend slot of a frontend with affinity, both families: at most the two
+/// service maps' entries. Allocated as used (no preallocation), so the bound costs nothing.
+pub const AFFINITY_MATCH_MAX: u32 = 2 * SERVICES_MAX;
 
 /// LRU: two entries per flow from outside the node; the oldest flows go first.
 pub const CT_MAX: u32 = 262_144;
@@ -37,7 +42,7 @@ pub const SOURCE_RANGES_MAX: u32 = 16_384;
 pub const NODE_ADDRS_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 17] = [
+pub const ALL: [&str; 18] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -45,6 +50,7 @@ pub const ALL: [&str; 17] = [
     BACKENDS6,
     SOCK_REVNAT6,
     AFFINITY,
+    AFFINITY_MATCH,
     CT4,
     CT6,
     SOURCE_RANGES4,

@@ -2,7 +2,7 @@
 
 use aya_ebpf::{bindings::bpf_sock_addr, helpers::bpf_set_retval, programs::SockAddrContext};
 use proxy_common::{
-    AffinityKey, AffinityValue, ServiceValue, proto,
+    AffinityKey, AffinityMatchKey, AffinityValue, ServiceValue, proto,
     service::{flags, scope},
     sockcfg,
 };
@@ -11,7 +11,7 @@ use crate::{
     PROCEED, REJECT,
     ip::Ip,
     kernel,
-    maps::{AFFINITY, Lookup, SOCK_CONFIG},
+    maps::{AFFINITY, AFFINITY_MATCH, Lookup, SOCK_CONFIG},
 };
 
 const SOCK_STREAM: u32 = 1;
@@ -143,9 +143,9 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
 }
 
 /// ClientIP affinity: the backend this client (its netns) got last for this frontend, if
-/// that was within the timeout and the backend still exists; otherwise a fresh pick, which
-/// becomes the client's backend. The daemon deletes entries for backends it removes from a
-/// service, so "still exists" also means "still serves this service".
+/// that was within the timeout and the backend still serves this frontend (the match map
+/// says so; the daemon leaves entries of backends that left); otherwise a fresh pick,
+/// which becomes the client's backend.
 #[inline(always)]
 fn affine_backend<F: Family>(
     ctx: &SockAddrContext,
@@ -164,6 +164,7 @@ fn affine_backend<F: Family>(
     if let Some(prev) = AFFINITY.lookup(key) {
         let (id, last) = (prev.backend_id, prev.last_used_ns);
         if now.wrapping_sub(last) <= timeout_ns
+            && serves(id, master.rev_nat_index)
             && let Some(backend) = backend::<F>(id)
         {
             let value = AffinityValue {
@@ -184,6 +185,15 @@ fn affine_backend<F: Family>(
     };
     let _ = AFFINITY.insert(key, value, 0);
     Ok(backend)
+}
+
+/// Whether backend `id` still serves the frontend `rev_nat_index` (which has affinity):
+/// what an affinity entry remembers is honoured only then.
+#[inline(always)]
+pub fn serves(id: u32, rev_nat_index: u16) -> bool {
+    AFFINITY_MATCH
+        .lookup(AffinityMatchKey::new(id, rev_nat_index))
+        .is_some()
 }
 
 /// recvmsg and getpeername: show the application the frontend it asked for.

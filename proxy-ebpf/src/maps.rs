@@ -2,17 +2,18 @@
 //! load time.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use bytemuck::Pod;
 use proxy_common::{
-    Addr6, AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, Service4Key, Service6Key, ServiceValue, SockConfig, SockRevNat4Key, SockRevNat4Value,
-    SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
+    Addr6, AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key,
+    Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue, SockConfig, SockRevNat4Key,
+    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
     maps::{
-        AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX, SOCK_REVNAT_MAX,
-        SOURCE_RANGES_MAX,
+        AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX,
+        SOCK_REVNAT_MAX, SOURCE_RANGES_MAX,
     },
     nat::stat,
 };
@@ -45,6 +46,12 @@ pub static SOCK_REVNAT6: LruHashMap<SockRevNat6Key, SockRevNat6Value> =
 #[map(name = "FP_AFFINITY")]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue> =
     LruHashMap::with_max_entries(AFFINITY_MAX, 0);
+
+/// Which (backend, frontend) pairs an affinity entry may still name; written by the daemon
+/// only (see `proxy_common::affinity`).
+#[map(name = "FP_AFF_MATCH")]
+pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
+    HashMap::with_max_entries(AFFINITY_MATCH_MAX, BPF_F_NO_PREALLOC);
 
 /// The packet path's flows: forward and reply entries (see `proxy_common::nat`).
 #[map(name = "FP_CT4")]

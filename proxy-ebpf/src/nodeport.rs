@@ -24,7 +24,7 @@ use crate::{
     icmp,
     ip::{Backend, Ip, V4, V6},
     kernel,
-    lb::pick_slot,
+    lb::{pick_slot, serves},
     maps::{AFFINITY, Lookup, count},
     packet::{FIB_NOT_FWDED, Packet},
 };
@@ -325,8 +325,8 @@ fn slot_backend<I: Ip>(
     I::backend(id).map(|b| (id, b))
 }
 
-/// A backend for a new flow: the client's previous one under ClientIP affinity, if still
-/// there and within the timeout; else a uniform pick.
+/// A backend for a new flow: the client's previous one under ClientIP affinity, if it
+/// still serves the frontend and within the timeout; else a uniform pick.
 #[inline(always)]
 fn choose_backend<I: Ip>(
     fe: FrontendAt<I::Addr>,
@@ -346,6 +346,7 @@ fn choose_backend<I: Ip>(
     let mut chosen = None;
     if let Some(prev) = AFFINITY.lookup(key)
         && now.wrapping_sub(prev.last_used_ns) <= timeout_ns
+        && serves(prev.backend_id, master.rev_nat_index)
         && let Some(b) = I::backend(prev.backend_id)
     {
         chosen = Some((prev.backend_id, b));

@@ -421,6 +421,50 @@ fn client_ip_affinity_holds_for_traffic_from_outside() {
     }
 }
 
+/// The client's backend leaves the service but stays another's (so its id still leads
+/// somewhere): new flows from the client must go elsewhere, and stick there.
+#[test]
+fn client_ip_affinity_from_outside_lets_go_of_a_backend_that_left() {
+    let (mut bed, _pods) = bed_with_pods("npaffgo", 3);
+    let ext = external_client(&mut bed);
+    let mut dp = attach(&bed, &[&ext.node_veth]);
+    let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.affinity_timeout = Some(600);
+    let other = web_service("other", Ipv4Addr::new(198, 19, 0, 20));
+    let all: Vec<_> = (1..=3).map(|i| on("node-a", ready(pod_ip(i)))).collect();
+    let sync = |dp: &mut BpfDataplane, eps: &[Endpoint]| {
+        let report = dp.sync(
+            &state_of(vec![
+                (svc.clone(), Some(web_endpoints(eps.to_vec()))),
+                (other.clone(), Some(web_endpoints(all.clone()))),
+            ]),
+            &node(),
+            Scope::Full,
+        );
+        assert!(report.failed.is_empty(), "{report:?}");
+    };
+    sync(&mut dp, &all);
+    let target = node_addr(&bed, NODE_PORT);
+    let first = tcp_from(&ext, &target, 10);
+    assert!(first.iter().all(|a| a.is_ok()), "{first:?}");
+    let stuck = names(&first);
+    assert_eq!(stuck.len(), 1, "one client, one backend: {first:?}");
+    let pod = stuck.into_iter().next().unwrap();
+
+    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
+    let rest: Vec<_> = all
+        .iter()
+        .filter(|e| e.ip != IpAddr::V4(pod_ip(i)))
+        .cloned()
+        .collect();
+    sync(&mut dp, &rest);
+    let after = tcp_from(&ext, &target, 10);
+    assert!(after.iter().all(|a| a.is_ok()), "{after:?}");
+    let moved = names(&after);
+    assert!(!moved.contains(&pod), "still sent to the removed {pod}");
+    assert_eq!(moved.len(), 1, "and sticks again: {after:?}");
+}
+
 #[test]
 fn a_connected_udp_client_of_a_removed_backend_moves_to_a_live_one() {
     let (mut bed, _pods) = bed_with_pods("npudpgo", 2);

@@ -110,6 +110,87 @@ fn restart_keeps_connections_flowing_and_reconciles_what_changed_meanwhile() {
     );
 }
 
+/// The programs honour an affinity entry only while the match map holds its backend for
+/// its frontend. A restarted daemon adopts the frontends without rewriting them, so it must
+/// make that map whole itself: after a daemon that never wrote it (an upgrade), or one that
+/// stopped midway and left an entry too many.
+#[test]
+fn restart_rebuilds_which_affinity_backends_count() {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{AffinityMatchKey, maps::AFFINITY_MATCH};
+
+    let (bed, _pods) = bed_with_pods("pinaff", 3);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("fastpath");
+    let node = NodeInfo::default();
+    let mut web = web_service("web", Ipv4Addr::new(198, 19, 0, 10));
+    web.affinity_timeout = Some(600);
+    let all: Vec<_> = (1..=3).map(|i| ready(pod_ip(i))).collect();
+    let state = |eps: &[_]| state_of(vec![(web.clone(), Some(web_endpoints(eps.to_vec())))]);
+
+    let mut first = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&pin)).unwrap();
+    first.sync(&state(&all), &node, Scope::Full);
+    let stuck = reached(&tcp(&bed, "198.19.0.10:80", 10));
+    assert_eq!(stuck.len(), 1, "one client, one backend: {stuck:?}");
+    let pod = stuck.into_iter().next().unwrap();
+    drop(first);
+
+    // A daemon from before the match map pinned everything else.
+    let path = loader::PinLayout::new(&pin).maps.join(AFFINITY_MATCH);
+    std::fs::remove_file(&path).unwrap();
+    let open_matches = || -> HashMap<MapData, AffinityMatchKey, u8> {
+        let map = Map::from_map_data(MapData::from_pin(&path).unwrap()).unwrap();
+        HashMap::try_from(map).unwrap()
+    };
+    let entries = |m: &HashMap<MapData, AffinityMatchKey, u8>| {
+        let mut k: Vec<_> = m.keys().filter_map(Result::ok).collect();
+        k.sort();
+        k
+    };
+
+    let mut second = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&pin)).unwrap();
+    let report = second.sync(&state(&all), &node, Scope::Full);
+    assert_eq!(report.frontends_written, 0, "adopted as it was: {report:?}");
+    let mut matches = open_matches();
+    let rebuilt = entries(&matches);
+    assert_eq!(rebuilt.len(), 6, "three backends of two affinity frontends");
+    let sticks = reached(&tcp(&bed, "198.19.0.10:80", 10));
+    assert_eq!(sticks, std::collections::BTreeSet::from([pod.clone()]));
+
+    // One that stopped midway left an entry too many.
+    let bogus = AffinityMatchKey::new(4000, rebuilt[0].rev_nat_index);
+    matches.insert(bogus, 0, 0).unwrap();
+    drop(second);
+    let mut third = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&pin)).unwrap();
+    third.sync(&state(&all), &node, Scope::Full);
+    assert_eq!(entries(&matches), rebuilt, "the entry too many dropped");
+
+    // And kept in step: the client's backend leaves, the client moves and sticks.
+    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
+    let rest: Vec<_> = all
+        .iter()
+        .filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i)))
+        .cloned()
+        .collect();
+    third.sync(&state(&rest), &node, Scope::Full);
+    assert_eq!(matches.keys().count(), 4);
+    assert_eq!(
+        third.programmer().occupancy().affinity_match,
+        4,
+        "counted as written"
+    );
+    // The client's entry stays in the LRU map, but counts no more, nor shows.
+    let inspect = proxy_userland::inspect::maps::PinnedMaps::open(&pin).unwrap();
+    let shown = inspect.affinity().unwrap();
+    assert!(shown.is_empty(), "{shown:?}");
+    let moved = reached(&tcp(&bed, "198.19.0.10:80", 10));
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert!(!moved.contains(&pod), "still sent to the removed {pod}");
+
+    drop(matches);
+    loader::remove_pinned(&pin).unwrap();
+}
+
 #[test]
 fn pinned_daemon_keeps_services_after_exit_until_cleanup() {
     let (bed, _pods) = bed_with_pods("pincleanup", 2);

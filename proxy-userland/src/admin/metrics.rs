@@ -338,6 +338,7 @@ impl Metrics {
             ("backends", o.backends),
             ("sock_revnat", o.sock_revnat),
             ("affinity", o.affinity),
+            ("affinity_match", o.affinity_match),
             ("conntrack", o.conntrack),
         ];
         for (map, n) in maps {
@@ -465,6 +466,7 @@ mod tests {
             services: 4,
             backends: 6,
             sock_revnat: 0,
+            affinity_match: 3,
             conntrack: 2,
             ..Default::default()
         });
@@ -492,6 +494,7 @@ mod tests {
             "fastpath_bpf_map_entries{map=\"services\"} 4",
             "fastpath_bpf_map_entries{map=\"backends\"} 6",
             "fastpath_bpf_map_entries{map=\"sock_revnat\"} 0",
+            "fastpath_bpf_map_entries{map=\"affinity_match\"} 3",
             "fastpath_bpf_map_entries{map=\"conntrack\"} 2",
             "fastpath_packets_total{result=\"new_flow\"} 5",
             "fastpath_packets_total{result=\"dropped_source_range\"} 1",

@@ -10,9 +10,9 @@ use std::{
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Ct6Key, Ct6Value,
-    CtKey, CtValue, Service4Key, Service6Key, ServiceValue, backend::flags as backend_flags,
-    maps as names, nat, service::scope,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value,
+    Ct6Key, Ct6Value, CtKey, CtValue, Service4Key, Service6Key, ServiceValue,
+    backend::flags as backend_flags, maps as names, nat, service::scope,
 };
 
 use crate::{
@@ -220,13 +220,23 @@ impl PinnedMaps {
         Ok(flows)
     }
 
-    /// The ClientIP affinity entries, with their backends resolved.
+    /// The ClientIP affinity entries the programs honour, with their backends resolved.
+    /// Entries naming a backend that left their frontend stay in the map until rewritten
+    /// or evicted; the match map says which are live (maps pinned before it: all).
     pub fn affinity(&self) -> anyhow::Result<Vec<Affinity>> {
         let backends = self.backends()?;
         let map: HashMap<_, AffinityKey, AffinityValue> = open(&self.dir, names::AFFINITY)?;
+        let matches = open::<AffinityMatchKey, u8>(&self.dir, names::AFFINITY_MATCH).ok();
+        let live = |k: &AffinityKey, v: &AffinityValue| {
+            matches.as_ref().is_none_or(|m| {
+                m.get(&AffinityMatchKey::new(v.backend_id, k.rev_nat_index), 0)
+                    .is_ok()
+            })
+        };
         let mut out: Vec<Affinity> = map
             .iter()
             .filter_map(Result::ok)
+            .filter(|(k, v)| live(k, v))
             .map(|(k, v)| {
                 let by_ip = k.client & nat::AFFINITY_CLIENT_IP != 0;
                 let v6 = k.client & nat::AFFINITY_CLIENT_IP6 != 0;

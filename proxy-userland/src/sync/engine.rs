@@ -335,6 +335,7 @@ impl Loop {
                 let mut o = self.occupancy.lock().unwrap_or_else(|p| p.into_inner());
                 o.services = counted.services;
                 o.backends = counted.backends;
+                o.affinity_match = counted.affinity_match;
                 *o
             }),
             packet_stats: dp.packet_stats(),

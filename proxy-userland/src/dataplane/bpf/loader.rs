@@ -213,6 +213,8 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         ] {
             loader.map_max_entries(name, max.max(1));
         }
+        // A backend slot of either family's service map can need a match entry.
+        loader.map_max_entries(map_names::AFFINITY_MATCH, max.max(1).saturating_mul(2));
     }
     let mut ebpf = loader.load(object())?;
     // A generation tag keeps this daemon's link pins apart from the previous one's until

@@ -16,9 +16,10 @@ use aya::{
     },
 };
 use proxy_common::{
-    Addr6, AffinityKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key, Ct4Value, Ct6Key,
-    Ct6Value, CtKey, CtValue, Service4Key, Service6Key, ServiceValue, SockRevNat4Key,
-    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange, SourceRange4, SourceRange6,
+    Addr6, AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key,
+    Ct4Value, Ct6Key, Ct6Value, CtKey, CtValue, Service4Key, Service6Key, ServiceValue,
+    SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange, SourceRange4,
+    SourceRange6,
     backend::flags as backend_flags,
     maps as names,
     nat::{self, addr6, octets6},
@@ -43,8 +44,10 @@ pub struct ServiceMaps {
     // Written by the programs only; the daemon reads them for occupancy and tests.
     sock_revnat4: HashMap<MapData, SockRevNat4Key, SockRevNat4Value>,
     sock_revnat6: HashMap<MapData, SockRevNat6Key, SockRevNat6Value>,
-    // Written by the programs; the daemon deletes entries that point at removed backends.
+    // Written by the programs, which honour an entry only while the match map (written by
+    // the daemon) holds its backend for its frontend; see `proxy_common::affinity`.
     affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     // The packet path: flows (written by the programs), source ranges, node and device
     // addresses, and the programs' counters.
     ct4: HashMap<MapData, Ct4Key, Ct4Value>,
@@ -193,6 +196,7 @@ impl ServiceMaps {
             sock_revnat4: take(ebpf, names::SOCK_REVNAT4)?,
             sock_revnat6: take(ebpf, names::SOCK_REVNAT6)?,
             affinity: take(ebpf, names::AFFINITY)?,
+            affinity_match: take(ebpf, names::AFFINITY_MATCH)?,
             ct4: take(ebpf, names::CT4)?,
             ct6: take(ebpf, names::CT6)?,
             source_ranges4: take_trie(ebpf, names::SOURCE_RANGES4)?,
@@ -353,25 +357,36 @@ impl ServiceMaps {
         }
     }
 
-    /// Forgets which backend clients had for frontend `rev_nat_index` where `stale` says
-    /// so: a client must not stick to a backend that left the service, and a reused index
-    /// must not inherit another frontend's clients. Returns how many entries went.
-    pub fn purge_affinity(
+    /// Lets the programs honour affinity entries of frontend `rev_nat_index` that name one
+    /// of `ids`. Written before the slots and master that hand these backends out, so a
+    /// client's first pick sticks.
+    pub fn put_affinity_matches(
         &mut self,
         rev_nat_index: u16,
-        stale: impl Fn(BackendId) -> bool,
-    ) -> usize {
-        let doomed: Vec<AffinityKey> = self
-            .affinity
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, v)| k.rev_nat_index == rev_nat_index && stale(v.backend_id))
-            .map(|(k, _)| k)
-            .collect();
-        doomed
-            .iter()
-            .filter(|k| self.affinity.remove(k).is_ok())
-            .count()
+        ids: &[BackendId],
+    ) -> Result<(), MapError> {
+        for &id in ids {
+            self.affinity_match
+                .insert(AffinityMatchKey::new(id, rev_nat_index), 0, 0)?;
+        }
+        Ok(())
+    }
+
+    /// From now on, affinity entries of frontend `rev_nat_index` naming one of `ids` are
+    /// ignored: a client must not stick to a backend that left. The entries themselves
+    /// stay until a connection rewrites them or the LRU evicts them, so this costs one
+    /// bpf() call per backend, never a walk of the affinity map.
+    pub fn del_affinity_matches(&mut self, rev_nat_index: u16, ids: &[BackendId]) {
+        for &id in ids {
+            let _ = self
+                .affinity_match
+                .remove(&AffinityMatchKey::new(id, rev_nat_index));
+        }
+    }
+
+    /// Every (backend, frontend) pair affinity entries may name; for adopting pinned maps.
+    pub fn affinity_match_entries(&self) -> Vec<AffinityMatchKey> {
+        self.affinity_match.keys().filter_map(Result::ok).collect()
     }
 
     /// Lets `ranges` use the frontend `rev_nat_index` (loadBalancerSourceRanges). Written
@@ -487,6 +502,7 @@ impl ServiceMaps {
             backends: self.backends4.keys().count() + self.backends6.keys().count(),
             sock_revnat: self.sock_revnat4.keys().count() + self.sock_revnat6.keys().count(),
             affinity: self.affinity.keys().count(),
+            affinity_match: self.affinity_match.keys().count(),
             conntrack: self.ct4.keys().count() + self.ct6.keys().count(),
         }
     }
@@ -498,6 +514,8 @@ pub struct Occupancy {
     pub backends: usize,
     pub sock_revnat: usize,
     pub affinity: usize,
+    /// Backends of frontends with affinity (written by the daemon, exact after every sync).
+    pub affinity_match: usize,
     /// Packet-path flow entries (two per flow).
     pub conntrack: usize,
 }

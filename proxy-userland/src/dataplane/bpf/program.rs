@@ -14,7 +14,7 @@ use std::{
 };
 
 use aya::maps::MapError;
-use proxy_common::{BackendId, ServiceValue, service::flags};
+use proxy_common::{AffinityMatchKey, BackendId, ServiceValue, service::flags};
 
 use super::{
     maps::{Occupancy, ServiceMaps},
@@ -192,6 +192,12 @@ impl Programmer {
         Occupancy {
             services: self.frontends.values().map(|st| 1 + st.ids.len()).sum(),
             backends: self.backends.len(),
+            affinity_match: self
+                .frontends
+                .values()
+                .filter(|st| st.programmed.affinity_timeout.is_some())
+                .map(|st| st.ids.len())
+                .sum(),
             ..Occupancy::default()
         }
     }
@@ -326,7 +332,41 @@ impl Programmer {
         for (rev, r) in ranges {
             self.maps.del_source_ranges(rev, &r);
         }
+        self.adopt_affinity_matches();
         masters.len()
+    }
+
+    /// Makes the affinity match map follow the adopted backend sets: drops what a daemon
+    /// that stopped midway left, writes what a daemon without the map never wrote.
+    fn adopt_affinity_matches(&mut self) {
+        let want: BTreeSet<AffinityMatchKey> = self
+            .frontends
+            .values()
+            .filter(|st| st.programmed.affinity_timeout.is_some())
+            .flat_map(|st| {
+                st.ids
+                    .iter()
+                    .map(|&id| AffinityMatchKey::new(id, st.rev_nat_index))
+            })
+            .collect();
+        let mut have = BTreeSet::new();
+        for k in self.maps.affinity_match_entries() {
+            if want.contains(&k) {
+                have.insert(k);
+            } else {
+                self.maps
+                    .del_affinity_matches(k.rev_nat_index, &[k.backend_id]);
+            }
+        }
+        for k in want.difference(&have) {
+            if let Err(e) = self
+                .maps
+                .put_affinity_matches(k.rev_nat_index, &[k.backend_id])
+            {
+                // Only stickiness suffers: its clients pick afresh each time until it changes.
+                tracing::warn!("cannot restore a ClientIP affinity backend: {e}");
+            }
+        }
     }
 
     fn note_departed(
@@ -522,7 +562,8 @@ impl Programmer {
             ),
         };
 
-        let result = self.publish(fe, want, rev_nat_index, &old_ids, &old_ranges);
+        let old_matched: &[BackendId] = if had_affinity { &old_ids } else { &[] };
+        let result = self.publish(fe, want, rev_nat_index, &old_ids, old_matched, &old_ranges);
         let ids = match result {
             Ok(ids) => ids,
             Err(e) => {
@@ -540,18 +581,16 @@ impl Programmer {
             .copied()
             .filter(|id| !kept.contains(id))
             .collect();
-        // The programs write affinity entries only while the master says AFFINITY, and a
-        // frontend that had it is purged when it goes, so one that never had it has none:
-        // walking the whole LRU map for it would cost a bpf() call per entry for nothing.
+        // Affinity entries naming a backend that left are ignored from now on. With affinity
+        // off, none is honoured, and none may be when it comes back on: the backends may
+        // have left meanwhile, or their ids gone to another service's.
         if had_affinity {
-            if want.affinity_timeout.is_none() {
-                // Turned back on later, these would send clients to backends that may
-                // have left meanwhile (or whose ids went to another service).
-                self.maps.purge_affinity(rev_nat_index, |_| true);
-            } else if !gone.is_empty() {
-                self.maps
-                    .purge_affinity(rev_nat_index, |id| gone.contains(&id));
-            }
+            let stale: Vec<BackendId> = if want.affinity_timeout.is_none() {
+                old_ids.clone()
+            } else {
+                gone.iter().copied().collect()
+            };
+            self.maps.del_affinity_matches(rev_nat_index, &stale);
         }
         for slot in ids.len() + 1..=old_ids.len() {
             let _ = self.maps.del_service(fe, slot as u16);
@@ -593,6 +632,7 @@ impl Programmer {
         want: &DesiredFrontend,
         rev_nat_index: u16,
         old_ids: &[BackendId],
+        old_matched: &[BackendId],
         old_ranges: &[(std::net::IpAddr, u8)],
     ) -> Result<Vec<BackendId>, ProgramError> {
         let mut ids = Vec::with_capacity(want.backends.len());
@@ -602,8 +642,10 @@ impl Programmer {
             .filter(|r| !old_ranges.contains(r))
             .copied()
             .collect();
-        let undo = |this: &mut Self, ids: &[BackendId], slots_written: usize| {
+        let mut matched = Vec::new();
+        let undo = |this: &mut Self, ids: &[BackendId], matched: &[BackendId], slots_written| {
             this.maps.del_source_ranges(rev_nat_index, &added_ranges);
+            this.maps.del_affinity_matches(rev_nat_index, matched);
             for slot in 1..=slots_written {
                 match old_ids.get(slot - 1) {
                     Some(&id) => {
@@ -624,13 +666,29 @@ impl Programmer {
             match self.acquire_backend(b) {
                 Ok(id) => ids.push(id),
                 Err(source) => {
-                    undo(self, &ids, 0);
+                    undo(self, &ids, &matched, 0);
                     return Err(ProgramError::Map {
                         what: "a backend",
                         frontend: frontend_name(fe),
                         source,
                     });
                 }
+            }
+        }
+        if want.affinity_timeout.is_some() {
+            let before: BTreeSet<BackendId> = old_matched.iter().copied().collect();
+            matched = ids
+                .iter()
+                .copied()
+                .filter(|id| !before.contains(id))
+                .collect();
+            if let Err(source) = self.maps.put_affinity_matches(rev_nat_index, &matched) {
+                undo(self, &ids, &matched, 0);
+                return Err(ProgramError::Map {
+                    what: "the affinity backends",
+                    frontend: frontend_name(fe),
+                    source,
+                });
             }
         }
         for (i, &id) in ids.iter().enumerate() {
@@ -641,7 +699,7 @@ impl Programmer {
                 .maps
                 .put_service(fe, (i + 1) as u16, ServiceValue::slot(id))
             {
-                undo(self, &ids, i);
+                undo(self, &ids, &matched, i);
                 return Err(ProgramError::Map {
                     what: "a backend slot",
                     frontend: frontend_name(fe),
@@ -650,7 +708,7 @@ impl Programmer {
             }
         }
         if let Err(source) = self.maps.put_source_ranges(rev_nat_index, &added_ranges) {
-            undo(self, &ids, ids.len());
+            undo(self, &ids, &matched, ids.len());
             return Err(ProgramError::Map {
                 what: "the source ranges",
                 frontend: frontend_name(fe),
@@ -669,7 +727,7 @@ impl Programmer {
         }
         let master = ServiceValue::master(ids.len() as u16, rev_nat_index, flag_bits, timeout);
         if let Err(source) = self.maps.put_service(fe, 0, master) {
-            undo(self, &ids, ids.len());
+            undo(self, &ids, &matched, ids.len());
             return Err(ProgramError::Map {
                 what: "the master entry",
                 frontend: frontend_name(fe),
@@ -703,7 +761,7 @@ impl Programmer {
             .del_source_ranges(st.rev_nat_index, &st.programmed.source_ranges);
         self.note_departed(&st.owner, fe, st.programmed.backends.iter().copied());
         if st.programmed.affinity_timeout.is_some() {
-            self.maps.purge_affinity(st.rev_nat_index, |_| true);
+            self.maps.del_affinity_matches(st.rev_nat_index, &st.ids);
         }
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         self.disown(&st.owner, fe);
