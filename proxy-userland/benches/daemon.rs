@@ -188,6 +188,8 @@ struct Measured {
     conns_failed: usize,
     revnat_filled: usize,
     load: f64,
+    /// Percent of the CPU time the hypervisor took during the latency phase.
+    stolen: f64,
 }
 
 struct Row {
@@ -412,6 +414,7 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         AtomicUsize::new(0),
     );
     let load_before = conditions::load_average();
+    let stolen_before = conditions::stolen_secs();
     let mut samples = Vec::new();
     let mut with_write = Vec::new();
     let mut looks = Vec::new();
@@ -540,6 +543,11 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         conns_failed: conns_failed.into_inner(),
         revnat_filled,
         load: load_before.max(conditions::load_average()),
+        stolen: conditions::stolen_percent(
+            stolen_before,
+            conditions::stolen_secs(),
+            phase_started.elapsed(),
+        ),
     }))
 }
 
@@ -672,18 +680,18 @@ fn latency_table(out: &mut String, opts: &Opts, rows: &[Row]) {
     );
     let _ = writeln!(
         out,
-        "| mode | source | services | p50 (ms) | p99 (ms) | max (ms) | p50 / p99 with the write (ms) | the write itself, p50 (ms) | changes | timed out (>20 s) | one look (ms) | churn (changes/s) | connections ok / failed | rev-NAT entries written | load | first sync (s) |"
+        "| mode | source | services | p50 (ms) | p99 (ms) | max (ms) | p50 / p99 with the write (ms) | the write itself, p50 (ms) | changes | timed out (>20 s) | one look (ms) | churn (changes/s) | connections ok / failed | rev-NAT entries written | load | CPU taken by the host (%) | first sync (s) |"
     );
     let _ = writeln!(
         out,
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
     );
     for r in rows {
         match &r.result {
             Ok(m) => {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.3} | {} | {} | {:.3} | {:.0} | {} / {} | {} | {:.2} | {:.1} |",
+                    "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} / {:.2} | {:.3} | {} | {} | {:.3} | {:.0} | {} / {} | {} | {:.2} | {:.1} | {:.1} |",
                     r.mode.name(),
                     r.source.name(),
                     r.services,
@@ -705,13 +713,14 @@ fn latency_table(out: &mut String, opts: &Opts, rows: &[Row]) {
                     m.conns_failed,
                     m.revnat_filled,
                     m.load,
+                    m.stolen,
                     m.first_sync.as_secs_f64()
                 );
             }
             Err(e) => {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | FAILED: {e} | | | | | | | | | | | | |",
+                    "| {} | {} | {} | FAILED: {e} | | | | | | | | | | | | | |",
                     r.mode.name(),
                     r.source.name(),
                     r.services
@@ -845,6 +854,19 @@ fn targets(out: &mut String, rows: &[Row], chunk: u32) {
             }
             _ => 0.0,
         };
+        // A VM's tail latencies follow the host: say which rows lost CPU time to it.
+        let stolen: Vec<String> = (ebpf.iter())
+            .filter(|(_, m)| m.stolen >= 1.0)
+            .map(|(r, m)| format!("{} services {:.1}%", r.services, m.stolen))
+            .collect();
+        let stolen = match stolen.is_empty() {
+            true => String::new(),
+            false => format!(
+                " The host took CPU time from this VM during some rows ({}): their tails say as \
+                 much about the host as about the daemon.",
+                stolen.join(", ")
+            ),
+        };
         let with_write = match source {
             Source::Manifests => {
                 let per: Vec<String> = (ebpf.iter())
@@ -863,7 +885,7 @@ fn targets(out: &mut String, rows: &[Row], chunk: u32) {
         };
         let _ = writeln!(
             out,
-            "- eBPF, {}: change to BPF map p99 under 5 ms, flat in service count: {} ({}; largest size {growth:.1}x the smallest{same_file}).{why}{with_write}",
+            "- eBPF, {}: change to BPF map p99 under 5 ms, flat in service count: {} ({}; largest size {growth:.1}x the smallest{same_file}).{why}{with_write}{stolen}",
             source.name(),
             if met { "met" } else { "NOT met" },
             per.join(", ")

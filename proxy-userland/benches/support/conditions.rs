@@ -18,6 +18,28 @@ pub fn load_average() -> f64 {
         .unwrap_or(0.0)
 }
 
+/// CPU time the hypervisor took from this VM ("steal", /proc/stat), in seconds summed over
+/// the CPUs. `None` where the kernel does not say.
+pub fn stolen_secs() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().next()?.strip_prefix("cpu ")?;
+    let steal: u64 = cpu.split_whitespace().nth(7)?.parse().ok()?;
+    // SAFETY: sysconf only reads a system value.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| steal as f64 / hz as f64)
+}
+
+/// The share of the machine's CPU time the hypervisor took during `wall`, from two
+/// [`stolen_secs`] readings, in percent.
+pub fn stolen_percent(before: Option<f64>, after: Option<f64>, wall: std::time::Duration) -> f64 {
+    match (before, after) {
+        (Some(b), Some(a)) if wall.as_secs_f64() > 0.0 => {
+            100.0 * (a - b).max(0.0) / (wall.as_secs_f64() * online_cpus() as f64)
+        }
+        _ => 0.0,
+    }
+}
+
 /// The highest load a run may see: FASTPATH_BENCH_MAX_LOAD, or the number of CPUs.
 pub fn max_load() -> f64 {
     std::env::var("FASTPATH_BENCH_MAX_LOAD")
