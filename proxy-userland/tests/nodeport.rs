@@ -242,13 +242,15 @@ fn dual_stack_node_port_reaches_local_pods_over_both_families() {
             "the pods see the client itself: {attempts:?}"
         );
         let udp_target = format!("{node_ip}:{UDP_NODE_PORT}");
+        // 20, not 10: both pods must answer, and 10 fresh flows all landed on one pod in a
+        // CI run (1 in 512 per family).
         let udp = probe_from(
             &ext.netns,
             &[
                 "udp",
                 &udp_target,
                 "--count",
-                "10",
+                "20",
                 "--timeout-ms",
                 "1000",
                 "--fresh-socket",
