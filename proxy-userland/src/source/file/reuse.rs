@@ -830,7 +830,8 @@ mod tests {
         let (found, parsed) = walk(", [2] ,3,\"x\",{},");
         assert_eq!(found.unwrap().len(), 4);
         assert_eq!(parsed, ["[2]"]);
-        // One added: parsed, then the old ones follow in place.
+        // One added: parsed and taken for a replacement of the next old item, so that
+        // one is parsed too and found to be old; the rest follow in place.
         let (found, parsed) = walk(",{\"a\": 1},[7],[2],3,\"x\",{},");
         assert_eq!(found.unwrap().len(), 6);
         assert_eq!(parsed, ["[7]", "[2]"]);
