@@ -107,6 +107,14 @@ pub fn pod_ip(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(198, 18, 1, 10 + i)
 }
 
+/// `endpoints` without the one of the pod that answered as `pod` ("pod-3").
+pub fn without_pod(endpoints: &[Endpoint], pod: &str) -> Vec<Endpoint> {
+    let i: u8 = (pod.strip_prefix("pod-").and_then(|i| i.parse().ok()))
+        .unwrap_or_else(|| panic!("not a pod's answer: {pod}"));
+    let ip = std::net::IpAddr::V4(pod_ip(i));
+    endpoints.iter().filter(|e| e.ip != ip).cloned().collect()
+}
+
 /// Pod `i` of a dual-stack bed also lives at 2001:db8:1::(10+i) (hex).
 pub fn pod_ip6(i: u8) -> Ipv6Addr {
     Ipv6Addr::new(0x2001, 0xdb8, 1, 0, 0, 0, 0, 0x10 + u16::from(i))

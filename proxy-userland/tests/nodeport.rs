@@ -453,12 +453,7 @@ fn client_ip_affinity_from_outside_lets_go_of_a_backend_that_left() {
     assert_eq!(stuck.len(), 1, "one client, one backend: {first:?}");
     let pod = stuck.into_iter().next().unwrap();
 
-    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
-    let rest: Vec<_> = all
-        .iter()
-        .filter(|e| e.ip != IpAddr::V4(pod_ip(i)))
-        .cloned()
-        .collect();
+    let rest = without_pod(&all, &pod);
     sync(&mut dp, &rest);
     let after = tcp_from(&ext, &target, 10);
     assert!(after.iter().all(|a| a.is_ok()), "{after:?}");

@@ -166,12 +166,7 @@ fn restart_rebuilds_which_affinity_backends_count() {
     assert_eq!(entries(&matches), rebuilt, "the entry too many dropped");
 
     // And kept in step: the client's backend leaves, the client moves and sticks.
-    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
-    let rest: Vec<_> = all
-        .iter()
-        .filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i)))
-        .cloned()
-        .collect();
+    let rest = without_pod(&all, &pod);
     third.sync(&state(&rest), &node, Scope::Full);
     assert_eq!(matches.keys().count(), 4);
     assert_eq!(

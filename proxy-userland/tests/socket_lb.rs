@@ -271,12 +271,7 @@ fn client_ip_affinity_keeps_a_client_on_its_backend_until_it_goes_or_times_out()
     assert_eq!(reached(&tcp(&bed, WEB, 10)), BTreeSet::from([pod.clone()]));
 
     // Its backend leaves: the client moves to another one and sticks there.
-    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
-    let rest: Vec<_> = all
-        .iter()
-        .filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i)))
-        .cloned()
-        .collect();
+    let rest = without_pod(&all, &pod);
     let changed = BTreeSet::from([svc.key.clone()]);
     dp.sync(
         &state_of(vec![(svc.clone(), Some(web_endpoints(rest)))]),
@@ -326,15 +321,10 @@ fn affinity_turned_off_and_on_forgets_a_backend_that_left_meanwhile() {
     let stuck = reached(&tcp(&bed, WEB, 10));
     assert_eq!(stuck.len(), 1, "one client, one backend: {stuck:?}");
     let pod = stuck.into_iter().next().unwrap();
-    let i: u8 = pod.trim_start_matches("pod-").parse().unwrap();
 
     svc.affinity_timeout = None;
     sync(&mut dp, &svc, &all);
-    let rest: Vec<_> = all
-        .iter()
-        .filter(|e| e.ip != std::net::IpAddr::V4(pod_ip(i)))
-        .cloned()
-        .collect();
+    let rest = without_pod(&all, &pod);
     sync(&mut dp, &svc, &rest);
     svc.affinity_timeout = Some(600);
     sync(&mut dp, &svc, &rest);
