@@ -14,7 +14,7 @@ use std::{
 };
 
 use aya::maps::MapError;
-use proxy_common::{AffinityMatchKey, BackendId, ServiceValue, service::flags};
+use proxy_common::{BackendId, ServiceValue, service::flags};
 
 use super::{
     maps::{Occupancy, ServiceMaps},
@@ -30,8 +30,11 @@ pub use crate::dataplane::frontends::{
 use crate::model::{EndpointSet, Service};
 use crate::{
     dataplane::{Scope, SyncReport, frontends::frontend_name},
-    model::{NodeInfo, Protocol, ProxyState, ServiceKey},
+    model::{NodeInfo, ProxyState, ServiceKey},
 };
+
+mod adopt;
+mod departed;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
@@ -260,194 +263,6 @@ impl Programmer {
         }
         (report.udp_sockets_reset, report.udp_socket_resets_failed) = self.reset_departed_udp();
         report
-    }
-
-    /// Reads back what a previous daemon left in pinned maps, so the first sync changes
-    /// only what differs instead of rewriting (and briefly disturbing) every frontend.
-    /// Entries that reference nothing are deleted. Returns how many frontends were adopted.
-    pub fn adopt_existing(&mut self) -> usize {
-        let backends: HashMap<BackendId, BackendAddr> =
-            self.maps.backend_entries().into_iter().collect();
-        let mut ranges: HashMap<u16, Vec<(std::net::IpAddr, u8)>> = HashMap::new();
-        for (rev, range) in self.maps.source_range_entries() {
-            ranges.entry(rev).or_default().push(range);
-        }
-        let mut masters = BTreeMap::new();
-        let mut slots = HashMap::new();
-        for (fe, slot, value) in self.maps.service_entries() {
-            if slot == 0 {
-                masters.insert(fe, value);
-            } else {
-                slots.insert((fe, slot), value.backend_id);
-            }
-        }
-        for (fe, master) in &masters {
-            let mut source_ranges = ranges.remove(&master.rev_nat_index).unwrap_or_default();
-            source_ranges.sort();
-            let mut st = FrontendState {
-                owner: adopted(),
-                rev_nat_index: master.rev_nat_index,
-                programmed: DesiredFrontend {
-                    backends: Vec::new(),
-                    affinity_timeout: (master.flags & flags::AFFINITY != 0)
-                        .then_some(master.affinity_timeout),
-                    snat: master.flags & flags::SNAT != 0,
-                    source_ranges,
-                },
-                ids: Vec::new(),
-            };
-            for slot in 1..=master.count {
-                // A gap means a half-written frontend; keep the prefix, the sync rewrites it.
-                let Some(id) = slots.remove(&(*fe, slot)) else {
-                    break;
-                };
-                let Some(b) = backends.get(&id) else { break };
-                st.ids.push(id);
-                st.programmed.backends.push(*b);
-                self.backends
-                    .entry(*b)
-                    .or_insert(BackendRef { id, refs: 0 })
-                    .refs += 1;
-                self.backend_ids.reserve(id);
-            }
-            self.rev_nat_ids.reserve(u32::from(master.rev_nat_index));
-            self.owners.entry(adopted()).or_default().insert(*fe);
-            self.frontends.insert(*fe, st);
-        }
-        for ((fe, slot), _) in slots {
-            if self
-                .frontends
-                .get(&fe)
-                .is_none_or(|st| usize::from(slot) > st.ids.len())
-            {
-                let _ = self.maps.del_service(&fe, slot);
-            }
-        }
-        for (id, b) in &backends {
-            if self.backends.get(b).is_none_or(|r| r.id != *id) {
-                let _ = self.maps.del_backend(*id, b);
-            }
-        }
-        // Ranges of frontends that are gone.
-        for (rev, r) in ranges {
-            self.maps.del_source_ranges(rev, &r);
-        }
-        self.adopt_affinity_matches();
-        masters.len()
-    }
-
-    /// Makes the affinity match map follow the adopted backend sets: drops what a daemon
-    /// that stopped midway left, writes what a daemon without the map never wrote.
-    fn adopt_affinity_matches(&mut self) {
-        let want: BTreeSet<AffinityMatchKey> = self
-            .frontends
-            .values()
-            .filter(|st| st.programmed.affinity_timeout.is_some())
-            .flat_map(|st| {
-                st.ids
-                    .iter()
-                    .map(|&id| AffinityMatchKey::new(id, st.rev_nat_index))
-            })
-            .collect();
-        let mut have = BTreeSet::new();
-        for k in self.maps.affinity_match_entries() {
-            if want.contains(&k) {
-                have.insert(k);
-            } else {
-                self.maps
-                    .del_affinity_matches(k.rev_nat_index, &[k.backend_id]);
-            }
-        }
-        for k in want.difference(&have) {
-            if let Err(e) = self
-                .maps
-                .put_affinity_matches(k.rev_nat_index, &[k.backend_id])
-            {
-                // Only stickiness suffers: its clients pick afresh each time until it changes.
-                tracing::warn!("cannot restore a ClientIP affinity backend: {e}");
-            }
-        }
-    }
-
-    fn note_departed(
-        &mut self,
-        owner: &ServiceKey,
-        fe: &Frontend,
-        gone: impl IntoIterator<Item = BackendAddr>,
-    ) {
-        // Only sockets can be reset; the packet path re-picks for flows whose backend went.
-        if fe.proto == Protocol::Udp && fe.scope == FrontendScope::Socket {
-            let frontend = SocketAddr::new(fe.ip, fe.port);
-            self.departed_udp.extend(
-                gone.into_iter()
-                    .map(|b| ((frontend, SocketAddr::new(b.ip, b.port)), owner.clone())),
-            );
-        }
-    }
-
-    /// Destroys connected UDP sockets our programs pointed at backends that just left their
-    /// frontend (see [`stale_sockets`]). Returns (destroyed, failed). A reset that cannot be
-    /// done leaves a client sending into the void, so each one is logged as a warning with
-    /// its services and counted (`fastpath_udp_socket_resets_total{result="failed"}`): a
-    /// socket the kernel refused counts once, and so does a client namespace that could not
-    /// be searched at all (its sockets are unknown). The sync itself succeeded either way.
-    fn reset_departed_udp(&mut self) -> (usize, usize) {
-        let departed = std::mem::take(&mut self.departed_udp);
-        let Some(cgroup) = &self.cgroup else {
-            return (0, 0);
-        };
-        if departed.is_empty() {
-            return (0, 0);
-        }
-        let peers: BTreeSet<SocketAddr> = departed.keys().map(|(_, b)| *b).collect();
-        let maps = &self.maps;
-        let ours = |cookie: u64, peer: SocketAddr| {
-            maps.translated_from(cookie, peer)
-                .is_some_and(|fe| departed.contains_key(&(fe, peer)))
-        };
-        let services: BTreeSet<String> = departed.values().map(ToString::to_string).collect();
-        let services = services.into_iter().collect::<Vec<_>>().join(",");
-        let (mut done, mut failed) = (0, 0);
-        let namespaces = stale_sockets::client_namespaces(cgroup);
-        if namespaces.hidden > 0 {
-            failed += namespaces.hidden;
-            tracing::warn!(
-                service = %services,
-                processes = namespaces.hidden,
-                "cannot reset connected UDP sockets of removed backends: processes in the cgroup \
-                 are in a PID namespace this daemon cannot see (run it with hostPID: true); \
-                 their sockets keep sending to a backend that is gone"
-            );
-        }
-        for ns in namespaces.found {
-            match stale_sockets::destroy_in(&ns, &peers, &ours) {
-                Ok((r, err)) => {
-                    done += r.done;
-                    failed += r.failed;
-                    if let Some(e) = err {
-                        tracing::warn!(
-                            service = %services,
-                            sockets = r.failed,
-                            "cannot reset connected UDP sockets of removed backends; they keep \
-                             sending to a backend that is gone: {e}"
-                        );
-                    }
-                }
-                Err(e) => {
-                    failed += 1;
-                    tracing::warn!(
-                        service = %services,
-                        namespaces = 1,
-                        "cannot reset connected UDP sockets of removed backends in a client \
-                         namespace; any there keep sending to a backend that is gone: {e}"
-                    );
-                }
-            }
-        }
-        if done > 0 {
-            tracing::info!(service = %services, sockets = done, "reset connected UDP sockets of removed backends");
-        }
-        (done, failed)
     }
 
     fn sync_service(
@@ -812,7 +627,7 @@ impl Programmer {
 mod tests {
 
     use super::*;
-    use crate::model::{Endpoint, ServicePort, SliceInfo, SlicePort};
+    use crate::model::{Endpoint, Protocol, ServicePort, SliceInfo, SlicePort};
 
     fn ep(ip: &str, ready: bool, terminating: bool) -> Endpoint {
         Endpoint {
