@@ -32,6 +32,11 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
+#[path = "probe/http.rs"]
+mod http;
+#[path = "probe/load.rs"]
+mod load;
+
 /// Longest reply we read, and longest we print (a name and an `@[IPv6%scope]:port`).
 const MAX_REPLY: usize = 256;
 const MAX_PRINTED: usize = 160;
@@ -74,6 +79,33 @@ enum Command {
         /// Answer UDP here; repeatable.
         #[arg(long, value_name = "ADDR:PORT")]
         udp: Vec<SocketAddr>,
+        /// Answer HTTP/1.1 GETs here with the name, keeping connections alive; repeatable.
+        #[arg(long, value_name = "ADDR:PORT")]
+        http: Vec<SocketAddr>,
+        /// On SIGTERM keep serving for this long (kept-alive HTTP connections are told to
+        /// close), then exit 0, as a pod with a graceful shutdown does. Without it SIGTERM
+        /// ends the server at once.
+        #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(0..=600_000))]
+        drain_ms: Option<u64>,
+    },
+    /// Keep sending requests with several clients at once and count every one (JSON lines
+    /// on stdout; see the `load` module).
+    Load {
+        /// KIND=ADDR[,ADDR...]: tcp, http, udp, udp-connected, lb (TARGET@HEALTH pairs).
+        #[arg(long = "client", value_name = "KIND=ADDR", required = true)]
+        clients: Vec<load::ClientSpec>,
+        /// Stop after this long.
+        #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+        duration_ms: u64,
+        /// Pause between one client's requests.
+        #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+        interval_ms: u64,
+        /// Time limit for each connect and each answer.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+        timeout_ms: u64,
+        /// A report line this often.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+        report_ms: u64,
     },
     /// Connect, read the reply line, report the peer; once per attempt.
     Tcp {
@@ -123,13 +155,20 @@ struct Attempts {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Serve { name, tcp, udp, .. } = &cli.command {
+    if let Command::Serve {
+        name,
+        tcp,
+        udp,
+        http,
+        ..
+    } = &cli.command
+    {
         if let Err(e) = check_name(name) {
             eprintln!("fastpath-probe: {e}");
             return ExitCode::from(2);
         }
-        if tcp.is_empty() && udp.is_empty() {
-            eprintln!("fastpath-probe: serve needs at least one --tcp or --udp address");
+        if tcp.is_empty() && udp.is_empty() && http.is_empty() {
+            eprintln!("fastpath-probe: serve needs at least one --tcp, --udp or --http address");
             return ExitCode::from(2);
         }
     }
@@ -143,7 +182,32 @@ fn main() -> ExitCode {
             echo_peer,
             tcp,
             udp,
-        } => match serve(&name, echo_peer, &tcp, &udp) {
+            http,
+            drain_ms,
+        } => match serve(
+            &Replier { name, echo_peer },
+            &Listen { tcp, udp, http },
+            drain_ms.map(Duration::from_millis),
+        ) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("fastpath-probe: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Load {
+            clients,
+            duration_ms,
+            interval_ms,
+            timeout_ms,
+            report_ms,
+        } => match load::run(load::LoadOptions {
+            clients,
+            duration: Duration::from_millis(duration_ms),
+            interval: Duration::from_millis(interval_ms),
+            timeout: Duration::from_millis(timeout_ms),
+            report: Duration::from_millis(report_ms),
+        }) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("fastpath-probe: {e:#}");
@@ -424,27 +488,41 @@ fn errno_name(code: i32) -> String {
 
 // ---- server -------------------------------------------------------------------------------
 
-fn serve(name: &str, echo_peer: bool, tcp: &[SocketAddr], udp: &[SocketAddr]) -> Result<()> {
-    let mut listeners = Vec::new();
-    for &addr in tcp {
-        let fd = bound_socket(addr, libc::SOCK_STREAM).with_context(|| format!("TCP {addr}"))?;
-        // SAFETY: listen on a valid socket fd.
-        if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
-            return Err(io::Error::last_os_error())
-                .with_context(|| format!("listen on TCP {addr}"));
-        }
-        listeners.push(TcpListener::from(fd));
+/// Where `serve` listens.
+struct Listen {
+    tcp: Vec<SocketAddr>,
+    udp: Vec<SocketAddr>,
+    http: Vec<SocketAddr>,
+}
+
+fn listener(addr: SocketAddr) -> Result<TcpListener> {
+    let fd = bound_socket(addr, libc::SOCK_STREAM).with_context(|| format!("TCP {addr}"))?;
+    // SAFETY: listen on a valid socket fd.
+    if unsafe { libc::listen(fd.as_raw_fd(), 128) } != 0 {
+        return Err(io::Error::last_os_error()).with_context(|| format!("listen on TCP {addr}"));
     }
+    Ok(TcpListener::from(fd))
+}
+
+fn serve(replier: &Replier, listen: &Listen, drain: Option<Duration>) -> Result<()> {
+    let listeners = listen
+        .tcp
+        .iter()
+        .map(|&a| listener(a))
+        .collect::<Result<Vec<_>>>()?;
+    let http_listeners = listen
+        .http
+        .iter()
+        .map(|&a| listener(a))
+        .collect::<Result<Vec<_>>>()?;
     let mut sockets = Vec::new();
-    for &addr in udp {
+    for &addr in &listen.udp {
         let fd = bound_socket(addr, libc::SOCK_DGRAM).with_context(|| format!("UDP {addr}"))?;
         sockets.push(UdpSocket::from(fd));
     }
-
-    let replier = Replier {
-        name: name.to_string(),
-        echo_peer,
-    };
+    if let Some(drain) = drain {
+        http::drain_on_sigterm(drain);
+    }
     let mut threads = Vec::new();
     for listener in listeners {
         let replier = replier.clone();
@@ -453,6 +531,12 @@ fn serve(name: &str, echo_peer: bool, tcp: &[SocketAddr], udp: &[SocketAddr]) ->
     for socket in sockets {
         let replier = replier.clone();
         threads.push(thread::spawn(move || udp_server(&socket, &replier)));
+    }
+    for listener in http_listeners {
+        let replier = replier.clone();
+        threads.push(thread::spawn(move || {
+            http::http_server(&listener, &replier)
+        }));
     }
     let mut stdout = io::stdout().lock();
     writeln!(stdout, "ready")
