@@ -89,6 +89,8 @@ struct Inner {
     outage: AtomicBool,
     /// The accept loop's answer: the port is closed now.
     closed: AtomicBool,
+    /// The network namespace the port is in (a name under /run/netns); None: ours.
+    netns: Option<String>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -125,9 +127,20 @@ fn resource(name: &str) -> Result<usize, Status> {
 impl ApiServer {
     /// Starts a server on 127.0.0.1 on a free port.
     pub fn start() -> anyhow::Result<ApiServer> {
-        let listener = TcpListener::bind("127.0.0.1:0").context("binding the fake API server")?;
+        Self::start_on(None, SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// Starts a server on `ip` (a free port) inside network namespace `netns`, as a
+    /// cluster's API server is reached over the nodes' network: daemons in other
+    /// namespaces connect to it through their routes. The server's threads stay in ours.
+    pub fn start_in(netns: &str, ip: std::net::IpAddr) -> anyhow::Result<ApiServer> {
+        crate::testbed::check_test_ip(ip)?;
+        Self::start_on(Some(netns.to_string()), SocketAddr::new(ip, 0))
+    }
+
+    fn start_on(netns: Option<String>, addr: SocketAddr) -> anyhow::Result<ApiServer> {
+        let listener = bind(netns.as_deref(), addr).context("binding the fake API server")?;
         let addr = listener.local_addr()?;
-        listener.set_nonblocking(true)?;
         let inner = Arc::new(Inner {
             state: Mutex::new(State::new()),
             changed: Condvar::new(),
@@ -139,6 +152,7 @@ impl ApiServer {
             addr,
             outage: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            netns,
         });
         let accept = {
             let inner = inner.clone();
@@ -380,6 +394,18 @@ fn wait_until(f: impl Fn() -> bool) -> bool {
     true
 }
 
+/// A non-blocking listener on `addr`, made inside `netns` when given (a socket keeps the
+/// namespace it was made in).
+fn bind(netns: Option<&str>, addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let make = || TcpListener::bind(addr).and_then(|l| l.set_nonblocking(true).map(|()| l));
+    match netns {
+        None => make(),
+        Some(ns) => {
+            crate::netns::in_netns(ns, make).map_err(|e| std::io::Error::other(format!("{e:#}")))?
+        }
+    }
+}
+
 fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
     let mut listener = Some(listener);
     while !inner.stopping() {
@@ -391,7 +417,7 @@ fn accept_loop(inner: &Arc<Inner>, listener: TcpListener) {
         }
         let Some(l) = &listener else {
             // std sets SO_REUSEADDR, so the port can be bound again at once.
-            match TcpListener::bind(inner.addr).and_then(|l| l.set_nonblocking(true).map(|()| l)) {
+            match bind(inner.netns.as_deref(), inner.addr) {
                 Ok(l) => {
                     listener = Some(l);
                     inner.closed.store(false, Ordering::SeqCst);

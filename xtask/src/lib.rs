@@ -7,6 +7,7 @@
 
 pub mod apiserver;
 pub mod cgroup;
+pub mod cluster;
 pub mod cmd;
 pub mod demo;
 pub mod image;

@@ -383,6 +383,38 @@ impl Testbed {
         netns::add(name)
     }
 
+    /// Creates network namespace `<id>-<suffix>` (removed with the bed), for beds built on
+    /// this one (see [`crate::cluster`]). Returns its name.
+    pub fn add_namespace(&mut self, suffix: &str) -> Result<String> {
+        check_name("namespace", suffix)?;
+        let name = format!("{}-{suffix}", self.id);
+        if self.namespaces.contains(&name) {
+            bail!("namespace {name} exists already");
+        }
+        self.add_netns(&name)?;
+        Ok(name)
+    }
+
+    /// Deletes a namespace made by [`Testbed::add_namespace`] now (a pod that is gone).
+    pub fn remove_namespace(&mut self, name: &str) -> Result<()> {
+        self.namespaces.retain(|n| n != name);
+        netns::delete(name)
+    }
+
+    /// The bed's cgroup, under which beds built on this one make their own.
+    pub fn cgroup_root(&self) -> &Path {
+        &self.cgroup_root
+    }
+
+    /// Sends `sig` to helper `pid` (it stays ours until [`Testbed::stop`]).
+    pub fn signal(&self, pid: u32, sig: libc::c_int) -> Result<()> {
+        if !self.children.iter().any(|m| m.child.id() == pid) {
+            bail!("pid {pid} is not a process of this test bed");
+        }
+        signal(pid, sig);
+        Ok(())
+    }
+
     /// Starts `probe_bin --netns <pod> serve [--name <pod>] ARGS...` (in the helpers cgroup) and
     /// waits (at most [`READY_TIMEOUT`]) for its "ready" line. `args` are `serve`'s options,
     /// e.g. `["--tcp", "0.0.0.0:8080", "--udp", "0.0.0.0:5353"]`; `--name` defaults to the
@@ -643,7 +675,7 @@ fn describe_status(status: Option<ExitStatus>) -> String {
 /// in `inner_ns`). For each (outer, inner) address pair (both IPv4 or both IPv6): a /32
 /// (/128) address on each end, in `outer_ns` a route to the inner address over `outer_dev`,
 /// in `inner_ns` the outer address on-link and the family's whole test range via it.
-fn wire_veth(
+pub(crate) fn wire_veth(
     outer_ns: &str,
     outer_dev: &str,
     inner_ns: &str,
@@ -705,6 +737,8 @@ pub fn reap_stale() -> Result<Vec<String>> {
     }
     for name in dir_names(Path::new(RUN_DIR)) {
         if stale(&name) {
+            // A bed may have mounted a bpffs in its folder (see crate::cluster).
+            unmount_under(&Path::new(RUN_DIR).join(&name));
             match fs::remove_dir_all(Path::new(RUN_DIR).join(&name)) {
                 Ok(()) => reaped.push(format!("folder {RUN_DIR}/{name}")),
                 Err(e) => errors.push(format!("removing {RUN_DIR}/{name}: {e}")),
@@ -715,6 +749,16 @@ pub fn reap_stale() -> Result<Vec<String>> {
         Ok(reaped)
     } else {
         Err(anyhow!("{}", errors.join("; ")))
+    }
+}
+
+/// Lazily unmounts every mount at or below `dir`.
+fn unmount_under(dir: &Path) {
+    let mounts = fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    for target in mounts.lines().filter_map(|l| l.split_whitespace().nth(1)) {
+        if Path::new(target).starts_with(dir) {
+            let _ = Command::new("umount").arg("-l").arg(target).status();
+        }
     }
 }
 
