@@ -41,12 +41,11 @@ fn cluster(tag: &str, modes: &[&str]) -> Cluster {
     .expect("cluster bed")
 }
 
-/// A client pod on every node (198.18.(10+N).200).
+/// A client pod on every node.
 fn client_pods(c: &mut Cluster) -> Vec<Pod> {
     (0..c.nodes.len())
         .map(|i| {
-            let ip = Ipv4Addr::new(198, 18, 10 + c.nodes[i].index, 200);
-            c.add_pod_netns(i, &format!("client-{}", i + 1), ip)
+            c.add_pod_netns(i, &format!("client-{}", i + 1))
                 .expect("client pod")
         })
         .collect()
@@ -127,41 +126,189 @@ fn zero_failures(phase: &str, reports: &[ClientReport]) -> Result<(), String> {
     }
 }
 
-/// A rolling update of a 6-replica Deployment over 3 nodes under load.
-fn rolling_update_under_load(c: &mut Cluster, phase: &str) -> Result<(), String> {
+/// The bed's workload: Service `web` with 6 replicas spread over the nodes, and a client
+/// pod on every node.
+struct Workload {
+    web: Deployment,
+    clients: Vec<Pod>,
+}
+
+fn workload(c: &mut Cluster) -> Workload {
     let nodes = c.nodes.len();
-    let mut web = Deployment::create(c, "web", WEB_IP, 0, None, 6, &|k| k % nodes)
-        .map_err(|e| format!("{e:#}"))?;
-    let pods = client_pods(c);
+    let web =
+        Deployment::create(c, "web", WEB_IP, 0, None, 6, &|k| k % nodes).expect("Deployment web");
+    let clients = client_pods(c);
+    // Every node hears of the pods before the clients start.
     std::thread::sleep(Duration::from_secs(2));
-    let loads = start_loads(c, &pods, &[], 120);
-    std::thread::sleep(Duration::from_secs(2));
-    web.rolling_update(c, Timing::default(), &|n| n)
+    Workload { web, clients }
+}
+
+/// 3a: a rolling update of the 6-replica Deployment under load: no request fails, and the
+/// new pods answer every client.
+fn rolling_update(c: &mut Cluster, w: &mut Workload, phase: &str) -> Result<(), String> {
+    let generation = w.web.pods[0]
+        .endpoint
+        .pod
+        .split('-')
+        .nth(1)
+        .unwrap_or("g1")
+        .to_string();
+    let next = format!("-g{}-", generation[1..].parse::<u32>().unwrap_or(1) + 1);
+    let loads = start_loads(c, &w.clients, &[], 120);
+    std::thread::sleep(Duration::from_secs(1));
+    w.web
+        .rolling_update(c, Timing::default(), &|n| n)
         .map_err(|e| format!("{e:#}"))?;
     std::thread::sleep(Duration::from_secs(1));
     let reports = finish(c, loads);
-    let result = zero_failures(phase, &reports);
-    // The rollout reached every client: the new pods answered them all.
+    zero_failures(phase, &reports)?;
     let stale: Vec<String> = reports
         .iter()
-        .filter(|r| !r.backends.keys().any(|b| b.contains("-g2-")))
+        .filter(|r| !r.backends.keys().any(|b| b.contains(&next)))
         .map(|r| format!("{} {}", r.place, r.name))
         .collect();
-    result.and_then(|()| {
-        if stale.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{phase}: never reached a new pod: {stale:?}"))
-        }
-    })
+    if stale.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{phase}: never reached a new pod: {stale:?}"))
+    }
+}
+
+/// 3b: fastpath upgraded node by node under load (SIGTERM, a new process adopting what is
+/// pinned): no request fails.
+fn upgrade_node_by_node(c: &mut Cluster, w: &Workload, phase: &str) -> Result<(), String> {
+    let loads = start_loads(c, &w.clients, &[], 120);
+    std::thread::sleep(Duration::from_secs(1));
+    for i in 0..c.nodes.len() {
+        c.upgrade(i).map_err(|e| format!("{e:#}"))?;
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let reports = finish(c, loads);
+    zero_failures(phase, &reports)
+}
+
+/// 3d: externalTrafficPolicy Local behind an outside load balancer that sends only to nodes
+/// whose health check node port answers 200, while the pods move between nodes: no request
+/// fails.
+fn local_policy_behind_a_load_balancer(c: &mut Cluster, phase: &str) -> Result<(), String> {
+    const EDGE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 20);
+    const HEALTH: u16 = 30300;
+    let nodes = c.nodes.len();
+    // Two replicas on the first two nodes; the update moves each to the next node.
+    let mut edge = Deployment::create(c, "edge", EDGE_IP, 100, Some(HEALTH), 2, &|k| k)
+        .map_err(|e| format!("{e:#}"))?;
+    std::thread::sleep(Duration::from_secs(2));
+    let pairs: Vec<String> = c
+        .nodes
+        .iter()
+        .map(|n| format!("{0}:30180@{0}:{HEALTH}", n.ipv4))
+        .collect();
+    let cmd = c.probe_outside();
+    let lb = start(
+        c,
+        "outside",
+        cmd,
+        &[format!("lb={}", pairs.join(","))],
+        Duration::from_secs(120),
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    edge.rolling_update(c, Timing::default(), &|n| (n + 1) % nodes)
+        .map_err(|e| format!("{e:#}"))?;
+    std::thread::sleep(Duration::from_secs(1));
+    let reports = lb.finish(c).map_err(|e| format!("{e:#}"))?;
+    zero_failures(phase, &reports)?;
+    // The pods moved: the last node served too.
+    let last = edge.pods_on(nodes - 1);
+    if reports[0].backends.keys().any(|b| last.contains(b)) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{phase}: the moved pods {last:?} never answered: {:?}",
+            reports[0].backends
+        ))
+    }
+}
+
+/// 3c: the last node is lost with its pods; clients on the other nodes (UDP included) and
+/// outside are back to full success within 1 s of the EndpointSlice update.
+fn node_lost(c: &mut Cluster, w: &mut Workload, phase: &str) -> Result<(), String> {
+    let lost = c.nodes.len() - 1;
+    let loads = start_loads(c, &w.clients, &[lost], 120);
+    std::thread::sleep(Duration::from_secs(1));
+    let updated = w
+        .web
+        .lose_node(c, lost, Duration::from_millis(500))
+        .map_err(|e| format!("{e:#}"))?;
+    std::thread::sleep(Duration::from_secs(4));
+    let reports = finish(c, loads);
+    println!("{phase} (slice updated at {updated}):\n{}", table(&reports));
+    let late: Vec<String> = reports
+        .iter()
+        .filter(|r| r.last_failure_unix_ms.is_some_and(|t| t > updated + 1000))
+        .map(|r| {
+            format!(
+                "{} {}: last failure {} ms after the update ({:?})",
+                r.place,
+                r.name,
+                r.last_failure_unix_ms.unwrap_or(0) - updated,
+                r.failures
+            )
+        })
+        .collect();
+    if late.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{phase}: {}", late.join("; ")))
+    }
+}
+
+/// Runs every phase even when one fails, then fails with all that went wrong.
+fn check_all(c: &Cluster, results: Vec<Result<(), String>>) {
+    let errors: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    if !errors.is_empty() {
+        let logs: Vec<String> = (0..c.nodes.len())
+            .map(|i| {
+                format!(
+                    "--- {} log (tail):\n{}",
+                    c.nodes[i].name,
+                    tail(&c.daemon_log(i), 20)
+                )
+            })
+            .collect();
+        panic!("{}\n{}", errors.join("\n"), logs.join("\n"));
+    }
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 #[test]
-fn a_rolling_update_fails_no_request_with_every_node_in_ebpf_mode() {
+fn an_ebpf_cluster_fails_no_request_through_rollouts_upgrades_and_a_lost_node() {
     let _one = ONE_BED_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut c = cluster("clebpf", &["ebpf", "ebpf", "ebpf"]);
-    let result = rolling_update_under_load(&mut c, "rolling update, 3 x ebpf");
-    if let Err(e) = result {
-        panic!("{e}\nnode-1 log:\n{}", c.daemon_log(0));
-    }
+    let mut w = workload(&mut c);
+    let results = vec![
+        rolling_update(&mut c, &mut w, "3a rolling update, 3 x ebpf"),
+        upgrade_node_by_node(&mut c, &w, "3b fastpath upgraded node by node"),
+        local_policy_behind_a_load_balancer(
+            &mut c,
+            "3d externalTrafficPolicy Local behind a load balancer",
+        ),
+        node_lost(&mut c, &mut w, "3c a node lost"),
+    ];
+    check_all(&c, results);
+}
+
+#[test]
+fn a_mixed_ebpf_and_iptables_cluster_fails_no_request_through_a_rollout_and_upgrades() {
+    let _one = ONE_BED_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut c = cluster("clmixed", &["ebpf", "ebpf", "iptables"]);
+    let mut w = workload(&mut c);
+    let results = vec![
+        rolling_update(&mut c, &mut w, "3a rolling update, ebpf + ebpf + iptables"),
+        upgrade_node_by_node(&mut c, &w, "3b upgraded node by node, mixed"),
+    ];
+    check_all(&c, results);
 }

@@ -67,6 +67,22 @@ enum Cmd {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
+    /// Set up, build (release), and show a cluster: N nodes (network namespaces), a real
+    /// fastpath on each as deploy/ ships it, a Deployment under load rolled and fastpath
+    /// upgraded node by node, with a live table; everything is removed at the end or on
+    /// Ctrl-C.
+    Cluster {
+        /// Nodes in the cluster (1 to 9).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..=9))]
+        nodes: u8,
+        /// Proxy mode per node, comma-separated (ebpf, iptables); the last one repeats for
+        /// the remaining nodes, e.g. `--modes ebpf,ebpf,iptables` for a mixed cluster.
+        #[arg(long, value_delimiter = ',', default_value = "ebpf")]
+        modes: Vec<String>,
+        /// Keep the cluster running after the show, until Ctrl-C.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Build the container image localhost/fastpath:0.1.0 with podman, from a Debian root
     /// file system made by debootstrap (cached under target/image/) and the release binaries.
     Image,
@@ -100,6 +116,16 @@ fn main() -> ExitCode {
         match Cli::parse().command {
             Cmd::Setup => xtask::setup::setup(),
             Cmd::Image => xtask::image::image(),
+            Cmd::Cluster { nodes, modes, wait } => {
+                let last = modes.last().cloned().unwrap_or_else(|| "ebpf".into());
+                let modes = (0..usize::from(nodes))
+                    .map(|i| modes.get(i).cloned().unwrap_or_else(|| last.clone()))
+                    .collect();
+                xtask::cluster::demo::cluster_demo(&xtask::cluster::demo::DemoOptions {
+                    modes,
+                    wait,
+                })
+            }
             Cmd::Test { args } => xtask::run::test(&args),
             Cmd::Bench {
                 sizes,

@@ -11,7 +11,7 @@ use std::{
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 
 use super::{
     Cluster,
@@ -112,20 +112,9 @@ impl Deployment {
         self.made += 1;
         let name = format!("{}-g{}-{}", self.service, self.generation, self.made);
         let n = &c.nodes[node];
-        let used: Vec<Ipv4Addr> = self
-            .pods
-            .iter()
-            .filter(|p| p.node == node)
-            .map(|p| p.endpoint.ip)
-            .collect();
-        let Some(ip) = (2..=250u8)
-            .map(|h| Ipv4Addr::new(198, 18, 10 + n.index, h))
-            .find(|ip| !used.contains(ip) && !c.bed.pods().iter().any(|p| p.ipv4 == *ip))
-        else {
-            bail!("{} has no pod address left", n.name);
-        };
         let (node_name, zone, cgroup) = (n.name.clone(), n.zone.clone(), n.cgroup.clone());
-        let pod = c.add_pod_netns(node, &name, ip)?;
+        let pod = c.add_pod_netns(node, &name)?;
+        let ip = pod.ipv4;
         // In the node's cgroup, as the kubelet puts pods; serving until deleted.
         let probe = c.probe_bin().to_path_buf();
         let server = c.bed.serve(
@@ -167,7 +156,8 @@ impl Deployment {
     }
 
     /// Replaces every pod, one at a time; the replacement of a pod on node n goes on node
-    /// `placement(n)`. See the module documentation for the steps.
+    /// `placement(n)`. See the module documentation for the steps. Stops between pods
+    /// after a Ctrl-C ([`crate::signals`]).
     pub fn rolling_update(
         &mut self,
         c: &mut Cluster,
@@ -177,6 +167,10 @@ impl Deployment {
         self.generation += 1;
         let old: Vec<String> = self.pods.iter().map(|p| p.endpoint.pod.clone()).collect();
         for name in old {
+            // The demo's Ctrl-C: leave the rest of the rollout undone.
+            if crate::signals::stop_requested() {
+                break;
+            }
             let at = self
                 .pods
                 .iter()

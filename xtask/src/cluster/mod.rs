@@ -20,6 +20,7 @@
 //! [`load`].
 
 pub mod controller;
+pub mod demo;
 pub mod load;
 pub mod objects;
 
@@ -123,6 +124,8 @@ pub struct Node {
     daemon: Option<u32>,
     /// Pod veths made so far (`fppK`).
     veths: u32,
+    /// The last host number given out in its pod range (the gateway is .1).
+    last_host: u8,
     /// Log files of its daemons, oldest first.
     pub logs: Vec<PathBuf>,
 }
@@ -131,6 +134,15 @@ impl Node {
     /// The gateway address pods on this node route through (on every pod veth).
     pub fn pod_gateway(&self) -> Ipv4Addr {
         Ipv4Addr::new(198, 18, 10 + self.index, 1)
+    }
+
+    /// A pod address never given out on this node before (as a CNI's IPAM would).
+    pub fn next_pod_ip(&mut self) -> Result<Ipv4Addr> {
+        if self.last_host >= 254 {
+            bail!("{} has no pod address left", self.name);
+        }
+        self.last_host += 1;
+        Ok(Ipv4Addr::new(198, 18, 10 + self.index, self.last_host))
     }
 }
 
@@ -245,6 +257,7 @@ impl Cluster {
             fabric_veth,
             daemon: None,
             veths: 0,
+            last_host: 1,
             logs: Vec::new(),
         });
         Ok(())
@@ -368,14 +381,11 @@ impl Cluster {
         netns::in_netns(&self.nodes[i].netns, || http_get(addr, path))?
     }
 
-    /// Makes a pod's namespace on node `i` at `ipv4` (in the node's pod range), its veth
+    /// Makes a pod's namespace on node `i` with the node's next pod address, its veth
     /// (`fppK` on the node, with the node's pod gateway) and routes.
-    pub fn add_pod_netns(&mut self, i: usize, name: &str, ipv4: Ipv4Addr) -> Result<Pod> {
+    pub fn add_pod_netns(&mut self, i: usize, name: &str) -> Result<Pod> {
+        let ipv4 = self.nodes[i].next_pod_ip()?;
         let node = &self.nodes[i];
-        let [a, b, c, _] = ipv4.octets();
-        if [a, b, c] != [198, 18, 10 + node.index] {
-            bail!("pod {name}: {ipv4} is outside {}'s pod range", node.name);
-        }
         let pod = Pod {
             name: name.to_string(),
             netns: self.bed.add_namespace(&format!("p-{name}"))?,
