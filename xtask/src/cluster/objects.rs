@@ -63,8 +63,8 @@ pub const PORTS: [PortSpec; 3] = [
 ];
 
 /// A NodePort Service on `cluster_ip` with [`PORTS`], their node ports moved by `shift`
-/// (so that several Services fit); with `local`, externalTrafficPolicy Local and that
-/// health check node port.
+/// (so that several Services fit); with `local`, a LoadBalancer Service (the outside load
+/// balancer is the test's) with externalTrafficPolicy Local and that health check node port.
 pub fn service(name: &str, cluster_ip: Ipv4Addr, shift: u16, local: Option<u16>) -> Value {
     let ports: Vec<Value> = PORTS
         .iter()
@@ -87,6 +87,8 @@ pub fn service(name: &str, cluster_ip: Ipv4Addr, shift: u16, local: Option<u16>)
         },
     });
     if let Some(hc) = local {
+        // Only LoadBalancer Services have a health check node port.
+        svc["spec"]["type"] = json!("LoadBalancer");
         svc["spec"]["externalTrafficPolicy"] = json!("Local");
         svc["spec"]["healthCheckNodePort"] = json!(hc);
     }
