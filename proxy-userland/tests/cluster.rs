@@ -187,6 +187,31 @@ fn upgrade_node_by_node(c: &mut Cluster, w: &Workload, phase: &str) -> Result<()
     zero_failures(phase, &reports)
 }
 
+/// The Deployment scaled from 6 to 9 and back under load: no request fails, and the added
+/// pods answered.
+fn scale_up_and_down(c: &mut Cluster, w: &mut Workload, phase: &str) -> Result<(), String> {
+    let nodes = c.nodes.len();
+    let before: Vec<String> = w.web.pods.iter().map(|p| p.endpoint.pod.clone()).collect();
+    let loads = start_loads(c, &w.clients, &[], 120);
+    std::thread::sleep(Duration::from_secs(1));
+    w.web
+        .scale(c, 9, Timing::default(), &|k| k % nodes)
+        .map_err(|e| format!("{e:#}"))?;
+    std::thread::sleep(Duration::from_secs(2));
+    w.web
+        .scale(c, 6, Timing::default(), &|k| k % nodes)
+        .map_err(|e| format!("{e:#}"))?;
+    std::thread::sleep(Duration::from_secs(1));
+    let reports = finish(c, loads);
+    zero_failures(phase, &reports)?;
+    let added = |r: &ClientReport| r.backends.keys().any(|b| !before.contains(b));
+    if reports.iter().any(added) {
+        Ok(())
+    } else {
+        Err(format!("{phase}: no client ever reached an added pod"))
+    }
+}
+
 /// 3d: externalTrafficPolicy Local behind an outside load balancer that sends only to nodes
 /// whose health check node port answers 200, while the pods move between nodes: no request
 /// fails.
@@ -292,6 +317,7 @@ fn an_ebpf_cluster_fails_no_request_through_rollouts_upgrades_and_a_lost_node() 
     let results = vec![
         rolling_update(&mut c, &mut w, "3a rolling update, 3 x ebpf"),
         upgrade_node_by_node(&mut c, &w, "3b fastpath upgraded node by node"),
+        scale_up_and_down(&mut c, &mut w, "scaled from 6 to 9 and back"),
         local_policy_behind_a_load_balancer(
             &mut c,
             "3d externalTrafficPolicy Local behind a load balancer",

@@ -197,6 +197,39 @@ impl Deployment {
         Ok(())
     }
 
+    /// Scales to `replicas`: new pods (pod k of the Deployment on node `placement(k)`) are
+    /// listed once they serve; surplus pods, newest first, go as in a rollout (terminating
+    /// and draining, out of the slice, deleted after the grace period).
+    pub fn scale(
+        &mut self,
+        c: &mut Cluster,
+        replicas: usize,
+        timing: Timing,
+        placement: &dyn Fn(usize) -> usize,
+    ) -> Result<()> {
+        while self.pods.len() < replicas {
+            let pod = self.start_pod(c, placement(self.pods.len()))?;
+            self.pods.push(pod);
+        }
+        self.publish(c);
+        let surplus = self.pods.len().saturating_sub(replicas);
+        if surplus == 0 {
+            return Ok(());
+        }
+        let at = self.pods.len() - surplus;
+        for old in &mut self.pods[at..] {
+            old.endpoint.ready = false;
+            old.endpoint.terminating = true;
+            c.bed.signal(old.server, libc::SIGTERM)?;
+        }
+        self.publish(c);
+        std::thread::sleep(timing.drain);
+        let gone = self.pods.split_off(at);
+        self.publish(c);
+        std::thread::sleep(timing.grace);
+        gone.iter().try_for_each(|p| Self::delete_pod(c, p))
+    }
+
     /// Node `node` is lost with all its pods at once (its uplink cut, its daemon and pods
     /// gone); `detect` later the slice drops them, as the node lifecycle and EndpointSlice
     /// controllers do. Returns when the slice was updated ([`unix_ms`]).
