@@ -1,5 +1,5 @@
-//! A bare netlink socket: what sock_diag (UDP socket resets) and nf_tables (the ruleset
-//! generation) need, one request and its replies, without a netlink library.
+//! A bare netlink socket: what sock_diag (UDP socket resets), nf_tables (the ruleset
+//! generation) and ctnetlink (conntrack clean-up) need: requests and their replies.
 
 use std::{
     io,
@@ -50,7 +50,51 @@ impl NetlinkSocket {
         Ok(self)
     }
 
-    /// Sends one message to the kernel.
+    /// Sets an integer socket option.
+    pub fn set_option(
+        &self,
+        level: libc::c_int,
+        name: libc::c_int,
+        value: libc::c_int,
+    ) -> io::Result<()> {
+        // SAFETY: the option value points at a c_int of the size given, alive for the call.
+        let set = unsafe {
+            libc::setsockopt(
+                self.fd.as_raw_fd(),
+                level,
+                name,
+                (&raw const value).cast(),
+                size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if set != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Reads an integer socket option.
+    pub fn option(&self, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
+        let mut value: libc::c_int = 0;
+        let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: value and len are ours, writable, and len says how much value holds.
+        let got = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                level,
+                name,
+                (&raw mut value).cast(),
+                &raw mut len,
+            )
+        };
+        if got != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(value)
+    }
+
+    /// Sends one datagram to the kernel: one message, or several back to back, which the
+    /// kernel handles in order within this one call.
     pub fn send(&self, msg: &[u8]) -> io::Result<()> {
         // SAFETY: the pointer and length describe `msg`, which outlives the call.
         let n = unsafe { libc::send(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };

@@ -14,7 +14,8 @@ use std::{
 };
 
 use super::{
-    conntrack::{self, Flow},
+    conntrack::{self, Deleted, Flow},
+    ctnetlink,
     render::{Family, Table},
 };
 use crate::dataplane::netns;
@@ -39,6 +40,11 @@ pub enum ApplyError {
     },
     #[error("`{command}` did not finish within {COMMAND_TIMEOUT:?} and was killed")]
     Timeout { command: String },
+    #[error("{what} over netlink: {source}")]
+    Netlink {
+        what: &'static str,
+        source: std::io::Error,
+    },
 }
 
 /// Which implementation of the iptables tools to run.
@@ -213,7 +219,7 @@ impl Runner {
 }
 
 /// Everything the iptables proxier runs on the node: the iptables tools of one family, the
-/// conntrack tool and the address list. [`Runner`] runs the real tools; unit tests put a
+/// conntrack table and the address list. [`Runner`] runs the real tools; unit tests put a
 /// model of the tables in its place.
 pub trait Tools: Send {
     fn family(&self) -> Family;
@@ -225,14 +231,16 @@ pub trait Tools: Send {
     fn iptables(&self, table: Table, args: &[String]) -> Result<String, ApplyError>;
     /// `iptables --version`.
     fn version(&self) -> Result<String, ApplyError>;
-    /// The UDP entries of this family's conntrack table.
+    /// The UDP entries of this family's conntrack table (over ctnetlink).
     fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError>;
     /// Every entry of this family's conntrack table (`fastpath inspect flows`).
     fn conntrack_entries(&self) -> Result<Vec<conntrack::Entry>, ApplyError>;
     /// The `recent` match's list `name` (`/proc/net/xt_recent/NAME`): ClientIP affinity.
     fn recent_list(&self, name: &str) -> Result<String, ApplyError>;
-    /// Deletes one UDP conntrack entry (gone already is no error).
-    fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError>;
+    /// Deletes UDP conntrack entries, all in one batch (gone already is no error). Err:
+    /// the batch could not be sent or its answers read; an entry the kernel refused is
+    /// in [`Deleted::failed`].
+    fn conntrack_delete(&self, flows: &[Flow]) -> Result<Deleted, ApplyError>;
     /// The node's addresses of this family (loopback included).
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError>;
     /// The nf_tables generation (see [`super::generation`]), where it can be read; only
@@ -259,9 +267,12 @@ impl Tools for Runner {
         Runner::version(self)
     }
     fn conntrack_udp(&self) -> Result<Vec<Flow>, ApplyError> {
-        let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
-        cmd.args(["-L", "-p", "udp", "-f", self.family_flag()]);
-        self.run(cmd, None).map(|out| conntrack::parse_list(&out))
+        ctnetlink::list_udp(self.netns.as_deref(), self.family).map_err(|source| {
+            ApplyError::Netlink {
+                what: "listing the UDP conntrack entries",
+                source,
+            }
+        })
     }
     fn conntrack_entries(&self) -> Result<Vec<conntrack::Entry>, ApplyError> {
         let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
@@ -283,15 +294,13 @@ impl Tools for Runner {
         cmd.arg(format!("/proc/net/xt_recent/{name}"));
         self.run(cmd, None)
     }
-    fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
-        let mut cmd = netns::command(self.netns.as_deref(), "conntrack");
-        cmd.args(["-D", "-p", "udp", "-f", self.family_flag()]);
-        cmd.args(flow.filter_args());
-        match self.run(cmd, None) {
-            // conntrack exits 1 when nothing matched: the entry went by itself.
-            Err(ApplyError::Failed { stderr, .. }) if stderr.contains("0 flow entries") => Ok(()),
-            other => other.map(drop),
-        }
+    fn conntrack_delete(&self, flows: &[Flow]) -> Result<Deleted, ApplyError> {
+        ctnetlink::delete(self.netns.as_deref(), self.family, flows).map_err(|source| {
+            ApplyError::Netlink {
+                what: "deleting UDP conntrack entries",
+                source,
+            }
+        })
     }
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError> {
         let mut cmd = netns::command(self.netns.as_deref(), "ip");

@@ -21,6 +21,7 @@
 
 pub mod apply;
 pub mod conntrack;
+mod ctnetlink;
 pub mod generation;
 pub mod names;
 pub mod render;

@@ -107,7 +107,7 @@ impl Tools for Fake {
         }
         .into())
     }
-    fn conntrack_delete(&self, _: &conntrack::Flow) -> Result<(), ApplyError> {
+    fn conntrack_delete(&self, _: &[conntrack::Flow]) -> Result<conntrack::Deleted, ApplyError> {
         unreachable!("inspect never writes")
     }
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError> {

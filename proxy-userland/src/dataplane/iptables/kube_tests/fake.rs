@@ -42,6 +42,8 @@ pub struct FakeState {
     pub restores: Vec<String>,
     pub flows: Vec<Flow>,
     pub deleted: Vec<Flow>,
+    /// conntrack_delete calls: one per sync that deletes anything.
+    pub delete_batches: usize,
     pub addresses: Vec<IpAddr>,
     pub version: String,
     /// As nf_tables' generation: moved by every table a restore commits and every edit
@@ -303,11 +305,18 @@ impl Tools for FakeTools {
     fn recent_list(&self, _name: &str) -> Result<String, ApplyError> {
         Ok(String::new())
     }
-    fn conntrack_delete(&self, flow: &Flow) -> Result<(), ApplyError> {
+    fn conntrack_delete(
+        &self,
+        flows: &[Flow],
+    ) -> Result<crate::dataplane::iptables::conntrack::Deleted, ApplyError> {
         let mut s = self.state.lock().unwrap();
-        s.flows.retain(|f| f != flow);
-        s.deleted.push(*flow);
-        Ok(())
+        s.flows.retain(|f| !flows.contains(f));
+        s.deleted.extend_from_slice(flows);
+        s.delete_batches += 1;
+        Ok(crate::dataplane::iptables::conntrack::Deleted {
+            deleted: flows.len(),
+            ..Default::default()
+        })
     }
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError> {
         Ok(self.state.lock().unwrap().addresses.clone())

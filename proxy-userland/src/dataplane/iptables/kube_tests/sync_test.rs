@@ -382,6 +382,7 @@ fn udp_flow(client_port: u16, dst: &str, dport: u16, reply: &str) -> Flow {
         orig_dport: dport,
         reply_src: reply.ip(),
         reply_sport: reply.port(),
+        id: None,
     }
 }
 
@@ -419,6 +420,8 @@ fn udp_entries_to_removed_endpoints_are_deleted() {
         &["dns"],
     );
     fake.with(|s| assert_eq!(s.flows, [to_12, other]));
+    // Both in one batch, not one deletion (a process, once) per entry.
+    fake.with(|s| assert_eq!(s.delete_batches, 1));
 
     // The service goes: its last translated entry goes; the unrelated one stays.
     changed(&mut dp, &state(vec![]), &["dns"]);
