@@ -136,11 +136,23 @@ impl Cluster {
             .stdout(fs::File::create(&out)?)
             .stderr(Stdio::inherit());
         let pid = self.bed.spawn(&mut cmd, Duration::from_secs(5))?;
-        Ok(Load {
+        let load = Load {
             place: place.to_string(),
             pid,
             out,
-        })
+        };
+        // The first report says the clients run (a bad option ends the process at once).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while load.latest().is_empty() {
+            if let Some(status) = self.bed.try_wait(pid)? {
+                bail!("the {place} load clients exited at start ({status})");
+            }
+            if Instant::now() >= deadline {
+                bail!("the {place} load clients gave no report within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(load)
     }
 }
 
