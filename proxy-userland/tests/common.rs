@@ -48,6 +48,23 @@ pub fn web_manifest(pods: &[Ipv4Addr]) -> String {
     yaml
 }
 
+/// Conditions of a ready endpoint, and of a terminating one that still serves (its pod
+/// got SIGTERM and drains).
+pub const READY: &str = "{ready: true}";
+pub const TERMINATING_SERVING: &str = "{ready: false, serving: true, terminating: true}";
+
+/// As [`web_manifest`], each endpoint with its EndpointSlice `conditions` (e.g.
+/// [`READY`], [`TERMINATING_SERVING`]).
+pub fn web_manifest_with(endpoints: &[(Ipv4Addr, &str)]) -> String {
+    let mut yaml = web_service_yaml(&["198.19.0.10"]);
+    yaml.push_str(&slice_yaml(
+        "web-abc",
+        "IPv4",
+        endpoints.iter().map(|&(ip, c)| (ip.into(), c)),
+    ));
+    yaml
+}
+
 /// As [`web_manifest`], dual-stack: the ClusterIPs 198.19.0.10 and 2001:db8:ff00::10, and an
 /// EndpointSlice per family listing pods `pods` (by index) at [`pod_ip`] and [`pod_ip6`].
 pub fn web_manifest_dual(pods: &[u8]) -> String {
@@ -79,19 +96,28 @@ fn web_service_yaml(cluster_ips: &[&str]) -> String {
 
 /// An EndpointSlice of `demo/web` listing `ips` as ready endpoints.
 fn web_slice_yaml(name: &str, address_type: &str, ips: &[IpAddr]) -> String {
+    slice_yaml(name, address_type, ips.iter().map(|&ip| (ip, READY)))
+}
+
+/// An EndpointSlice of `demo/web` listing each (address, conditions).
+fn slice_yaml<'a>(
+    name: &str,
+    address_type: &str,
+    endpoints: impl ExactSizeIterator<Item = (IpAddr, &'a str)>,
+) -> String {
     let mut yaml = format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  \
          namespace: demo\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {address_type}\n\
          ports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n"
     );
-    if ips.is_empty() {
+    if endpoints.len() == 0 {
         yaml.push_str("endpoints: []\n");
     } else {
         yaml.push_str("endpoints:\n");
     }
-    for ip in ips {
+    for (ip, conditions) in endpoints {
         yaml.push_str(&format!(
-            "- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n"
+            "- addresses: [\"{ip}\"]\n  conditions: {conditions}\n"
         ));
     }
     yaml

@@ -281,3 +281,110 @@ fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]
         assert_eq!(from(o), Some(target), "{after:?}");
     }
 }
+
+/// kube-proxy's rule for terminating endpoints (pkg/proxy/conntrack/cleanup.go): a pod
+/// that got SIGTERM but still serves (ready=false, serving=true, terminating=true) gets no
+/// new flows while a ready pod exists, but keeps the ones it has until it leaves the slice.
+/// A client on the node (its UDP translated at connect()) keeps getting answers from its
+/// terminating backend, without a reset or any error, for as long as the endpoint serves;
+/// once it leaves the slice the socket is reset and the client, reconnecting on the error,
+/// lands on the live pod.
+#[test]
+fn a_connected_udp_client_keeps_its_terminating_backend_until_it_leaves_the_slice() {
+    let tag = "udpterm";
+    let (bed, _pods) = bed_with_pods(tag, 2);
+    let dir = manifest_dir(tag);
+    let write = |eps: &[(std::net::Ipv4Addr, &str)]| {
+        std::fs::write(dir.0.join("web.yaml"), web_manifest_with(eps)).unwrap();
+    };
+    write(&[(pod_ip(1), READY), (pod_ip(2), READY)]);
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "ebpf",
+            "--manifests",
+            dir.0.to_str().unwrap(),
+            "--manifest-poll-period",
+            "100ms",
+        ],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
+        "the ClusterIP never became reachable; log:\n{}",
+        daemon.log()
+    );
+
+    let mut cmd = bed.client(probe());
+    cmd.args(["udp", WEB_DNS, "--connected", "--reconnect-on-error"]);
+    cmd.args([
+        "--count",
+        "150",
+        "--interval-ms",
+        "100",
+        "--timeout-ms",
+        "200",
+    ]);
+    let client = Client::spawn(cmd);
+    let first = client.next().expect("a first probe line");
+    let victim = xtask::probe::parse_line(&first)
+        .and_then(|o| o.reply().map(str::to_string))
+        .unwrap_or_else(|| panic!("first attempt failed: {first}"));
+    let (victim_ip, survivor_ip) = if victim == "pod-1" {
+        (pod_ip(1), pod_ip(2))
+    } else {
+        (pod_ip(2), pod_ip(1))
+    };
+
+    // The victim terminates but serves: 3 s of answers from it, no error.
+    write(&[(victim_ip, TERMINATING_SERVING), (survivor_ip, READY)]);
+    let mut draining = Vec::new();
+    while draining.len() < 30 {
+        match client.lines.recv_timeout(Duration::from_secs(5)) {
+            Ok((_, line)) => draining.push(line),
+            Err(_) => panic!("the client stopped answering: {draining:?}"),
+        }
+    }
+    for line in &draining {
+        let o = xtask::probe::parse_line(line).unwrap_or_else(|| panic!("unparsed {line}"));
+        assert!(
+            o.is_ok() && o.reply() == Some(victim.as_str()),
+            "while {victim} terminates but serves, its client keeps it: {line} in \
+             {draining:?}\nlog:\n{}",
+            daemon.log()
+        );
+    }
+
+    // It leaves the slice: the socket is reset, and the client moves to the live pod.
+    write(&[(survivor_ip, READY)]);
+    let mut after = Vec::new();
+    while after.len() < 40 {
+        let Ok((_, line)) = client.lines.recv_timeout(Duration::from_secs(5)) else {
+            break;
+        };
+        after.push(line);
+    }
+    let outcomes: Vec<_> = after
+        .iter()
+        .map(|l| xtask::probe::parse_line(l).unwrap_or_else(|| panic!("unparsed {l}")))
+        .collect();
+    let moved = outcomes
+        .iter()
+        .position(|o| o.is_ok() && o.reply() != Some(victim.as_str()))
+        .unwrap_or_else(|| {
+            panic!(
+                "still on {victim} after it left the slice: {after:?}\nlog:\n{}",
+                daemon.log()
+            )
+        });
+    assert!(
+        outcomes[..moved].iter().any(|o| !o.is_ok()),
+        "the move came through a reset of the socket: {after:?}"
+    );
+    assert!(
+        outcomes[moved..]
+            .iter()
+            .all(|o| o.is_ok() && o.reply() != Some(victim.as_str())),
+        "and stays on the live pod: {after:?}"
+    );
+}
