@@ -547,3 +547,33 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// `capabilities.add` of the DaemonSet's daemon container, as deploy/daemonset.yaml says.
+pub fn daemonset_caps() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
+    let ds: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let add =
+        &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"];
+    add.as_array()
+        .expect("capabilities.add")
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `setpriv` keeping exactly the DaemonSet's capabilities (bounding set, none inherited,
+/// no new privileges as allowPrivilegeEscalation: false); the program follows.
+pub fn daemonset_setpriv() -> Vec<String> {
+    let keep: String = daemonset_caps()
+        .iter()
+        .map(|c| format!(",+{}", c.to_lowercase()))
+        .collect();
+    vec![
+        "setpriv".into(),
+        format!("--bounding-set=-all{keep}"),
+        "--inh-caps=-all".into(),
+        "--no-new-privs".into(),
+        "--".into(),
+    ]
+}

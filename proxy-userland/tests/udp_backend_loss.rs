@@ -63,7 +63,26 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
         "--bounding-set=-sys_admin",
         "--",
     ];
-    reset_cannot_be_done("rstfail", &no_sys_admin, "namespaces=1");
+    reset_cannot_be_done("rstfail", &no_sys_admin, &[], "namespaces=1");
+}
+
+/// As shipped: the DaemonSet's capabilities (CAP_SYS_ADMIN, no CAP_SYS_PTRACE) and a client
+/// that runs as another user, as most pods do. /proc/PID/ns/net of such a process is closed
+/// to the daemon (EACCES), so its sockets cannot be searched: said and counted, with the
+/// error, instead of skipped as if the process had exited.
+#[test]
+fn a_client_namespace_the_daemon_may_not_open_is_logged_and_counted() {
+    let daemon: Vec<String> = daemonset_setpriv();
+    let daemon: Vec<&str> = daemon.iter().map(String::as_str).collect();
+    let nobody = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--",
+    ];
+    reset_cannot_be_done("rstperm", &daemon, &nobody, "os error 13");
 }
 
 /// A DaemonSet without `hostPID`: the daemon's PID namespace shows the clients in the
@@ -79,13 +98,13 @@ fn a_daemon_that_cannot_see_the_clients_pids_says_so() {
         "--mount-proc",
         "--",
     ];
-    reset_cannot_be_done("rstpid", &own_pid_namespace, "hostPID");
+    reset_cannot_be_done("rstpid", &own_pid_namespace, &[], "hostPID");
 }
 
-/// The daemon, run through `wrapper`, loses a UDP client's backend and cannot reset the
-/// client's socket: a failed reset is counted, none done, and a warning naming the service
-/// and containing `why` is logged.
-fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
+/// The daemon, run through `wrapper`, loses a UDP client's backend (the client run through
+/// `client_wrapper` when not empty) and cannot reset the client's socket: a failed reset
+/// is counted, none done, and a warning naming the service and containing `why` is logged.
+fn reset_cannot_be_done(tag: &str, wrapper: &[&str], client_wrapper: &[&str], why: &str) {
     let (bed, _pods) = bed_with_pods(tag, 2);
     let dir = manifest_dir(tag);
     std::fs::write(
@@ -115,7 +134,11 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
         daemon.log()
     );
 
-    let mut cmd = bed.client(probe());
+    let mut cmd = if client_wrapper.is_empty() {
+        bed.client(probe())
+    } else {
+        wrapped_client(&bed, client_wrapper)
+    };
     cmd.args(["udp", WEB_DNS, "--connected", "--count", "200"]);
     cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
     let client = Client::spawn(cmd);
@@ -154,6 +177,23 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
         "the warning names the service: {warning}"
     );
     assert!(warning.contains(why), "and why ({why}): {warning}");
+}
+
+/// The probe in the bed's client cgroup and node namespace, run through `wrapper` (e.g.
+/// `setpriv` to another user), which then cannot join them itself: the shell joins the
+/// cgroup, nsenter the namespace; add the probe's subcommand.
+fn wrapped_client(bed: &xtask::testbed::Testbed, wrapper: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
+        .arg(bed.cgroup_path())
+        .arg("nsenter")
+        .arg(format!("--net=/run/netns/{}", bed.node_netns()))
+        .arg("--")
+        .args(wrapper)
+        .arg(probe());
+    cmd.stdin(std::process::Stdio::null());
+    cmd
 }
 
 /// What statsd clients and DNS stubs do: one connected UDP socket, never reconnected, send

@@ -119,6 +119,17 @@ impl Programmer {
                  their sockets keep sending to a backend that is gone"
             );
         }
+        if let Some(e) = &namespaces.unopened_error {
+            failed += namespaces.unopened;
+            tracing::warn!(
+                service = %services,
+                processes = namespaces.unopened,
+                "cannot reset connected UDP sockets of removed backends: the network \
+                 namespace of processes in the cgroup cannot be opened ({e}; without \
+                 CAP_SYS_PTRACE, that of a process with another uid or capabilities the daemon \
+                 lacks); their sockets keep sending to a backend that is gone"
+            );
+        }
         for ns in namespaces.found {
             match stale_sockets::destroy_in(&ns, &peers, &ours) {
                 Ok((r, err)) => {
