@@ -372,6 +372,28 @@ impl Daemon {
         Daemon { child, log }
     }
 
+    /// `wrapper` (e.g. nsenter, setpriv), then `fastpath args`, with no flag of ours
+    /// added: for running the daemon as deploy/ runs it.
+    pub fn start_as_deployed(wrapper: &[&str], args: &[&str]) -> Self {
+        let log = std::env::temp_dir().join(format!(
+            "fastpath-test-{}-deployed-{}.log",
+            std::process::id(),
+            args.len()
+        ));
+        let (program, rest) = wrapper.split_first().expect("a wrapper");
+        let child = Command::new(program)
+            .args(rest)
+            .arg(FASTPATH)
+            .args(args)
+            .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::options().append(true).open(&log).unwrap(),
+            ))
+            .spawn()
+            .expect("fastpath starts");
+        Daemon { child, log }
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -576,4 +598,17 @@ pub fn daemonset_setpriv() -> Vec<String> {
         "--no-new-privs".into(),
         "--".into(),
     ]
+}
+
+/// The config file deploy/configmap.yaml ships (its `config.yaml`), written to `dir`.
+pub fn shipped_config(dir: &Path) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/configmap.yaml");
+    let cm: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let text = cm["data"]["config.yaml"]
+        .as_str()
+        .expect("data.config.yaml");
+    let out = dir.join("config.yaml");
+    std::fs::write(&out, text).unwrap();
+    out
 }

@@ -204,22 +204,22 @@ fn wrapped_client(bed: &xtask::testbed::Testbed, wrapper: &[&str]) -> std::proce
 #[test]
 fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
     let manifest = |pods: &[u8]| web_manifest(&pods.iter().map(|&i| pod_ip(i)).collect::<Vec<_>>());
-    udp_client_moves("udpmove", false, WEB_DNS, &manifest);
+    udp_client_moves("udpmove", false, WEB_DNS, &manifest, &with_prefix);
 }
 
-/// The same over IPv6 (a dual-stack Service, the client's socket on the v6 ClusterIP): the
-/// pod's v6 UDP goes per packet through its device as its v4 UDP does.
+/// As deploy/ ships it: the ConfigMap's config file (only what a test must override
+/// given: cgroup, admin addresses, node name, pin dir, the manifests instead of a
+/// cluster), the DaemonSet's capabilities and its `--skip-node-setup`, in the node's
+/// network namespace (hostNetwork) where the pods' veths are, no CNI prefix named. A pod's
+/// connected UDP socket that never reconnects moves to a live backend when its own leaves.
 #[test]
-fn a_connected_ipv6_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
-    udp_client_moves("udpmove6", true, WEB6_DNS, &web_manifest_dual);
+fn as_shipped_a_pods_connected_udp_client_moves_to_a_live_backend() {
+    let manifest = |pods: &[u8]| web_manifest(&pods.iter().map(|&i| pod_ip(i)).collect::<Vec<_>>());
+    udp_client_moves("udpship", false, WEB_DNS, &manifest, &as_shipped);
 }
 
-/// The client, a pod (dual-stack with `dual`), sends to `target` through one connected
-/// socket; `manifest(pods)` serves `demo/web` with pods `pods` (by index).
-fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]) -> String) {
-    let (bed, client_pod) = bed_with_client(tag, dual);
-    let dir = manifest_dir(tag);
-    std::fs::write(dir.0.join("web.yaml"), manifest(&[1, 2])).unwrap();
+/// The daemon on the bed's node namespace's devices named by the bed's prefix (`fpv`).
+fn with_prefix(bed: &xtask::testbed::Testbed, manifests: &std::path::Path) -> Started {
     let daemon = Daemon::start(
         bed.cgroup_path(),
         &[
@@ -230,11 +230,64 @@ fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]
             "--pod-interface-name-prefix",
             "fpv",
             "--manifests",
-            dir.0.to_str().unwrap(),
+            manifests.to_str().unwrap(),
             "--manifest-poll-period",
             "100ms",
         ],
     );
+    (None, daemon)
+}
+
+/// The daemon as deploy/ runs it, inside the bed's node namespace (see the test above).
+fn as_shipped(bed: &xtask::testbed::Testbed, manifests: &std::path::Path) -> Started {
+    let config = shipped_config(bed.dir());
+    // The DaemonSet pins under /sys/fs/bpf; a private bpffs goes with the test.
+    let pins = Bpffs::mount(bed.dir());
+    let net = format!("--net=/run/netns/{}", bed.node_netns());
+    let mut wrapper = vec!["nsenter".to_string(), net, "--".into()];
+    wrapper.extend(daemonset_setpriv());
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let daemon = Daemon::start_as_deployed(
+        &wrapper,
+        &[
+            &format!("--config={}", config.display()),
+            "--hostname-override=node-a",
+            &format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
+            "--skip-node-setup",
+            &format!("--cgroup-path={}", bed.cgroup_path().display()),
+            &format!("--manifests={}", manifests.display()),
+            "--healthz-bind-address=127.0.0.1:0",
+            "--metrics-bind-address=127.0.0.1:0",
+            "--healthcheck-bind-address=127.0.0.1",
+        ],
+    );
+    (Some(pins), daemon)
+}
+
+/// A daemon, and the bpffs its pins live on (unmounted after the daemon is gone).
+type Started = (Option<Bpffs>, Daemon);
+
+/// The same over IPv6 (a dual-stack Service, the client's socket on the v6 ClusterIP): the
+/// pod's v6 UDP goes per packet through its device as its v4 UDP does.
+#[test]
+fn a_connected_ipv6_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
+    udp_client_moves("udpmove6", true, WEB6_DNS, &web_manifest_dual, &with_prefix);
+}
+
+/// The client, a pod (dual-stack with `dual`), sends to `target` through one connected
+/// socket; `manifest(pods)` serves `demo/web` with pods `pods` (by index); `start(bed,
+/// manifests folder)` starts the daemon.
+fn udp_client_moves(
+    tag: &str,
+    dual: bool,
+    target: &str,
+    manifest: &dyn Fn(&[u8]) -> String,
+    start: &dyn Fn(&xtask::testbed::Testbed, &std::path::Path) -> Started,
+) {
+    let (bed, client_pod) = bed_with_client(tag, dual);
+    let dir = manifest_dir(tag);
+    std::fs::write(dir.0.join("web.yaml"), manifest(&[1, 2])).unwrap();
+    let (_pins, daemon) = start(&bed, &dir.0);
     let udp_once = ["udp", target, "--count", "1", "--timeout-ms", "300"];
     assert!(
         eventually(20, || pod_probe(&bed, &client_pod, &udp_once)[0].is_ok()),
