@@ -342,6 +342,7 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
             // The bed's pods' host-side devices are fpv0, fpv1, ...
             prefixes: vec!["fpv".into()],
             host_namespace_only: false,
+            ..PodPathConfig::default()
         }),
         ..AttachOptions::default()
     };

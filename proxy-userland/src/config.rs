@@ -190,6 +190,15 @@ pub struct Args {
     #[arg(long, value_name = "PREFIX", value_delimiter = ',', action = clap::ArgAction::Set)]
     pub pod_interface_name_prefix: Vec<String>,
 
+    /// eBPF: "auto" also takes as pods' devices (see --pod-interface-name-prefix) the veth
+    /// devices of this namespace whose peer is in another network namespace, but for any
+    /// that holds one of the node's addresses (those of the default routes' devices, and
+    /// --bind-address): pods' devices found without knowing the CNI's prefix. "none": only
+    /// the prefixes.
+    #[arg(long = "pod-interfaces", value_name = "MODE", default_value = "none",
+          value_parser = ["auto", "none"])]
+    pub pod_interfaces: String,
+
     /// eBPF: socket load-balancing for the host's network namespace only (Cilium's
     /// socketLB.hostNamespaceOnly); pods' sockets keep the ClusterIP they dialled and their
     /// packets are translated on their devices (needs --pod-interface-name-prefix).
@@ -536,6 +545,15 @@ impl Args {
                     )
                 })?;
             }
+            if let (Some(v), false) = (set(&fp.pod_interfaces), given("pod_interfaces")) {
+                if v != "auto" && v != "none" {
+                    return Err(invalid(
+                        "fastpath.podInterfaces",
+                        format!("{v:?} is neither \"auto\" nor \"none\""),
+                    ));
+                }
+                self.pod_interfaces = v;
+            }
             if let (Some(v), false) = (fp.node_setup, given("node_setup")) {
                 self.node_setup = v;
             }
@@ -555,6 +573,12 @@ impl Args {
         Ok(())
     }
 
+    /// Whether pods' devices are named, by prefix or `--pod-interfaces auto`: the pod path
+    /// is on.
+    pub fn pod_devices_named(&self) -> bool {
+        !self.pod_interface_name_prefix.is_empty() || self.pod_interfaces == "auto"
+    }
+
     /// Checks what a flag's parser alone cannot (ranges, lists, cross-field rules).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |field: &str, message: String| ConfigError::Invalid {
@@ -568,11 +592,12 @@ impl Args {
         check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
         check_node_port_addresses(&self.node_port_addresses)
             .map_err(|m| invalid("--nodeport-addresses", m))?;
-        if self.bpf_socket_lb_host_namespace_only && self.pod_interface_name_prefix.is_empty() {
+        if self.bpf_socket_lb_host_namespace_only && !self.pod_devices_named() {
             // Pods would reach no Service at all.
             return Err(invalid(
                 "--bpf-socket-lb-host-namespace-only",
-                "needs --pod-interface-name-prefix, whose devices then translate pods' traffic"
+                "needs --pod-interface-name-prefix or --pod-interfaces auto, whose devices then \
+                 translate pods' traffic"
                     .into(),
             ));
         }
@@ -898,6 +923,11 @@ mod tests {
                 "fastpath: {healthcheckBindAddress: all}\n",
                 "fastpath.healthcheckBindAddress",
                 "not an IP",
+            ),
+            (
+                "fastpath: {podInterfaces: veth}\n",
+                "fastpath.podInterfaces",
+                "neither \"auto\" nor \"none\"",
             ),
         ] {
             let e = error(&[], yaml);

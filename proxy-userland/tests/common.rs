@@ -48,6 +48,23 @@ pub fn web_manifest(pods: &[Ipv4Addr]) -> String {
     yaml
 }
 
+/// Conditions of a ready endpoint, and of a terminating one that still serves (its pod
+/// got SIGTERM and drains).
+pub const READY: &str = "{ready: true}";
+pub const TERMINATING_SERVING: &str = "{ready: false, serving: true, terminating: true}";
+
+/// As [`web_manifest`], each endpoint with its EndpointSlice `conditions` (e.g.
+/// [`READY`], [`TERMINATING_SERVING`]).
+pub fn web_manifest_with(endpoints: &[(Ipv4Addr, &str)]) -> String {
+    let mut yaml = web_service_yaml(&["198.19.0.10"]);
+    yaml.push_str(&slice_yaml(
+        "web-abc",
+        "IPv4",
+        endpoints.iter().map(|&(ip, c)| (ip.into(), c)),
+    ));
+    yaml
+}
+
 /// As [`web_manifest`], dual-stack: the ClusterIPs 198.19.0.10 and 2001:db8:ff00::10, and an
 /// EndpointSlice per family listing pods `pods` (by index) at [`pod_ip`] and [`pod_ip6`].
 pub fn web_manifest_dual(pods: &[u8]) -> String {
@@ -79,19 +96,28 @@ fn web_service_yaml(cluster_ips: &[&str]) -> String {
 
 /// An EndpointSlice of `demo/web` listing `ips` as ready endpoints.
 fn web_slice_yaml(name: &str, address_type: &str, ips: &[IpAddr]) -> String {
+    slice_yaml(name, address_type, ips.iter().map(|&ip| (ip, READY)))
+}
+
+/// An EndpointSlice of `demo/web` listing each (address, conditions).
+fn slice_yaml<'a>(
+    name: &str,
+    address_type: &str,
+    endpoints: impl ExactSizeIterator<Item = (IpAddr, &'a str)>,
+) -> String {
     let mut yaml = format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  \
          namespace: demo\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {address_type}\n\
          ports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n"
     );
-    if ips.is_empty() {
+    if endpoints.len() == 0 {
         yaml.push_str("endpoints: []\n");
     } else {
         yaml.push_str("endpoints:\n");
     }
-    for ip in ips {
+    for (ip, conditions) in endpoints {
         yaml.push_str(&format!(
-            "- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n"
+            "- addresses: [\"{ip}\"]\n  conditions: {conditions}\n"
         ));
     }
     yaml
@@ -346,6 +372,28 @@ impl Daemon {
         Daemon { child, log }
     }
 
+    /// `wrapper` (e.g. nsenter, setpriv), then `fastpath args`, with no flag of ours
+    /// added: for running the daemon as deploy/ runs it.
+    pub fn start_as_deployed(wrapper: &[&str], args: &[&str]) -> Self {
+        let log = std::env::temp_dir().join(format!(
+            "fastpath-test-{}-deployed-{}.log",
+            std::process::id(),
+            args.len()
+        ));
+        let (program, rest) = wrapper.split_first().expect("a wrapper");
+        let child = Command::new(program)
+            .args(rest)
+            .arg(FASTPATH)
+            .args(args)
+            .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::options().append(true).open(&log).unwrap(),
+            ))
+            .spawn()
+            .expect("fastpath starts");
+        Daemon { child, log }
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -520,4 +568,47 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// `capabilities.add` of the DaemonSet's daemon container, as deploy/daemonset.yaml says.
+pub fn daemonset_caps() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
+    let ds: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let add =
+        &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"];
+    add.as_array()
+        .expect("capabilities.add")
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// `setpriv` keeping exactly the DaemonSet's capabilities (bounding set, none inherited,
+/// no new privileges as allowPrivilegeEscalation: false); the program follows.
+pub fn daemonset_setpriv() -> Vec<String> {
+    let keep: String = daemonset_caps()
+        .iter()
+        .map(|c| format!(",+{}", c.to_lowercase()))
+        .collect();
+    vec![
+        "setpriv".into(),
+        format!("--bounding-set=-all{keep}"),
+        "--inh-caps=-all".into(),
+        "--no-new-privs".into(),
+        "--".into(),
+    ]
+}
+
+/// The config file deploy/configmap.yaml ships (its `config.yaml`), written to `dir`.
+pub fn shipped_config(dir: &Path) -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/configmap.yaml");
+    let cm: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let text = cm["data"]["config.yaml"]
+        .as_str()
+        .expect("data.config.yaml");
+    let out = dir.join("config.yaml");
+    std::fs::write(&out, text).unwrap();
+    out
 }

@@ -7,26 +7,11 @@ mod nat_common;
 
 use std::{
     collections::BTreeSet,
-    path::Path,
     process::{Child, Command, Stdio},
     time::Duration,
 };
 
 use common::*;
-
-/// `capabilities.add` of the DaemonSet's daemon container, as the manifest says.
-fn daemonset_caps() -> Vec<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
-    let ds: serde_json::Value =
-        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let add =
-        &ds["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["add"];
-    add.as_array()
-        .expect("capabilities.add")
-        .iter()
-        .map(|c| c.as_str().unwrap().to_string())
-        .collect()
-}
 
 /// The daemon under `setpriv`, killed on drop.
 struct Confined {

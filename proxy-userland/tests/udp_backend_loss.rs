@@ -63,7 +63,26 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
         "--bounding-set=-sys_admin",
         "--",
     ];
-    reset_cannot_be_done("rstfail", &no_sys_admin, "namespaces=1");
+    reset_cannot_be_done("rstfail", &no_sys_admin, &[], "namespaces=1");
+}
+
+/// As shipped: the DaemonSet's capabilities (CAP_SYS_ADMIN, no CAP_SYS_PTRACE) and a client
+/// that runs as another user, as most pods do. /proc/PID/ns/net of such a process is closed
+/// to the daemon (EACCES), so its sockets cannot be searched: said and counted, with the
+/// error, instead of skipped as if the process had exited.
+#[test]
+fn a_client_namespace_the_daemon_may_not_open_is_logged_and_counted() {
+    let daemon: Vec<String> = daemonset_setpriv();
+    let daemon: Vec<&str> = daemon.iter().map(String::as_str).collect();
+    let nobody = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--",
+    ];
+    reset_cannot_be_done("rstperm", &daemon, &nobody, "os error 13");
 }
 
 /// A DaemonSet without `hostPID`: the daemon's PID namespace shows the clients in the
@@ -79,13 +98,13 @@ fn a_daemon_that_cannot_see_the_clients_pids_says_so() {
         "--mount-proc",
         "--",
     ];
-    reset_cannot_be_done("rstpid", &own_pid_namespace, "hostPID");
+    reset_cannot_be_done("rstpid", &own_pid_namespace, &[], "hostPID");
 }
 
-/// The daemon, run through `wrapper`, loses a UDP client's backend and cannot reset the
-/// client's socket: a failed reset is counted, none done, and a warning naming the service
-/// and containing `why` is logged.
-fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
+/// The daemon, run through `wrapper`, loses a UDP client's backend (the client run through
+/// `client_wrapper` when not empty) and cannot reset the client's socket: a failed reset
+/// is counted, none done, and a warning naming the service and containing `why` is logged.
+fn reset_cannot_be_done(tag: &str, wrapper: &[&str], client_wrapper: &[&str], why: &str) {
     let (bed, _pods) = bed_with_pods(tag, 2);
     let dir = manifest_dir(tag);
     std::fs::write(
@@ -115,7 +134,11 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
         daemon.log()
     );
 
-    let mut cmd = bed.client(probe());
+    let mut cmd = if client_wrapper.is_empty() {
+        bed.client(probe())
+    } else {
+        wrapped_client(&bed, client_wrapper)
+    };
     cmd.args(["udp", WEB_DNS, "--connected", "--count", "200"]);
     cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
     let client = Client::spawn(cmd);
@@ -156,6 +179,23 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
     assert!(warning.contains(why), "and why ({why}): {warning}");
 }
 
+/// The probe in the bed's client cgroup and node namespace, run through `wrapper` (e.g.
+/// `setpriv` to another user), which then cannot join them itself: the shell joins the
+/// cgroup, nsenter the namespace; add the probe's subcommand.
+fn wrapped_client(bed: &xtask::testbed::Testbed, wrapper: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#)
+        .arg(bed.cgroup_path())
+        .arg("nsenter")
+        .arg(format!("--net=/run/netns/{}", bed.node_netns()))
+        .arg("--")
+        .args(wrapper)
+        .arg(probe());
+    cmd.stdin(std::process::Stdio::null());
+    cmd
+}
+
 /// What statsd clients and DNS stubs do: one connected UDP socket, never reconnected, send
 /// errors ignored. Its backend leaves the EndpointSlice (the pod still answers, so only the
 /// proxy can move the flow): within a second its datagrams reach the other pod, with no
@@ -164,22 +204,22 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], why: &str) {
 #[test]
 fn a_connected_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
     let manifest = |pods: &[u8]| web_manifest(&pods.iter().map(|&i| pod_ip(i)).collect::<Vec<_>>());
-    udp_client_moves("udpmove", false, WEB_DNS, &manifest);
+    udp_client_moves("udpmove", false, WEB_DNS, &manifest, &with_prefix);
 }
 
-/// The same over IPv6 (a dual-stack Service, the client's socket on the v6 ClusterIP): the
-/// pod's v6 UDP goes per packet through its device as its v4 UDP does.
+/// As deploy/ ships it: the ConfigMap's config file (only what a test must override
+/// given: cgroup, admin addresses, node name, pin dir, the manifests instead of a
+/// cluster), the DaemonSet's capabilities and its `--skip-node-setup`, in the node's
+/// network namespace (hostNetwork) where the pods' veths are, no CNI prefix named. A pod's
+/// connected UDP socket that never reconnects moves to a live backend when its own leaves.
 #[test]
-fn a_connected_ipv6_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
-    udp_client_moves("udpmove6", true, WEB6_DNS, &web_manifest_dual);
+fn as_shipped_a_pods_connected_udp_client_moves_to_a_live_backend() {
+    let manifest = |pods: &[u8]| web_manifest(&pods.iter().map(|&i| pod_ip(i)).collect::<Vec<_>>());
+    udp_client_moves("udpship", false, WEB_DNS, &manifest, &as_shipped);
 }
 
-/// The client, a pod (dual-stack with `dual`), sends to `target` through one connected
-/// socket; `manifest(pods)` serves `demo/web` with pods `pods` (by index).
-fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]) -> String) {
-    let (bed, client_pod) = bed_with_client(tag, dual);
-    let dir = manifest_dir(tag);
-    std::fs::write(dir.0.join("web.yaml"), manifest(&[1, 2])).unwrap();
+/// The daemon on the bed's node namespace's devices named by the bed's prefix (`fpv`).
+fn with_prefix(bed: &xtask::testbed::Testbed, manifests: &std::path::Path) -> Started {
     let daemon = Daemon::start(
         bed.cgroup_path(),
         &[
@@ -190,11 +230,64 @@ fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]
             "--pod-interface-name-prefix",
             "fpv",
             "--manifests",
-            dir.0.to_str().unwrap(),
+            manifests.to_str().unwrap(),
             "--manifest-poll-period",
             "100ms",
         ],
     );
+    (None, daemon)
+}
+
+/// The daemon as deploy/ runs it, inside the bed's node namespace (see the test above).
+fn as_shipped(bed: &xtask::testbed::Testbed, manifests: &std::path::Path) -> Started {
+    let config = shipped_config(bed.dir());
+    // The DaemonSet pins under /sys/fs/bpf; a private bpffs goes with the test.
+    let pins = Bpffs::mount(bed.dir());
+    let net = format!("--net=/run/netns/{}", bed.node_netns());
+    let mut wrapper = vec!["nsenter".to_string(), net, "--".into()];
+    wrapper.extend(daemonset_setpriv());
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let daemon = Daemon::start_as_deployed(
+        &wrapper,
+        &[
+            &format!("--config={}", config.display()),
+            "--hostname-override=node-a",
+            &format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
+            "--skip-node-setup",
+            &format!("--cgroup-path={}", bed.cgroup_path().display()),
+            &format!("--manifests={}", manifests.display()),
+            "--healthz-bind-address=127.0.0.1:0",
+            "--metrics-bind-address=127.0.0.1:0",
+            "--healthcheck-bind-address=127.0.0.1",
+        ],
+    );
+    (Some(pins), daemon)
+}
+
+/// A daemon, and the bpffs its pins live on (unmounted after the daemon is gone).
+type Started = (Option<Bpffs>, Daemon);
+
+/// The same over IPv6 (a dual-stack Service, the client's socket on the v6 ClusterIP): the
+/// pod's v6 UDP goes per packet through its device as its v4 UDP does.
+#[test]
+fn a_connected_ipv6_udp_client_that_never_reconnects_moves_to_a_live_backend_within_a_second() {
+    udp_client_moves("udpmove6", true, WEB6_DNS, &web_manifest_dual, &with_prefix);
+}
+
+/// The client, a pod (dual-stack with `dual`), sends to `target` through one connected
+/// socket; `manifest(pods)` serves `demo/web` with pods `pods` (by index); `start(bed,
+/// manifests folder)` starts the daemon.
+fn udp_client_moves(
+    tag: &str,
+    dual: bool,
+    target: &str,
+    manifest: &dyn Fn(&[u8]) -> String,
+    start: &dyn Fn(&xtask::testbed::Testbed, &std::path::Path) -> Started,
+) {
+    let (bed, client_pod) = bed_with_client(tag, dual);
+    let dir = manifest_dir(tag);
+    std::fs::write(dir.0.join("web.yaml"), manifest(&[1, 2])).unwrap();
+    let (_pins, daemon) = start(&bed, &dir.0);
     let udp_once = ["udp", target, "--count", "1", "--timeout-ms", "300"];
     assert!(
         eventually(20, || pod_probe(&bed, &client_pod, &udp_once)[0].is_ok()),
@@ -280,4 +373,111 @@ fn udp_client_moves(tag: &str, dual: bool, target: &str, manifest: &dyn Fn(&[u8]
         );
         assert_eq!(from(o), Some(target), "{after:?}");
     }
+}
+
+/// kube-proxy's rule for terminating endpoints (pkg/proxy/conntrack/cleanup.go): a pod
+/// that got SIGTERM but still serves (ready=false, serving=true, terminating=true) gets no
+/// new flows while a ready pod exists, but keeps the ones it has until it leaves the slice.
+/// A client on the node (its UDP translated at connect()) keeps getting answers from its
+/// terminating backend, without a reset or any error, for as long as the endpoint serves;
+/// once it leaves the slice the socket is reset and the client, reconnecting on the error,
+/// lands on the live pod.
+#[test]
+fn a_connected_udp_client_keeps_its_terminating_backend_until_it_leaves_the_slice() {
+    let tag = "udpterm";
+    let (bed, _pods) = bed_with_pods(tag, 2);
+    let dir = manifest_dir(tag);
+    let write = |eps: &[(std::net::Ipv4Addr, &str)]| {
+        std::fs::write(dir.0.join("web.yaml"), web_manifest_with(eps)).unwrap();
+    };
+    write(&[(pod_ip(1), READY), (pod_ip(2), READY)]);
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "ebpf",
+            "--manifests",
+            dir.0.to_str().unwrap(),
+            "--manifest-poll-period",
+            "100ms",
+        ],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
+        "the ClusterIP never became reachable; log:\n{}",
+        daemon.log()
+    );
+
+    let mut cmd = bed.client(probe());
+    cmd.args(["udp", WEB_DNS, "--connected", "--reconnect-on-error"]);
+    cmd.args([
+        "--count",
+        "150",
+        "--interval-ms",
+        "100",
+        "--timeout-ms",
+        "200",
+    ]);
+    let client = Client::spawn(cmd);
+    let first = client.next().expect("a first probe line");
+    let victim = xtask::probe::parse_line(&first)
+        .and_then(|o| o.reply().map(str::to_string))
+        .unwrap_or_else(|| panic!("first attempt failed: {first}"));
+    let (victim_ip, survivor_ip) = if victim == "pod-1" {
+        (pod_ip(1), pod_ip(2))
+    } else {
+        (pod_ip(2), pod_ip(1))
+    };
+
+    // The victim terminates but serves: 3 s of answers from it, no error.
+    write(&[(victim_ip, TERMINATING_SERVING), (survivor_ip, READY)]);
+    let mut draining = Vec::new();
+    while draining.len() < 30 {
+        match client.lines.recv_timeout(Duration::from_secs(5)) {
+            Ok((_, line)) => draining.push(line),
+            Err(_) => panic!("the client stopped answering: {draining:?}"),
+        }
+    }
+    for line in &draining {
+        let o = xtask::probe::parse_line(line).unwrap_or_else(|| panic!("unparsed {line}"));
+        assert!(
+            o.is_ok() && o.reply() == Some(victim.as_str()),
+            "while {victim} terminates but serves, its client keeps it: {line} in \
+             {draining:?}\nlog:\n{}",
+            daemon.log()
+        );
+    }
+
+    // It leaves the slice: the socket is reset, and the client moves to the live pod.
+    write(&[(survivor_ip, READY)]);
+    let mut after = Vec::new();
+    while after.len() < 40 {
+        let Ok((_, line)) = client.lines.recv_timeout(Duration::from_secs(5)) else {
+            break;
+        };
+        after.push(line);
+    }
+    let outcomes: Vec<_> = after
+        .iter()
+        .map(|l| xtask::probe::parse_line(l).unwrap_or_else(|| panic!("unparsed {l}")))
+        .collect();
+    let moved = outcomes
+        .iter()
+        .position(|o| o.is_ok() && o.reply() != Some(victim.as_str()))
+        .unwrap_or_else(|| {
+            panic!(
+                "still on {victim} after it left the slice: {after:?}\nlog:\n{}",
+                daemon.log()
+            )
+        });
+    assert!(
+        outcomes[..moved].iter().any(|o| !o.is_ok()),
+        "the move came through a reset of the socket: {after:?}"
+    );
+    assert!(
+        outcomes[moved..]
+            .iter()
+            .all(|o| o.is_ok() && o.reply() != Some(victim.as_str())),
+        "and stays on the live pod: {after:?}"
+    );
 }

@@ -118,6 +118,8 @@ pub struct Fastpath {
     /// machine keeps its sysctls).
     pub node_setup: Option<bool>,
     pub log_level: Option<String>,
+    /// `--pod-interfaces`: "auto" or "none".
+    pub pod_interfaces: Option<String>,
 }
 
 /// Why a config file cannot be used.

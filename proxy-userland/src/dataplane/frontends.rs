@@ -7,7 +7,10 @@
 //! per frontend; the iptables proxier, which also serves node ports and external
 //! addresses, renders from [`port_endpoints`].
 
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+};
 
 use crate::model::{
     EndpointSet, NodeInfo, Protocol, Service, ServicePort,
@@ -178,6 +181,56 @@ fn backend_addrs(
     backends.sort();
     backends.dedup();
     backends
+}
+
+/// For each UDP socket-scope frontend among `frontends`, every serving endpoint (ready, or
+/// terminating but still serving) of its port and family, whatever the traffic policy
+/// picks for new flows. kube-proxy clears a UDP flow only once its endpoint is no longer
+/// serving (pkg/proxy/conntrack/cleanup.go): a terminating pod keeps its existing clients
+/// until it leaves the slice, so a socket connected to one of these must be left alone.
+pub fn serving_udp_endpoints<'a>(
+    svc: &Service,
+    endpoints: Option<&EndpointSet>,
+    frontends: impl IntoIterator<Item = &'a Frontend>,
+) -> BTreeMap<Frontend, BTreeSet<SocketAddr>> {
+    let Some(set) = endpoints else {
+        return BTreeMap::new();
+    };
+    let udp: Vec<&Frontend> = frontends
+        .into_iter()
+        .filter(|fe| fe.proto == Protocol::Udp && fe.scope == FrontendScope::Socket)
+        .collect();
+    let mut out = BTreeMap::new();
+    for port in svc.ports.iter().filter(|p| p.protocol == Protocol::Udp) {
+        // A node port's socket frontend has the unspecified address (no ClusterIP is).
+        let of_port = |fe: &&&Frontend| {
+            if fe.ip.is_unspecified() {
+                port.node_port == Some(fe.port)
+            } else {
+                port.port == fe.port
+            }
+        };
+        let mine: Vec<&Frontend> = udp.iter().filter(of_port).copied().collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let serving: Vec<SocketAddr> = select::endpoints_for_port(set, port)
+            .into_iter()
+            .filter(|e| e.endpoint.serving)
+            .map(|e| SocketAddr::new(e.ip, e.port))
+            .collect();
+        for fe in mine {
+            let of_family: BTreeSet<SocketAddr> = serving
+                .iter()
+                .filter(|a| a.is_ipv4() == fe.ip.is_ipv4())
+                .copied()
+                .collect();
+            if !of_family.is_empty() {
+                out.insert(*fe, of_family);
+            }
+        }
+    }
+    out
 }
 
 /// Socket-scope frontends for the service's external and load-balancer IPs, and for its

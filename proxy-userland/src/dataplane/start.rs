@@ -189,9 +189,11 @@ impl StartOptions {
             packet,
             packet_auto,
             bpf_lb_map_max: args.bpf_lb_map_max,
-            pods: (!args.pod_interface_name_prefix.is_empty()).then(|| PodPathConfig {
+            pods: args.pod_devices_named().then(|| PodPathConfig {
                 netns: args.netns.clone(),
                 prefixes: args.pod_interface_name_prefix.clone(),
+                auto: args.pod_interfaces == "auto",
+                node_addresses: args.bind_address.into_iter().collect(),
                 host_namespace_only: args.bpf_socket_lb_host_namespace_only,
             }),
             iptables_backend: match args.iptables_backend.as_str() {

@@ -157,7 +157,7 @@ fn if_index(name: &str) -> Option<u32> {
 
 /// (interface name, address) of every IPv4 address and every IPv6 address that is not
 /// link-local in this thread's network namespace.
-fn interface_addresses() -> std::io::Result<Vec<(String, IpAddr)>> {
+pub(super) fn interface_addresses() -> std::io::Result<Vec<(String, IpAddr)>> {
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `head` with a list we free below.
     if unsafe { libc::getifaddrs(&mut head) } != 0 {
@@ -202,7 +202,7 @@ fn interface_addresses() -> std::io::Result<Vec<(String, IpAddr)>> {
 
 /// The devices of the default routes, from this thread's view of /proc/net/route and
 /// /proc/net/ipv6_route (where `lo` carries the unreachable defaults, which are not ours).
-fn default_route_devices() -> Vec<String> {
+pub(super) fn default_route_devices() -> Vec<String> {
     let read = |f: &str| std::fs::read_to_string(format!("/proc/thread-self/net/{f}"));
     let v4 = read("route").unwrap_or_default();
     let v6 = read("ipv6_route").unwrap_or_default();

@@ -25,6 +25,8 @@ use aya::programs::ProgramFd;
 
 use crate::dataplane::netns;
 
+mod auto;
+
 /// How often the devices are listed again.
 const RESCAN: Duration = Duration::from_millis(500);
 
@@ -35,6 +37,11 @@ pub struct PodPathConfig {
     pub netns: Option<String>,
     /// Devices whose names start with one of these are pods' devices.
     pub prefixes: Vec<String>,
+    /// `--pod-interfaces auto`: so are the veths found by [`auto::pod_devices`].
+    pub auto: bool,
+    /// The node's addresses known from its configuration (`--bind-address`), beside those
+    /// of the default routes' devices: a veth holding one is the node's uplink.
+    pub node_addresses: Vec<std::net::IpAddr>,
     /// Socket load-balancing for the host namespace only (Cilium's
     /// socketLB.hostNamespaceOnly): pods' TCP is translated per packet too.
     pub host_namespace_only: bool,
@@ -193,9 +200,14 @@ fn rescan(
     egress: &ProgramFd,
     devices: &mut BTreeMap<u32, PodDevice>,
 ) -> io::Result<()> {
+    let found = if cfg.auto {
+        auto_devices(cfg)?
+    } else {
+        Default::default()
+    };
     let now: BTreeMap<u32, String> = devices_here()
         .into_iter()
-        .filter(|(_, name)| cfg.matches(name))
+        .filter(|(ifindex, name)| cfg.matches(name) || found.contains(ifindex))
         .collect();
     // Gone, or the index now names another device: its links went with the old device.
     devices.retain(|ifindex, d| now.get(ifindex) == Some(&d.name));
@@ -228,6 +240,23 @@ fn rescan(
         }
     }
     last_error.map_or(Ok(()), Err)
+}
+
+/// The devices `--pod-interfaces auto` takes here (see [`auto`]), read afresh: an uplink
+/// may get its address or default route after start-up.
+fn auto_devices(cfg: &PodPathConfig) -> io::Result<std::collections::BTreeSet<u32>> {
+    use super::devices::{default_route_devices, interface_addresses};
+    let links = auto::links_here()
+        .map_err(|e| io::Error::new(e.kind(), format!("listing devices: {e}")))?;
+    let uplinks = default_route_devices();
+    let addresses = interface_addresses()?;
+    let mut node: std::collections::BTreeSet<std::net::IpAddr> = addresses
+        .iter()
+        .filter(|(n, _)| uplinks.contains(n))
+        .map(|(_, a)| *a)
+        .collect();
+    node.extend(cfg.node_addresses.iter().filter(|a| !a.is_unspecified()));
+    Ok(auto::pod_devices(&links, &uplinks, &addresses, &node))
 }
 
 /// bpf_get_netns_cookie() of namespace `ns` (None: ours), as the socket hooks see it.

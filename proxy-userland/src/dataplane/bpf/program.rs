@@ -24,7 +24,7 @@ use super::{
 // dataplanes (see `dataplane::frontends`); re-exported where the eBPF code finds them.
 pub use crate::dataplane::frontends::{
     BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_external_socket_frontends,
-    desired_frontends, desired_packet_frontends,
+    desired_frontends, desired_packet_frontends, serving_udp_endpoints,
 };
 #[cfg(test)]
 use crate::model::{EndpointSet, Service};
@@ -153,6 +153,11 @@ pub struct Programmer {
     cgroup: Option<PathBuf>,
     /// (frontend, backend) pairs a UDP frontend lost during the current sync, and whose.
     departed_udp: BTreeMap<(SocketAddr, SocketAddr), ServiceKey>,
+    /// Per service, per UDP socket frontend, the serving endpoints it is not programmed
+    /// with (terminating ones while ready ones exist, those the traffic policy leaves out):
+    /// sockets connected to them keep them until they stop serving, and are reset then.
+    /// Only non-empty entries; see [`Programmer::track_lingering`].
+    lingering: HashMap<ServiceKey, departed::Lingering>,
     /// Whether packet programs are attached, so node ports, external and load-balancer
     /// IPs get packet-scope frontends.
     packet_path: bool,
@@ -164,6 +169,7 @@ impl Programmer {
         Self {
             cgroup,
             departed_udp: BTreeMap::new(),
+            lingering: HashMap::new(),
             packet_path: false,
             maps,
             frontends: HashMap::new(),
@@ -228,20 +234,23 @@ impl Programmer {
         };
         let mut report = SyncReport::default();
         for key in keys {
-            let desired = state
+            let (desired, serving) = state
                 .services
                 .get(&key)
                 .map(|svc| {
                     let eps = state.endpoints.get(&key).map(|e| &**e);
                     let mut all = desired_frontends(svc, eps, node);
                     all.extend(desired_external_socket_frontends(svc, eps, node));
+                    let serving = serving_udp_endpoints(svc, eps, all.keys());
                     if self.packet_path {
                         all.extend(desired_packet_frontends(svc, eps, node));
                     }
-                    all
+                    (all, serving)
                 })
                 .unwrap_or_default();
             report.services_synced += 1;
+            // Before the writes, whose departures it filters.
+            self.track_lingering(&key, &desired, serving);
             if let Err(e) = self.sync_service(&key, &desired, &mut report) {
                 report.failed.push((key, e.to_string()));
             }

@@ -105,6 +105,11 @@ pub struct ClientNamespaces {
     /// Processes listed as pid 0: they are in a PID namespace we cannot see into (the
     /// daemon runs in a container without `hostPID`), so their sockets cannot be reached.
     pub hidden: usize,
+    /// Processes whose namespace could not be opened though they live (EACCES: without
+    /// CAP_SYS_PTRACE, /proc/PID/ns/net of a process with another uid or capabilities we
+    /// lack is closed to us), and the last such error: their sockets cannot be reached.
+    pub unopened: usize,
+    pub unopened_error: Option<io::Error>,
 }
 
 /// The network namespaces of every process in `cgroup` and below, once each.
@@ -121,9 +126,17 @@ pub fn client_namespaces(cgroup: &Path) -> ClientNamespaces {
                     out.hidden += 1;
                     continue;
                 }
-                // Any other failure is a process that exited meanwhile.
-                let Ok(ns) = File::open(format!("/proc/{pid}/ns/net")) else {
-                    continue;
+                let ns = match File::open(format!("/proc/{pid}/ns/net")) {
+                    Ok(ns) => ns,
+                    // The process exited meanwhile: nothing of it to reset.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH)) => {
+                        continue;
+                    }
+                    Err(e) => {
+                        out.unopened += 1;
+                        out.unopened_error = Some(e);
+                        continue;
+                    }
                 };
                 let Ok(meta) = ns.metadata() else { continue };
                 if seen.insert((meta.dev(), meta.ino())) {
