@@ -36,6 +36,9 @@ fn cluster(tag: &str, modes: &[&str]) -> Cluster {
             fastpath: FASTPATH.into(),
             probe: PROBE.into(),
             shipped: Shipped::load(&deploy).expect("deploy/ manifests"),
+            extra_args: std::env::var("FASTPATH_CLUSTER_ARGS")
+                .map(|a| a.split_whitespace().map(str::to_string).collect())
+                .unwrap_or_default(),
         },
     )
     .expect("cluster bed")

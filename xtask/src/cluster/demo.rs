@@ -53,6 +53,7 @@ pub fn cluster_demo(opts: &DemoOptions) -> Result<()> {
             fastpath: crate::run::release_binary("fastpath")?,
             probe: crate::run::release_binary("fastpath-probe")?,
             shipped,
+            extra_args: Vec::new(),
         },
     )?;
     for n in &c.nodes {

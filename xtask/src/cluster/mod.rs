@@ -104,6 +104,8 @@ pub struct ClusterOptions {
     pub fastpath: PathBuf,
     pub probe: PathBuf,
     pub shipped: Shipped,
+    /// Flags after the shipped ones (a test's deliberate difference from what ships).
+    pub extra_args: Vec<String>,
 }
 
 /// One node of the cluster.
@@ -300,6 +302,7 @@ impl Cluster {
             .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
             .arg(format!("--cgroup-path={}", node.cgroup.display()))
             .arg(format!("--proxy-mode={}", node.mode))
+            .args(&self.opts.extra_args)
             .stdin(Stdio::null())
             .stdout(fs::File::create(&log)?)
             .stderr(fs::File::options().append(true).open(&log)?);

@@ -16,7 +16,8 @@
 //!
 //! Every `--report-ms` and at the end, one JSON line on stdout:
 //! `{"final":false,"clients":[{"name":..,"requests":..,"ok":..,"failures":{"ETIMEDOUT":1},
-//! "longest_gap_ms":..,"last_failure_unix_ms":..,"backends":{"pod-a":12}}]}`.
+//! "longest_gap_ms":..,"last_failure_unix_ms":..,"backends":{"pod-a":12}}]}`, where
+//! `last_failure_unix_ms` is when the last failed request was sent.
 //! The run ends after `--duration-ms`, or at SIGTERM/SIGINT (with a final line).
 
 use std::{
@@ -145,7 +146,8 @@ impl Stats {
             }
             Err(error) => {
                 *self.failures.entry(error).or_default() += 1;
-                self.last_failure_unix_ms = SystemTime::now()
+                // When the failed request was sent: a timeout reports a second later.
+                self.last_failure_unix_ms = (SystemTime::now() - started.elapsed())
                     .duration_since(UNIX_EPOCH)
                     .ok()
                     .map(|d| d.as_millis());
