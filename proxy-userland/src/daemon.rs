@@ -234,7 +234,9 @@ fn cleanup(args: &Args) -> anyhow::Result<()> {
     // "ebpf" as the mode to keep makes it remove the iptables and userspace chains and
     // kube-proxy's state of any mode; the pins go below, wherever --bpf-pin-dir put them.
     dataplane::mode::cleanup_leftovers(dataplane::mode::Mode::Ebpf, args.netns.as_deref());
-    if args.netns.is_none() {
+    // The default pin folder is node-wide, so a namespaced clean-up leaves it to the
+    // node's own; one named with --bpf-pin-dir was asked for, wherever the proxier ran.
+    if args.netns.is_none() || args.bpf_pin_dir.is_some() {
         let pins = args
             .bpf_pin_dir
             .clone()

@@ -16,7 +16,7 @@ use std::{
     process::Stdio,
 };
 
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::{
     iptables::{self, Family, Table, apply::Runner},
@@ -365,7 +365,8 @@ fn remove_ipvs_state(netns: Option<&str>) {
     use leftovers::ipvs::{self, Device, Flush};
     match ipvs::flush_virtual_servers(netns) {
         Ok(Flush::Flushed) => info!("flushed the IPVS table (kube-proxy's IPVS mode)"),
-        Ok(Flush::NoIpvs) => debug!(
+        // Said at every start: where IPVS state cannot exist, nobody need look for it.
+        Ok(Flush::NoIpvs) => info!(
             "this kernel has no IPVS (ip_vs not loaded, no \"IPVS\" generic netlink family): \
              no virtual servers to clear"
         ),
