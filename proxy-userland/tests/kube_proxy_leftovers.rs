@@ -235,6 +235,20 @@ fn kube_proxys_ipvs_sets_and_chains_go_in_every_mode_and_nothing_else() {
         .is_ok_and(|s| s.success());
     if !dummy {
         eprintln!("no dummy devices on this kernel: kube-ipvs0's removal is not checked");
+        // A device of that name that is not a dummy is not kube-proxy's: it must stay.
+        xtask::cmd::ip([
+            "-n",
+            bed.node_netns(),
+            "link",
+            "add",
+            "kube-ipvs0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "fp-ipvs-peer",
+        ])
+        .expect("a veth named kube-ipvs0");
     }
     for mode in MODES {
         load_ipvs_mode(&bed);
@@ -257,11 +271,14 @@ fn kube_proxys_ipvs_sets_and_chains_go_in_every_mode_and_nothing_else() {
             filter.contains("-A FP-FOREIGN -m set --match-set fp-foreign src -j RETURN"),
             "{mode}: a foreign rule went:\n{filter}"
         );
-        if dummy {
-            let links = xtask::cmd::ip(["-n", bed.node_netns(), "link", "show"]).unwrap();
-            assert!(!links.contains("kube-ipvs0"), "{mode}: {links}");
-        }
+        let links = xtask::cmd::ip(["-n", bed.node_netns(), "link", "show"]).unwrap();
         let log = d.log();
+        if dummy {
+            assert!(!links.contains("kube-ipvs0"), "{mode}: {links}");
+        } else {
+            assert!(links.contains("kube-ipvs0"), "{mode}: a veth went: {links}");
+            assert!(log.contains("not a dummy device"), "{log}");
+        }
         assert!(log.contains("removed kube-proxy's ipsets"), "{log}");
         if !std::path::Path::new("/sys/module/ip_vs").exists() {
             assert!(log.contains("this kernel has no IPVS"), "{log}");
