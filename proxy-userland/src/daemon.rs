@@ -25,7 +25,10 @@ use crate::{
 
 pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
     if args.cleanup {
-        return cleanup(&args);
+        // Tools and netlink block: not on the runtime.
+        return tokio::task::spawn_blocking(move || cleanup(&args))
+            .await
+            .context("--cleanup")?;
     }
     let node = NodeInfo {
         name: args.node_name(),
@@ -228,10 +231,12 @@ async fn resolve_primary(
 
 /// `--cleanup`: remove every mode's leftovers on this node (or in --netns), then exit.
 fn cleanup(args: &Args) -> anyhow::Result<()> {
-    // "ebpf" as the mode to keep makes it remove the iptables and userspace chains; the
-    // pins go below, wherever --bpf-pin-dir put them.
+    // "ebpf" as the mode to keep makes it remove the iptables and userspace chains and
+    // kube-proxy's state of any mode; the pins go below, wherever --bpf-pin-dir put them.
     dataplane::mode::cleanup_leftovers(dataplane::mode::Mode::Ebpf, args.netns.as_deref());
-    if args.netns.is_none() {
+    // The default pin folder is node-wide, so a namespaced clean-up leaves it to the
+    // node's own; one named with --bpf-pin-dir was asked for, wherever the proxier ran.
+    if args.netns.is_none() || args.bpf_pin_dir.is_some() {
         let pins = args
             .bpf_pin_dir
             .clone()

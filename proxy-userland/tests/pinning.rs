@@ -2,10 +2,13 @@
 //! daemon adopts what the last one programmed, and clean-up removes it all.
 
 mod common;
+mod nat_common;
 
 use std::{net::Ipv4Addr, path::Path, time::Duration};
 
+use aya::programs::{SchedClassifier, tc::TcAttachType};
 use common::*;
+use nat_common::*;
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
@@ -252,4 +255,134 @@ endpoints: [{addresses: [198.18.1.11]}, {addresses: [198.18.1.12]}]
         "nothing translates after --cleanup"
     );
     assert!(!pin.exists(), "the pin folder is gone");
+}
+
+/// Our programs on `device` in the bed's node namespace (tcx, ingress and egress).
+fn tc_programs(bed: &xtask::testbed::Testbed, device: &str) -> Vec<String> {
+    xtask::netns::in_netns(bed.node_netns(), || {
+        let mut names = Vec::new();
+        for dir in [TcAttachType::Ingress, TcAttachType::Egress] {
+            let (_, progs) = SchedClassifier::query_tcx(device, dir).expect("tcx query");
+            names.extend(
+                progs
+                    .iter()
+                    .filter_map(|p| p.name_as_str().map(str::to_string)),
+            );
+        }
+        names
+    })
+    .unwrap()
+}
+
+/// What a proxier for the bed's node namespace can leave there: chains (either family),
+/// nftables tables other than iptables-nft's own, and our tc programs on `device`.
+fn ours_in_node(bed: &xtask::testbed::Testbed, device: &str) -> Vec<String> {
+    let mut ours = Vec::new();
+    for tool in ["iptables-save", "ip6tables-save"] {
+        let saved = saved(bed.node_netns(), tool);
+        ours.extend(
+            chains_with(&saved, "KUBE-")
+                .into_iter()
+                .chain(chains_with(&saved, "FASTPATH"))
+                .map(|c| format!("{tool}: chain {c}")),
+        );
+    }
+    let mut nft = std::process::Command::new("ip");
+    nft.args(["netns", "exec", bed.node_netns(), "nft", "list", "tables"]);
+    let tables = xtask::cmd::output(&mut nft).expect("nft list tables");
+    ours.extend(
+        tables
+            .lines()
+            .filter(|t| {
+                !["filter", "nat", "mangle", "raw", "security"]
+                    .iter()
+                    .any(|n| t.ends_with(&format!(" {n}")))
+            })
+            .map(|t| format!("nft: {t}")),
+    );
+    ours.extend(
+        tc_programs(bed, device)
+            .into_iter()
+            .map(|p| format!("tc on {device}: {p}")),
+    );
+    ours
+}
+
+#[test]
+fn cleanup_for_a_namespace_leaves_nothing_of_ours() {
+    let (bed, pods) = bed_with_pods("cleanall", 2);
+    route_services(&bed);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("fastpath");
+    let pin_arg = pin.to_str().unwrap();
+    let device = pods[0].node_veth.as_str();
+    let manifests = bed.dir().join("manifests.yaml");
+    std::fs::write(&manifests, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
+    let daemon = |mode: &str, extra: &[&str]| {
+        let mut args = vec![
+            "--proxy-mode",
+            mode,
+            "--netns",
+            bed.node_netns(),
+            "--manifests",
+            manifests.to_str().unwrap(),
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+        ];
+        args.extend_from_slice(extra);
+        Daemon::start(bed.cgroup_path(), &args)
+    };
+
+    // eBPF mode with pins: its cgroup programs and its tc programs stay after it stops.
+    let mut ebpf = daemon(
+        "ebpf",
+        &["--bpf-pin-dir", pin_arg, "--nodeport-devices", device],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
+        "never reachable:\n{}",
+        ebpf.log()
+    );
+    assert!(ebpf.stop().success(), "{}", ebpf.log());
+    assert!(!tc_programs(&bed, device).is_empty(), "tc programs pinned");
+    // The iptables mode's chains stay after a plain stop too, as kube-proxy's do.
+    let mut ipt = daemon("iptables", &[]);
+    assert!(
+        eventually(20, || !chains_with(
+            &saved(bed.node_netns(), "iptables-save"),
+            "KUBE-SVC-"
+        )
+        .is_empty()),
+        "{}",
+        ipt.log()
+    );
+    assert!(ipt.stop().success(), "{}", ipt.log());
+    assert!(!ours_in_node(&bed, device).is_empty());
+
+    let cleanup = std::process::Command::new(FASTPATH)
+        .args([
+            "--cleanup",
+            "--netns",
+            bed.node_netns(),
+            "--bpf-pin-dir",
+            pin_arg,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        cleanup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cleanup.stderr)
+    );
+    let log = String::from_utf8_lossy(&cleanup.stdout);
+    let left = ours_in_node(&bed, device);
+    assert!(left.is_empty(), "left after --cleanup: {left:#?}\n{log}");
+    assert!(!pin.exists(), "the pin folder is gone:\n{log}");
+    // Nothing translates any more: the cgroup programs went with their pinned links.
+    assert!(
+        !tcp(&bed, WEB, 1)[0].is_ok(),
+        "the ClusterIP still answers after --cleanup"
+    );
 }

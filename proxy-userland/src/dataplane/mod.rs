@@ -10,11 +10,13 @@
 //! - [`userspace`]: relays reached through iptables REDIRECT, the last resort.
 //! - [`frontends`]: what a service asks of any dataplane, derived from the model once.
 //! - [`mode`]: probing the node and choosing the mode, as kube-proxy's getProxyMode.
+//! - [`leftovers`]: kube-proxy's nftables and IPVS modes' state, removed when we start.
 //! - [`netns`]: running a proxier for another network namespace.
 
 pub mod bpf;
 pub mod frontends;
 pub mod iptables;
+pub mod leftovers;
 pub mod mode;
 pub mod netlink;
 pub mod netns;

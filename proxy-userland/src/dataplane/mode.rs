@@ -7,7 +7,8 @@
 //! function tests can feed a node without BPF, or without iptables.
 //!
 //! Starting in one mode also removes what the others left behind ([`cleanup_leftovers`]),
-//! as kube-proxy's CleanupLeftovers does: their iptables chains, and our pinned BPF objects.
+//! as kube-proxy's CleanupLeftovers does: their iptables chains, our pinned BPF objects, and
+//! the state of every mode of kube-proxy's (see [`super::leftovers`]).
 //! eBPF programs need no cleanup: they are attached through links that die with us.
 
 use std::{
@@ -19,7 +20,7 @@ use tracing::{info, warn};
 
 use super::{
     iptables::{self, Family, Table, apply::Runner},
-    netns,
+    leftovers, netns,
     userspace::portals,
 };
 pub use crate::config::mode::Mode;
@@ -286,15 +287,30 @@ pub fn decide(requested: Option<Mode>, p: &Probes) -> Result<ModeDecision, ModeE
     Err(ModeError::NothingWorks { reasons })
 }
 
-/// Removes what modes other than `mode` left: iptables-mode chains, userspace portal
-/// chains (both families), and our BPF pins (only without `netns`: pins are node-wide,
-/// while a namespaced proxier is one of several). Failures are logged, never fatal: a node
-/// without ip6tables, say, has nothing to clean there.
+/// Removes what modes other than `mode` left: our iptables-mode and userspace portal
+/// chains (both families), every mode of kube-proxy's ([`leftovers`]: its nftables tables,
+/// its IPVS virtual servers, `kube-ipvs0`, IPVS-mode chains and then ipsets), and our BPF
+/// pins (only without `netns`: pins are node-wide, while a namespaced proxier is one of
+/// several). Failures are logged, never fatal: a node without ip6tables, say, has nothing
+/// to clean there. Blocks (tools, netlink): never call it on the async runtime.
 pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>) {
+    match leftovers::nftables::remove_tables(netns) {
+        Ok(gone) if gone.is_empty() => {}
+        Ok(gone) => {
+            info!(families = ?gone, "removed kube-proxy's nftables tables (its nftables mode)")
+        }
+        Err(e) => warn!("cannot remove kube-proxy's nftables tables: {e}"),
+    }
+    remove_ipvs_state(netns);
+
     type Pred = fn(Table, &str) -> bool;
     let mut what: Vec<(&str, Pred)> = Vec::new();
     if mode != Mode::Iptables {
         what.push(("iptables", iptables::render::is_our_chain));
+        what.push(("kube-proxy IPVS", leftovers::is_ipvs_chain));
+    } else {
+        // The chains it shares with kube-proxy's IPVS mode our first sync rewrites.
+        what.push(("kube-proxy IPVS", leftovers::is_ipvs_only_chain));
     }
     if mode != Mode::Userspace {
         what.push(("userspace", portals::is_userspace_chain));
@@ -315,12 +331,61 @@ pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>) {
                 Err(e) => warn!(?family, "cannot remove the {name} mode's leftovers: {e}"),
             }
         }
+        // Whatever still matches kube-proxy's ipsets would keep them alive.
+        match leftovers::remove_set_rules(&runner) {
+            Ok(0) => {}
+            Ok(n) => info!(
+                ?family,
+                rules = n,
+                "removed rules matching kube-proxy's ipsets"
+            ),
+            Err(e) => warn!(
+                ?family,
+                "cannot remove rules matching kube-proxy's ipsets: {e}"
+            ),
+        }
+    }
+    // Only now: a set that an iptables rule still matches cannot be destroyed.
+    match leftovers::ipset::destroy(netns) {
+        Ok(gone) if gone.is_empty() => {}
+        Ok(gone) => info!(sets = ?gone, "removed kube-proxy's ipsets (its IPVS mode)"),
+        Err(e) => warn!("cannot remove kube-proxy's ipsets: {e}"),
     }
     if mode != Mode::Ebpf && netns.is_none() && Path::new(BPF_PIN_DIR).exists() {
         match std::fs::remove_dir_all(BPF_PIN_DIR) {
             Ok(()) => info!("removed pinned BPF objects under {BPF_PIN_DIR}"),
             Err(e) => warn!("cannot remove {BPF_PIN_DIR}: {e}"),
         }
+    }
+}
+
+/// kube-proxy's IPVS virtual servers and its dummy device: they keep translating service
+/// addresses (to endpoints that may be long gone) until removed.
+fn remove_ipvs_state(netns: Option<&str>) {
+    use leftovers::ipvs::{self, Device, Flush};
+    match ipvs::flush_virtual_servers(netns) {
+        Ok(Flush::Flushed) => info!("flushed the IPVS table (kube-proxy's IPVS mode)"),
+        // Said at every start: where IPVS state cannot exist, nobody need look for it.
+        Ok(Flush::NoIpvs) => info!(
+            "this kernel has no IPVS (ip_vs not loaded, no \"IPVS\" generic netlink family): \
+             no virtual servers to clear"
+        ),
+        Err(e) => warn!("cannot flush the IPVS table: {e}"),
+    }
+    match ipvs::remove_dummy_device(netns) {
+        Ok(Device::Absent) => {}
+        Ok(Device::Deleted) => info!(
+            device = ipvs::DUMMY_DEVICE,
+            "removed kube-proxy's IPVS dummy device"
+        ),
+        Ok(Device::NotDummy(kind)) => warn!(
+            device = ipvs::DUMMY_DEVICE,
+            kind, "not a dummy device, so not kube-proxy's: left alone"
+        ),
+        Err(e) => warn!(
+            device = ipvs::DUMMY_DEVICE,
+            "cannot remove kube-proxy's IPVS device: {e}"
+        ),
     }
 }
 

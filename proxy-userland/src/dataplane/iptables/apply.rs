@@ -102,84 +102,8 @@ impl Runner {
         netns::command(self.netns.as_deref(), format!("{base}{backend}{suffix}"))
     }
 
-    /// Runs `cmd` with `input` on stdin, bounded by [`COMMAND_TIMEOUT`]; stdout on success.
-    fn run(&self, mut cmd: Command, input: Option<&str>) -> Result<String, ApplyError> {
-        let command = describe(&cmd);
-        let mut child = cmd
-            .stdin(if input.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|source| ApplyError::Spawn {
-                command: command.clone(),
-                source,
-            })?;
-        // Written from a thread: iptables-restore consumes its input as it applies it, so a
-        // slow restore would block a plain write, and the time limit below with it.
-        let writer = match (input, child.stdin.take()) {
-            (Some(text), Some(mut stdin)) => {
-                let text = text.to_string();
-                // A write error shows up as the command's failure below.
-                Some(std::thread::spawn(move || {
-                    drop(stdin.write_all(text.as_bytes()))
-                }))
-            }
-            _ => None,
-        };
-        // Read the pipes on threads so a large iptables-save cannot fill them and stall.
-        let mut out_pipe = child.stdout.take();
-        let mut err_pipe = child.stderr.take();
-        let out_reader = std::thread::spawn(move || {
-            let mut s = String::new();
-            if let Some(p) = out_pipe.as_mut() {
-                let _ = std::io::Read::read_to_string(p, &mut s);
-            }
-            s
-        });
-        let err_reader = std::thread::spawn(move || {
-            let mut s = String::new();
-            if let Some(p) = err_pipe.as_mut() {
-                let _ = std::io::Read::read_to_string(p, &mut s);
-            }
-            s
-        });
-        let deadline = Instant::now() + COMMAND_TIMEOUT;
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(2))
-                }
-                Ok(None) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    // The killed child closed its end: the writer fails and ends.
-                    if let Some(w) = writer {
-                        let _ = w.join();
-                    }
-                    return Err(ApplyError::Timeout { command });
-                }
-                Err(source) => return Err(ApplyError::Spawn { command, source }),
-            }
-        };
-        if let Some(w) = writer {
-            let _ = w.join();
-        }
-        let stdout = out_reader.join().unwrap_or_default();
-        let stderr = err_reader.join().unwrap_or_default();
-        if status.success() {
-            Ok(stdout)
-        } else {
-            Err(ApplyError::Failed {
-                command,
-                status: status.to_string(),
-                stderr: stderr.trim().to_string(),
-            })
-        }
+    fn run(&self, cmd: Command, input: Option<&str>) -> Result<String, ApplyError> {
+        run_bounded(cmd, input)
     }
 
     /// `iptables-restore --noflush`: the whole input is applied in one transaction, or not
@@ -215,6 +139,86 @@ impl Runner {
             Family::V4 => "ipv4",
             Family::V6 => "ipv6",
         }
+    }
+}
+
+/// Runs `cmd` with `input` on stdin, bounded by [`COMMAND_TIMEOUT`]; stdout on success.
+/// Any tool the proxier runs goes through here (iptables, and nft/ipset for other modes'
+/// leftovers), so none can hang a sync or the start.
+pub fn run_bounded(mut cmd: Command, input: Option<&str>) -> Result<String, ApplyError> {
+    let command = describe(&cmd);
+    let mut child = cmd
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| ApplyError::Spawn {
+            command: command.clone(),
+            source,
+        })?;
+    // Written from a thread: iptables-restore consumes its input as it applies it, so a
+    // slow restore would block a plain write, and the time limit below with it.
+    let writer = match (input, child.stdin.take()) {
+        (Some(text), Some(mut stdin)) => {
+            let text = text.to_string();
+            // A write error shows up as the command's failure below.
+            Some(std::thread::spawn(move || {
+                drop(stdin.write_all(text.as_bytes()))
+            }))
+        }
+        _ => None,
+    };
+    // Read the pipes on threads so a large iptables-save cannot fill them and stall.
+    let mut out_pipe = child.stdout.take();
+    let mut err_pipe = child.stderr.take();
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(p) = out_pipe.as_mut() {
+            let _ = std::io::Read::read_to_string(p, &mut s);
+        }
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(p) = err_pipe.as_mut() {
+            let _ = std::io::Read::read_to_string(p, &mut s);
+        }
+        s
+    });
+    let deadline = Instant::now() + COMMAND_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(2)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                // The killed child closed its end: the writer fails and ends.
+                if let Some(w) = writer {
+                    let _ = w.join();
+                }
+                return Err(ApplyError::Timeout { command });
+            }
+            Err(source) => return Err(ApplyError::Spawn { command, source }),
+        }
+    };
+    if let Some(w) = writer {
+        let _ = w.join();
+    }
+    let stdout = out_reader.join().unwrap_or_default();
+    let stderr = err_reader.join().unwrap_or_default();
+    if status.success() {
+        Ok(stdout)
+    } else {
+        Err(ApplyError::Failed {
+            command,
+            status: status.to_string(),
+            stderr: stderr.trim().to_string(),
+        })
     }
 }
 
