@@ -233,7 +233,11 @@ async fn resolve_primary(
 fn cleanup(args: &Args) -> anyhow::Result<()> {
     // "ebpf" as the mode to keep makes it remove the iptables and userspace chains and
     // kube-proxy's state of any mode; the pins go below, wherever --bpf-pin-dir put them.
-    dataplane::mode::cleanup_leftovers(dataplane::mode::Mode::Ebpf, args.netns.as_deref());
+    dataplane::mode::cleanup_leftovers(
+        dataplane::mode::Mode::Ebpf,
+        args.netns.as_deref(),
+        args.bpf_pin_dir.as_deref(),
+    );
     // The default pin folder is node-wide, so a namespaced clean-up leaves it to the
     // node's own; one named with --bpf-pin-dir was asked for, wherever the proxier ran.
     if args.netns.is_none() || args.bpf_pin_dir.is_some() {

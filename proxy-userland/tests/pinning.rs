@@ -386,3 +386,37 @@ fn cleanup_for_a_namespace_leaves_nothing_of_ours() {
         "the ClusterIP still answers after --cleanup"
     );
 }
+
+/// A node moved off eBPF mode (here to iptables, the proxier in a namespace, as on the
+/// cluster bed's nodes) loses the pinned programs of the folder it was told with
+/// --bpf-pin-dir: left pinned, they would go on translating with maps nobody updates.
+#[test]
+fn another_mode_removes_the_pins_of_its_bpf_pin_dir() {
+    let (bed, _pods) = bed_with_pods("pinmode", 1);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("node-a");
+    let web = web_service("web", Ipv4Addr::new(198, 19, 0, 10));
+    let eps = Some(web_endpoints(vec![ready(pod_ip(1))]));
+    let mut ebpf = BpfDataplane::attach_pinned(bed.cgroup_path(), Some(&pin)).unwrap();
+    ebpf.sync(
+        &state_of(vec![(web, eps)]),
+        &NodeInfo::default(),
+        Scope::Full,
+    );
+    drop(ebpf);
+    assert!(
+        tcp(&bed, "198.19.0.10:80", 1)[0].is_ok(),
+        "pinned: translated with no daemon"
+    );
+
+    proxy_userland::dataplane::mode::cleanup_leftovers(
+        proxy_userland::dataplane::mode::Mode::Iptables,
+        Some(bed.node_netns()),
+        Some(&pin),
+    );
+    assert!(!pin.exists(), "{} is still there", pin.display());
+    assert!(
+        eventually(3, || !tcp(&bed, "198.19.0.10:80", 1)[0].is_ok()),
+        "the ClusterIP is still translated by the eBPF programs"
+    );
+}

@@ -290,10 +290,11 @@ pub fn decide(requested: Option<Mode>, p: &Probes) -> Result<ModeDecision, ModeE
 /// Removes what modes other than `mode` left: our iptables-mode and userspace portal
 /// chains (both families), every mode of kube-proxy's ([`leftovers`]: its nftables tables,
 /// its IPVS virtual servers, `kube-ipvs0`, IPVS-mode chains and then ipsets), and our BPF
-/// pins (only without `netns`: pins are node-wide, while a namespaced proxier is one of
-/// several). Failures are logged, never fatal: a node without ip6tables, say, has nothing
+/// pins: those under `pin_dir` (`--bpf-pin-dir`), else the default folder, which only
+/// without `netns` (it is node-wide, while a namespaced proxier is one of several). The
+/// pinned links keep translating until they go, so a node moved off eBPF must lose them. Failures are logged, never fatal: a node without ip6tables, say, has nothing
 /// to clean there. Blocks (tools, netlink): never call it on the async runtime.
-pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>) {
+pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>, pin_dir: Option<&Path>) {
     match leftovers::nftables::remove_tables(netns) {
         Ok(gone) if gone.is_empty() => {}
         Ok(gone) => {
@@ -351,10 +352,13 @@ pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>) {
         Ok(gone) => info!(sets = ?gone, "removed kube-proxy's ipsets (its IPVS mode)"),
         Err(e) => warn!("cannot remove kube-proxy's ipsets: {e}"),
     }
-    if mode != Mode::Ebpf && netns.is_none() && Path::new(BPF_PIN_DIR).exists() {
-        match std::fs::remove_dir_all(BPF_PIN_DIR) {
-            Ok(()) => info!("removed pinned BPF objects under {BPF_PIN_DIR}"),
-            Err(e) => warn!("cannot remove {BPF_PIN_DIR}: {e}"),
+    let pins = pin_dir
+        .map(Path::to_path_buf)
+        .or_else(|| netns.is_none().then(|| BPF_PIN_DIR.into()));
+    if let Some(pins) = pins.filter(|p| mode != Mode::Ebpf && p.exists()) {
+        match crate::dataplane::bpf::loader::remove_pinned(&pins) {
+            Ok(()) => info!(pins = %pins.display(), "removed pinned BPF objects"),
+            Err(e) => warn!(pins = %pins.display(), "cannot remove pinned BPF objects: {e}"),
         }
     }
 }

@@ -125,7 +125,11 @@ pub fn select_and_start(
     let probes = Probes::detect(opts.cgroup.as_deref(), opts.netns.as_deref(), want_bpf);
     let decision = mode::decide(requested, &probes)?;
     info!(mode = %decision.mode, reasons = ?decision.reasons, "proxy mode chosen");
-    mode::cleanup_leftovers(decision.mode, opts.netns.as_deref());
+    mode::cleanup_leftovers(
+        decision.mode,
+        opts.netns.as_deref(),
+        opts.bpf_pin_dir.as_deref(),
+    );
     match start(decision.mode, opts) {
         Ok(proxier) => Ok((proxier, decision)),
         // Probes passed but the real load failed (a verifier rejection, a map the kernel
@@ -138,7 +142,11 @@ pub fn select_and_start(
             };
             let decision = mode::decide(None, &probes)?;
             info!(mode = %decision.mode, reasons = ?decision.reasons, "proxy mode chosen after the eBPF failure");
-            mode::cleanup_leftovers(decision.mode, opts.netns.as_deref());
+            mode::cleanup_leftovers(
+                decision.mode,
+                opts.netns.as_deref(),
+                opts.bpf_pin_dir.as_deref(),
+            );
             Ok((start(decision.mode, opts)?, decision))
         }
         Err(e) => Err(e),
