@@ -171,28 +171,16 @@ impl Deployment {
             if crate::signals::stop_requested() {
                 break;
             }
-            let at = self
-                .pods
-                .iter()
-                .position(|p| p.endpoint.pod == name)
-                .expect("old pods are only removed here");
-            let node = placement(self.pods[at].node);
-            let new = self.start_pod(c, node)?;
+            let Some(old_node) = self.pods.iter().find(|p| p.endpoint.pod == name).map(|p| p.node)
+            else {
+                continue;
+            };
+            let new = self.start_pod(c, placement(old_node))?;
             self.pods.push(new);
             self.publish(c);
             std::thread::sleep(timing.settle);
 
-            let old = &mut self.pods[at];
-            old.endpoint.ready = false;
-            old.endpoint.terminating = true;
-            c.bed.signal(old.server, libc::SIGTERM)?;
-            self.publish(c);
-            std::thread::sleep(timing.drain);
-
-            let old = self.pods.remove(at);
-            self.publish(c);
-            std::thread::sleep(timing.grace);
-            Self::delete_pod(c, &old)?;
+            self.retire(c, &[name], timing)?;
         }
         Ok(())
     }
@@ -216,15 +204,29 @@ impl Deployment {
         if surplus == 0 {
             return Ok(());
         }
-        let at = self.pods.len() - surplus;
-        for old in &mut self.pods[at..] {
+        let newest: Vec<String> = self.pods[self.pods.len() - surplus..]
+            .iter()
+            .map(|p| p.endpoint.pod.clone())
+            .collect();
+        self.retire(c, &newest, timing)
+    }
+
+    /// Takes pods `names` out as the kubelet and the EndpointSlice controller do: marked
+    /// terminating (ready=false, serving=true) and sent SIGTERM, drained, out of the slice,
+    /// and after the grace period killed and their namespaces deleted.
+    fn retire(&mut self, c: &mut Cluster, names: &[String], timing: Timing) -> Result<()> {
+        for old in self.pods.iter_mut().filter(|p| names.contains(&p.endpoint.pod)) {
             old.endpoint.ready = false;
             old.endpoint.terminating = true;
             c.bed.signal(old.server, libc::SIGTERM)?;
         }
         self.publish(c);
         std::thread::sleep(timing.drain);
-        let gone = self.pods.split_off(at);
+        let (gone, kept): (Vec<PodState>, Vec<PodState>) = self
+            .pods
+            .drain(..)
+            .partition(|p| names.contains(&p.endpoint.pod));
+        self.pods = kept;
         self.publish(c);
         std::thread::sleep(timing.grace);
         gone.iter().try_for_each(|p| Self::delete_pod(c, p))
