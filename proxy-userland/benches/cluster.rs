@@ -395,9 +395,11 @@ fn run(opts: &Opts) -> Result<Measured> {
     })?;
     let wall = phase_started.elapsed();
     let stolen = conditions::stolen_percent(stolen_before, conditions::stolen_secs(), wall);
-    let others_ticks = busy_ticks()
-        .saturating_sub(busy_before)
-        .saturating_sub(ours().saturating_sub(ours_before));
+    let (busy, mine) = (
+        busy_ticks().saturating_sub(busy_before),
+        ours().saturating_sub(ours_before),
+    );
+    let others_ticks = busy.saturating_sub(mine);
     let others = 100.0 * others_ticks as f64
         / clock_ticks()
         / (wall.as_secs_f64() * conditions::online_cpus() as f64);
@@ -420,7 +422,8 @@ fn run(opts: &Opts) -> Result<Measured> {
         );
     }
     eprintln!(
-        "bench: load {load_before:.2} before, {load_after:.2} after; steal {stolen:.1}%; others {others:.0}%"
+        "bench: load {load_before:.2} before, {load_after:.2} after; steal {stolen:.1}%; others {others:.0}% (CPU ticks: machine {busy}, the bench and its daemons {mine}, over {:.1} s)",
+        wall.as_secs_f64()
     );
     let mut problems = Vec::new();
     let load = load_before.max(load_after);
