@@ -258,6 +258,7 @@ fn run(opts: &Opts) -> Result<Measured> {
             fastpath: FASTPATH.into(),
             probe: PROBE.into(),
             shipped,
+            extra_args: Vec::new(),
         },
     )?;
     let loading = Instant::now();
