@@ -262,6 +262,12 @@ pub struct Args {
     #[arg(skip)]
     pub file_mode: Option<Mode>,
 
+    /// The config file's `iptables.minSyncPeriod`, when neither `--min-sync-period` nor the
+    /// file's top-level `minSyncPeriod` is given: the iptables mode's alone (see
+    /// [`Args::min_sync_period_for`]).
+    #[arg(skip)]
+    pub iptables_min_sync_period: Option<Duration>,
+
     /// Notes from loading the config file (ignored fields), logged once logging is up.
     #[arg(skip)]
     pub config_warnings: Vec<String>,
@@ -432,7 +438,9 @@ impl Args {
             self.oom_score_adj = v;
         }
 
-        // Periods: top-level, else iptables.*, as kube-proxy 1.31+ reads them.
+        // Periods: top-level, else iptables.*, as kube-proxy 1.31+ reads them; but
+        // iptables.minSyncPeriod holds back the iptables mode only, as it does kube-proxy's
+        // iptables proxier and no other (see min_sync_period_for).
         let ipt = cfg.iptables.clone().unwrap_or_default();
         let sync = match duration("syncPeriod", &cfg.sync_period)? {
             Some(d) => Some(d),
@@ -441,12 +449,13 @@ impl Args {
         if let (Some(d), false) = (sync.filter(|d| !d.is_zero()), given("sync_period")) {
             self.sync_period = d;
         }
-        let min_sync = match duration("minSyncPeriod", &cfg.min_sync_period)? {
-            Some(d) => Some(d),
-            None => duration("iptables.minSyncPeriod", &ipt.min_sync_period)?,
-        };
-        if let (Some(d), false) = (min_sync, given("min_sync_period")) {
-            self.min_sync_period = d;
+        let min_sync = duration("minSyncPeriod", &cfg.min_sync_period)?;
+        let iptables_min_sync = duration("iptables.minSyncPeriod", &ipt.min_sync_period)?;
+        if !given("min_sync_period") {
+            match min_sync {
+                Some(d) => self.min_sync_period = d,
+                None => self.iptables_min_sync_period = iptables_min_sync,
+            }
         }
         if let (Some(bit), false) = (ipt.masquerade_bit, given("masquerade_bit")) {
             self.masquerade_bit = u8::try_from(bit).ok().filter(|b| *b <= 31).ok_or_else(|| {
@@ -620,6 +629,19 @@ impl Args {
                 ),
             ));
         }
+        if let Some(d) = self
+            .iptables_min_sync_period
+            .filter(|d| *d > self.sync_period)
+        {
+            return Err(invalid(
+                "iptables.minSyncPeriod",
+                format!(
+                    "{} is longer than the sync period {}",
+                    humantime::format_duration(d),
+                    humantime::format_duration(self.sync_period)
+                ),
+            ));
+        }
         if self.manifest_poll_period.is_zero() {
             return Err(invalid(
                 "--manifest-poll-period",
@@ -660,6 +682,18 @@ impl Args {
         std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|s| s.trim().to_lowercase())
             .unwrap_or_else(|_| "localhost".to_string())
+    }
+
+    /// The shortest time between two syncs in proxy mode `mode`: `--min-sync-period`, or the
+    /// file's top-level `minSyncPeriod`, in every mode; else the file's
+    /// `iptables.minSyncPeriod` in the iptables mode only. kube-proxy's 1 s there spaces out
+    /// its iptables-restore runs, each of which rewrites the rules; an eBPF map update costs
+    /// microseconds, and under churn that second would hold back every change.
+    pub fn min_sync_period_for(&self, mode: Mode) -> Duration {
+        match (mode, self.iptables_min_sync_period) {
+            (Mode::Iptables, Some(d)) => d,
+            _ => self.min_sync_period,
+        }
     }
 
     /// How long pending changes may wait for a sync before /healthz fails (kube-proxy: twice
@@ -801,7 +835,10 @@ mod tests {
         assert_eq!(a.healthz_bind_address.to_string(), "127.0.0.1:20256");
         assert_eq!(a.metrics_bind_address.to_string(), "[::1]:20249");
         assert_eq!(a.sync_period, Duration::from_secs(60));
-        assert_eq!(a.min_sync_period, Duration::from_secs(2));
+        assert_eq!(
+            a.min_sync_period_for(Mode::Iptables),
+            Duration::from_secs(2)
+        );
         assert_eq!(a.masquerade_bit, 15);
         assert_eq!(a.node_name(), "node-b");
         assert_eq!(a.kubeconfig, Some(PathBuf::from("/etc/kube/config")));
@@ -841,6 +878,41 @@ mod tests {
     fn top_level_periods_win_over_iptables_ones() {
         let a = merged(&[], "syncPeriod: 45s\niptables: {syncPeriod: 1m}\n").unwrap();
         assert_eq!(a.sync_period, Duration::from_secs(45));
+        let a = merged(&[], "minSyncPeriod: 3s\niptables: {minSyncPeriod: 1s}\n").unwrap();
+        for mode in [Mode::Ebpf, Mode::Iptables, Mode::Userspace] {
+            assert_eq!(
+                a.min_sync_period_for(mode),
+                Duration::from_secs(3),
+                "{mode:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn iptables_min_sync_period_holds_back_only_the_iptables_mode() {
+        let a = merged(&[], "syncPeriod: 30s\niptables: {minSyncPeriod: 1s}\n").unwrap();
+        assert_eq!(
+            a.min_sync_period_for(Mode::Iptables),
+            Duration::from_secs(1)
+        );
+        assert_eq!(a.min_sync_period_for(Mode::Ebpf), Duration::ZERO);
+        assert_eq!(a.min_sync_period_for(Mode::Userspace), Duration::ZERO);
+        // The flag is the operator's word for every mode.
+        let a = merged(
+            &["--min-sync-period", "2s"],
+            "iptables: {minSyncPeriod: 1s}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            a.min_sync_period_for(Mode::Iptables),
+            Duration::from_secs(2)
+        );
+        assert_eq!(a.min_sync_period_for(Mode::Ebpf), Duration::from_secs(2));
+        assert!(
+            error(&[], "syncPeriod: 1s\niptables: {minSyncPeriod: 5s}\n")
+                .contains("iptables.minSyncPeriod"),
+            "checked against the sync period"
+        );
     }
 
     #[test]

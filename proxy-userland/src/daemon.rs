@@ -104,16 +104,16 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
         .map_err(anyhow::Error::msg)
         .context("cannot start the dataplane")?;
     let requested = args.proxy_mode.or(args.file_mode);
-    let (proxier, _mode) =
+    let (proxier, decision) =
         tokio::task::spawn_blocking(move || dataplane::select_and_start(requested, &start))
             .await
             .context("starting the dataplane")??;
     admin.set_proxy_mode(proxier.name());
 
     // The sync loop runs on a thread of its own; we only pass it the source's events and
-    // apply what it reports.
+    // apply what it reports. Its spacing depends on the mode only now known.
     let periods = SyncPeriods {
-        min: args.min_sync_period,
+        min: args.min_sync_period_for(decision.mode),
         max: args.sync_period,
         ..Default::default()
     };

@@ -2,7 +2,7 @@
 //! Kubernetes type, the ConfigMap's config must pass the daemon's own validation, RBAC must
 //! stay least-privilege, and the DaemonSet's probes must point at the health port.
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use k8s_openapi::{
     api::{
@@ -12,7 +12,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::util::intstr::IntOrString,
 };
-use proxy_userland::config::{Args, KubeProxyConfiguration, Listen};
+use proxy_userland::config::{Args, KubeProxyConfiguration, Listen, mode::Mode};
 
 fn deploy_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy")
@@ -109,6 +109,19 @@ fn the_config_map_passes_validation_and_turns_node_setup_on() {
         "the DaemonSet's config sets the node up"
     );
     assert!(args.cgroup_path.is_some());
+}
+
+/// kube-proxy's 1 s minimum sync period spaces out iptables-restore runs; shipped at the top
+/// level it would hold back every eBPF change under churn by up to that second.
+#[test]
+fn the_shipped_config_holds_back_only_the_iptables_mode() {
+    let args = daemon_config(&load());
+    assert_eq!(args.min_sync_period_for(Mode::Ebpf), Duration::ZERO);
+    assert_eq!(args.min_sync_period_for(Mode::Userspace), Duration::ZERO);
+    assert_eq!(
+        args.min_sync_period_for(Mode::Iptables),
+        Duration::from_secs(1)
+    );
 }
 
 #[test]

@@ -29,8 +29,9 @@ enum Cmd {
     },
     /// Set up, then run the benchmarks: the proxier alone (eBPF against iptables, control
     /// plane and data path), node ports from another host (tc, XDP, iptables, direct), and
-    /// the whole daemon (network programming latency, memory); write their tables to
-    /// target/bench/{results,nodeport,daemon}.md and their Targets to targets.md. Every
+    /// the whole daemon (network programming latency, memory), and a cluster (the latency on
+    /// every node); write their tables to target/bench/{results,nodeport,daemon,cluster}.md
+    /// and their Targets to targets.md. Every
     /// part is bounded in count and time; these flags trim it.
     Bench {
         /// Service counts for the proxier rows (the data path also runs at 1).
@@ -63,7 +64,13 @@ enum Cmd {
         /// Highest 1-minute load average a connection run may see (default: the CPUs).
         #[arg(long)]
         max_load: Option<f64>,
-        /// Run only these benches: dataplane, nodeport, daemon.
+        /// Nodes of the cluster row (each runs fastpath as deploy/ ships it).
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
+        cluster_nodes: u32,
+        /// Services (x 10 endpoints) of the cluster row, at most 12,000 (the shipped map size).
+        #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(2..=12_000))]
+        cluster_services: u32,
+        /// Run only these benches: dataplane, nodeport, daemon, cluster.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
@@ -138,6 +145,8 @@ fn main() -> ExitCode {
                 sync_secs,
                 churn,
                 max_load,
+                cluster_nodes,
+                cluster_services,
                 only,
             } => xtask::run::bench(&xtask::run::BenchOptions {
                 sizes,
@@ -150,6 +159,8 @@ fn main() -> ExitCode {
                 sync_secs,
                 churn,
                 max_load,
+                cluster_nodes,
+                cluster_services,
                 only,
             }),
             Cmd::Run {

@@ -89,18 +89,22 @@ pub struct BenchOptions {
     pub churn: u32,
     /// Highest load average a connection run may see (None: the number of CPUs).
     pub max_load: Option<f64>,
-    /// Benches to run: any of dataplane, nodeport, daemon.
+    /// The cluster row: nodes, and services on each.
+    pub cluster_nodes: u32,
+    pub cluster_services: u32,
+    /// Benches to run: any of dataplane, nodeport, daemon, cluster.
     pub only: Vec<String>,
 }
 
 /// The benches, in the order they run, and the file each writes under target/bench.
-const BENCHES: [(&str, &str); 3] = [
+const BENCHES: [(&str, &str); 4] = [
     ("dataplane", "results.md"),
     ("nodeport", "nodeport.md"),
     ("daemon", "daemon.md"),
+    ("cluster", "cluster.md"),
 ];
 
-/// `cargo xtask bench`: set-up, then the `dataplane`, `nodeport` and `daemon` benches of
+/// `cargo xtask bench`: set-up, then the `dataplane`, `nodeport`, `daemon` and `cluster` benches of
 /// proxy-userland (plain programs printing tables; see proxy-userland/benches/), each
 /// bounded in count and time; then every bench's Targets, together, printed and written to
 /// target/bench/targets.md. A bench that fails does not stop the others.
@@ -124,7 +128,12 @@ pub fn bench(o: &BenchOptions) -> Result<()> {
             .env("FASTPATH_BENCH_SAMPLES", o.samples.to_string())
             .env("FASTPATH_BENCH_PHASE_SECS", o.phase_secs.to_string())
             .env("FASTPATH_BENCH_SYNC_SECS", o.sync_secs.to_string())
-            .env("FASTPATH_BENCH_CHURN", o.churn.to_string());
+            .env("FASTPATH_BENCH_CHURN", o.churn.to_string())
+            .env("FASTPATH_BENCH_CLUSTER_NODES", o.cluster_nodes.to_string())
+            .env(
+                "FASTPATH_BENCH_CLUSTER_SERVICES",
+                o.cluster_services.to_string(),
+            );
         if let Some(load) = o.max_load {
             bench.env("FASTPATH_BENCH_MAX_LOAD", load.to_string());
         }

@@ -246,11 +246,12 @@ fn test_validate_kube_proxy_ip_tables_configuration() {
                 ),
                 Some(("iptables.masqueradeBit", "0-31")),
             ),
-            // Checked once the file and the flags are merged, so named by the flag.
+            // Checked once the file and the flags are merged: the iptables mode's own
+            // period (the others' is the top-level one or the flag).
             (
                 "SyncPeriod must be >= MinSyncPeriod",
                 &ipt("{masqueradeBit: 5, masqueradeAll: true, syncPeriod: 1s, minSyncPeriod: 5s}"),
-                Some(("--min-sync-period", "longer than the sync period")),
+                Some(("iptables.minSyncPeriod", "longer than the sync period")),
             ),
         ],
     );

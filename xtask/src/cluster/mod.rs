@@ -164,6 +164,19 @@ impl Cluster {
     /// Builds the fabric, the nodes (with their Node objects) and the outside client, and
     /// starts one daemon per node; returns once every daemon is ready.
     pub fn start(tag: &str, opts: ClusterOptions) -> Result<Cluster> {
+        let mut cluster = Cluster::build(tag, opts)?;
+        for i in 0..cluster.nodes.len() {
+            cluster.start_daemon(i)?;
+        }
+        for i in 0..cluster.nodes.len() {
+            cluster.wait_ready(i)?;
+        }
+        Ok(cluster)
+    }
+
+    /// [`Cluster::start`] without the daemons: the caller fills the API server first (a
+    /// bench's thousands of Services) and starts them with [`Cluster::start_daemon`].
+    pub fn build(tag: &str, opts: ClusterOptions) -> Result<Cluster> {
         if opts.modes.is_empty() || opts.modes.len() > 9 {
             bail!("a cluster has 1 to 9 nodes, not {}", opts.modes.len());
         }
@@ -190,12 +203,6 @@ impl Cluster {
         };
         for (i, mode) in cluster.opts.modes.clone().iter().enumerate() {
             cluster.add_node(i as u8 + 1, mode)?;
-        }
-        for i in 0..cluster.nodes.len() {
-            cluster.start_daemon(i)?;
-        }
-        for i in 0..cluster.nodes.len() {
-            cluster.wait_ready(i)?;
         }
         Ok(cluster)
     }
@@ -340,6 +347,20 @@ impl Cluster {
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The process id of node `i`'s daemon, while one runs (nsenter and setpriv exec it, so
+    /// it is the daemon itself).
+    pub fn daemon_pid(&self, i: usize) -> Option<u32> {
+        self.nodes[i].daemon
+    }
+
+    /// Whether node `i`'s daemon has exited, and how (reaped then).
+    pub fn daemon_exited(&mut self, i: usize) -> Result<Option<std::process::ExitStatus>> {
+        match self.nodes[i].daemon {
+            Some(pid) => self.bed.try_wait(pid),
+            None => Ok(None),
         }
     }
 
