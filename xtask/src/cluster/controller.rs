@@ -171,7 +171,11 @@ impl Deployment {
             if crate::signals::stop_requested() {
                 break;
             }
-            let Some(old_node) = self.pods.iter().find(|p| p.endpoint.pod == name).map(|p| p.node)
+            let Some(old_node) = self
+                .pods
+                .iter()
+                .find(|p| p.endpoint.pod == name)
+                .map(|p| p.node)
             else {
                 continue;
             };
@@ -215,7 +219,11 @@ impl Deployment {
     /// terminating (ready=false, serving=true) and sent SIGTERM, drained, out of the slice,
     /// and after the grace period killed and their namespaces deleted.
     fn retire(&mut self, c: &mut Cluster, names: &[String], timing: Timing) -> Result<()> {
-        for old in self.pods.iter_mut().filter(|p| names.contains(&p.endpoint.pod)) {
+        for old in self
+            .pods
+            .iter_mut()
+            .filter(|p| names.contains(&p.endpoint.pod))
+        {
             old.endpoint.ready = false;
             old.endpoint.terminating = true;
             c.bed.signal(old.server, libc::SIGTERM)?;
