@@ -115,4 +115,47 @@ impl NetlinkSocket {
             Ok(n as usize)
         }
     }
+
+    /// Reads the answer to a dump request sent on this socket: `each(type, payload)` for
+    /// every message, until NLMSG_DONE; NLMSG_ERROR ends it with that error. Bounded: a
+    /// dump that has not ended after [`MAX_DUMP_RECVS`] datagrams is an error. `what` names
+    /// the dump in errors.
+    pub fn read_dump(&self, what: &str, mut each: impl FnMut(u16, &[u8])) -> io::Result<()> {
+        const HDR: usize = 16;
+        let mut buf = vec![0u8; 64 * 1024];
+        for _ in 0..MAX_DUMP_RECVS {
+            let n = self.recv(&mut buf)?;
+            let mut off = 0;
+            while off + HDR <= n {
+                let len = u32::from_ne_bytes([buf[off], buf[off + 1], buf[off + 2], buf[off + 3]])
+                    as usize;
+                let ty = u16::from_ne_bytes([buf[off + 4], buf[off + 5]]);
+                if len < HDR || off + len > n {
+                    return Err(io::Error::other(format!("truncated {what} message")));
+                }
+                let body = &buf[off + HDR..off + len];
+                match ty {
+                    NLMSG_DONE => return Ok(()),
+                    NLMSG_ERROR => return Err(error_in(body)),
+                    _ => each(ty, body),
+                }
+                // Messages are 4-byte aligned.
+                off += (len + 3) & !3;
+            }
+        }
+        Err(io::Error::other(format!("{what} dump did not end")))
+    }
+}
+
+pub const NLMSG_ERROR: u16 = 2;
+pub const NLMSG_DONE: u16 = 3;
+/// Bounds a dump: no namespace has this many datagrams to read.
+pub const MAX_DUMP_RECVS: usize = 100_000;
+
+/// The errno in an NLMSG_ERROR payload (0 is an acknowledgement).
+pub fn error_in(body: &[u8]) -> io::Error {
+    let code = body
+        .get(..4)
+        .map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
+    io::Error::from_raw_os_error(-code)
 }

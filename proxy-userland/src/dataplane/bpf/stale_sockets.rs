@@ -25,19 +25,15 @@ use std::{
 
 use bytemuck::{Pod, Zeroable};
 
-use crate::dataplane::netlink::NetlinkSocket;
+use crate::dataplane::netlink::{NLMSG_ERROR, NetlinkSocket, error_in};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
 /// UDP sockets report TCP_ESTABLISHED (1) once connected.
 const CONNECTED: u32 = 1 << 1;
-/// Bounds the dump: no namespace has this many messages to read.
-const MAX_RECVS: usize = 100_000;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
@@ -244,39 +240,18 @@ impl DiagSocket {
         };
         self.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, &req)?;
         let mut out = Vec::new();
-        let mut buf = vec![0u8; 64 * 1024];
-        for _ in 0..MAX_RECVS {
-            let n = self.recv(&mut buf)?;
-            let mut off = 0;
-            while off + size_of::<NlMsgHdr>() <= n {
-                let hdr: NlMsgHdr =
-                    bytemuck::pod_read_unaligned(&buf[off..off + size_of::<NlMsgHdr>()]);
-                let len = hdr.len as usize;
-                if len < size_of::<NlMsgHdr>() || off + len > n {
-                    return Err(io::Error::other("truncated sock_diag message"));
-                }
-                let body = &buf[off + size_of::<NlMsgHdr>()..off + len];
-                match hdr.ty {
-                    NLMSG_DONE => return Ok(out),
-                    NLMSG_ERROR => return Err(netlink_error(body)),
-                    _ if body.len() >= size_of::<DiagMsg>() => {
-                        let msg: DiagMsg =
-                            bytemuck::pod_read_unaligned(&body[..size_of::<DiagMsg>()]);
-                        out.push(UdpSocketInfo {
-                            cookie: u64::from(msg.id.cookie[0])
-                                | (u64::from(msg.id.cookie[1]) << 32),
-                            peer: peer_of(msg.family, &msg.id),
-                            id: msg.id,
-                            family: msg.family,
-                        });
-                    }
-                    _ => {}
-                }
-                // Messages are 4-byte aligned.
-                off += (len + 3) & !3;
+        self.socket.read_dump("sock_diag", |_, body| {
+            if body.len() >= size_of::<DiagMsg>() {
+                let msg: DiagMsg = bytemuck::pod_read_unaligned(&body[..size_of::<DiagMsg>()]);
+                out.push(UdpSocketInfo {
+                    cookie: u64::from(msg.id.cookie[0]) | (u64::from(msg.id.cookie[1]) << 32),
+                    peer: peer_of(msg.family, &msg.id),
+                    id: msg.id,
+                    family: msg.family,
+                });
             }
-        }
-        Err(io::Error::other("sock_diag dump did not end"))
+        })?;
+        Ok(out)
     }
 
     fn destroy(&self, sock: &UdpSocketInfo) -> io::Result<()> {
@@ -293,7 +268,7 @@ impl DiagSocket {
         if n >= size_of::<NlMsgHdr>() {
             let hdr: NlMsgHdr = bytemuck::pod_read_unaligned(&buf[..size_of::<NlMsgHdr>()]);
             if hdr.ty == NLMSG_ERROR {
-                let err = netlink_error(&buf[size_of::<NlMsgHdr>()..n]);
+                let err = error_in(&buf[size_of::<NlMsgHdr>()..n]);
                 // ENOENT: the socket closed meanwhile, which is what we wanted.
                 if err
                     .raw_os_error()
@@ -305,14 +280,6 @@ impl DiagSocket {
         }
         Ok(())
     }
-}
-
-/// The errno in an NLMSG_ERROR body (0 is an acknowledgement).
-fn netlink_error(body: &[u8]) -> io::Error {
-    let code = body
-        .get(..4)
-        .map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-    io::Error::from_raw_os_error(-code)
 }
 
 fn peer_of(family: u8, id: &SockId) -> SocketAddr {

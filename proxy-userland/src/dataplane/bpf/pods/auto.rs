@@ -16,8 +16,6 @@ use crate::dataplane::netlink::NetlinkSocket;
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_DUMP: u16 = 0x300;
 const IFLA_IFNAME: u16 = 3;
@@ -26,8 +24,6 @@ const IFLA_INFO_KIND: u16 = 1;
 const IFLA_LINK_NETNSID: u16 = 37;
 /// The flag bits of an attribute's type (NLA_F_NESTED, NLA_F_NET_BYTEORDER).
 const NLA_TYPE_MASK: u16 = 0x3fff;
-/// Bounds the dump: no namespace has this many messages to read.
-const MAX_RECVS: usize = 100_000;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
@@ -101,33 +97,12 @@ pub fn links_here() -> io::Result<Vec<Link>> {
     req.extend_from_slice(bytemuck::bytes_of(&IfInfoMsg::default()));
     socket.send(&req)?;
     let mut out = Vec::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    for _ in 0..MAX_RECVS {
-        let n = socket.recv(&mut buf)?;
-        let mut off = 0;
-        while off + size_of::<NlMsgHdr>() <= n {
-            let hdr: NlMsgHdr =
-                bytemuck::pod_read_unaligned(&buf[off..off + size_of::<NlMsgHdr>()]);
-            let len = hdr.len as usize;
-            if len < size_of::<NlMsgHdr>() || off + len > n {
-                return Err(io::Error::other("truncated rtnetlink message"));
-            }
-            let body = &buf[off + size_of::<NlMsgHdr>()..off + len];
-            match hdr.ty {
-                NLMSG_DONE => return Ok(out),
-                NLMSG_ERROR => {
-                    let code = body
-                        .get(..4)
-                        .map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
-                    return Err(io::Error::from_raw_os_error(-code));
-                }
-                RTM_NEWLINK => out.extend(parse_link(body)),
-                _ => {}
-            }
-            off += align(len);
+    socket.read_dump("rtnetlink link", |ty, body| {
+        if ty == RTM_NEWLINK {
+            out.extend(parse_link(body));
         }
-    }
-    Err(io::Error::other("rtnetlink link dump did not end"))
+    })?;
+    Ok(out)
 }
 
 fn align(len: usize) -> usize {
