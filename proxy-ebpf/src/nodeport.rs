@@ -282,6 +282,12 @@ fn reply_nat<I: Ip>(f: &Flow<I::Addr>, now: u64) -> Option<(Nat<I::Addr>, bool)>
     Some((nat, snat))
 }
 
+/// Whether a reply translated by `nat` would come from one of the node's addresses.
+#[inline(always)]
+fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>) -> bool {
+    nat.src.is_some_and(|(addr, _)| I::node_address(addr))
+}
+
 /// Where a frontend's entries are stored: its address (0 for node ports) and scope.
 type FrontendAt<A> = (A, u8);
 
@@ -607,6 +613,14 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     let f = &*f;
     let now = kernel::now_ns();
     if let Some((nat, snat)) = reply_nat::<I>(f, now) {
+        if from_pod && !snat && restores_node_address::<I>(&nat) {
+            // A local backend's reply to a node port (or to any frontend on a node
+            // address): from the node's own address, the stack routing it from here would
+            // drop it as a martian. It goes on as the backend sent it, and the egress of the
+            // device it leaves by (the node device's, or the client pod's) turns it back,
+            // as it does without the pod path.
+            return Ok(P::PASS);
+        }
         count(nat::stat::TRANSLATED);
         if snat {
             return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));

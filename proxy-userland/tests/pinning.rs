@@ -420,3 +420,127 @@ fn another_mode_removes_the_pins_of_its_bpf_pin_dir() {
         "the ClusterIP is still translated by the eBPF programs"
     );
 }
+
+fn pod_links_pinned(pin: &Path) -> usize {
+    std::fs::read_dir(loader::PinLayout::new(pin).pod_links)
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// With the pod path on, the socket hooks leave pods' UDP to the pods' devices: their links
+/// are pinned too, so a pod's UDP to a ClusterIP keeps its answers while no daemon runs (an
+/// upgrade), the next daemon replaces them, a device that goes takes its pins along, and
+/// `--cleanup` removes them.
+#[test]
+fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
+    let (bed, client) = bed_with_client("pinpods", false);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("fastpath");
+    let pin_arg = pin.to_str().unwrap();
+    let manifests = bed.dir().join("manifests.yaml");
+    std::fs::write(&manifests, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
+    let daemon = || {
+        Daemon::start(
+            bed.cgroup_path(),
+            &[
+                "--proxy-mode",
+                "ebpf",
+                "--netns",
+                bed.node_netns(),
+                "--pod-interface-name-prefix",
+                "fpv",
+                "--manifests",
+                manifests.to_str().unwrap(),
+                "--bpf-pin-dir",
+                pin_arg,
+                "--healthz-bind-address",
+                "",
+                "--metrics-bind-address",
+                "",
+            ],
+        )
+    };
+    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
+    let mut first = daemon();
+    assert!(
+        eventually(20, || pod_probe(&bed, &client, &udp_once)[0].is_ok()),
+        "the pod's UDP never got an answer; log:\n{}",
+        first.log()
+    );
+
+    // A bounded loop of datagrams, each from a new socket, 20 ms apart, across the restart.
+    let udp = std::thread::spawn({
+        let mut cmd = pod_client(&bed, &client);
+        cmd.args([
+            "udp",
+            WEB_DNS,
+            "--count",
+            "150",
+            "--fresh-socket",
+            "--interval-ms",
+            "20",
+            "--timeout-ms",
+            "1000",
+        ]);
+        move || cmd.output().expect("probe runs")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(first.stop().success(), "{}", first.log()); // the daemon exits...
+    std::thread::sleep(Duration::from_millis(700)); // ...nobody runs for a while...
+    let mut second = daemon(); // ...and the next one starts.
+    let out = udp.join().unwrap();
+    let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(outcomes.len(), 150);
+    let failed: Vec<_> = outcomes.iter().filter(|o| !o.is_ok()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 150 datagrams went unanswered across the restart: {failed:?}\n{}",
+        failed.len(),
+        second.log()
+    );
+    assert!(
+        outcomes.iter().all(|o| from(o) == Some(WEB_DNS)),
+        "replies come from the ClusterIP: {outcomes:?}"
+    );
+    // Three pods' devices, an ingress and an egress link each: one generation, not two.
+    assert!(
+        eventually(5, || pod_links_pinned(&pin) == 6),
+        "{} pod links pinned",
+        pod_links_pinned(&pin)
+    );
+
+    // A pod goes: its device's pins go with it.
+    xtask::cmd::ip(["-n", bed.node_netns(), "link", "del", "fpv1"]).expect("pod device gone");
+    assert!(
+        eventually(5, || pod_links_pinned(&pin) == 4),
+        "{} pod links pinned after fpv1 went",
+        pod_links_pinned(&pin)
+    );
+
+    assert!(second.stop().success(), "{}", second.log());
+    assert!(
+        !tc_programs(&bed, &client.node_veth).is_empty(),
+        "the pod's programs stay attached without a daemon"
+    );
+    let cleanup = std::process::Command::new(FASTPATH)
+        .args([
+            "--cleanup",
+            "--netns",
+            bed.node_netns(),
+            "--bpf-pin-dir",
+            pin_arg,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        cleanup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cleanup.stderr)
+    );
+    assert!(
+        eventually(3, || tc_programs(&bed, &client.node_veth).is_empty()),
+        "left on the pod's device after --cleanup: {:?}",
+        tc_programs(&bed, &client.node_veth)
+    );
+    assert!(!pin.exists(), "the pin folder is gone");
+}

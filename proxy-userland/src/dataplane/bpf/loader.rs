@@ -158,6 +158,8 @@ fn check_bpffs(dir: &Path) -> Result<(), LoadError> {
 pub struct PinLayout {
     pub maps: PathBuf,
     pub links: PathBuf,
+    /// The pods' devices' links, which come and go with the pods (see `pods`).
+    pub pod_links: PathBuf,
 }
 
 impl PinLayout {
@@ -165,6 +167,7 @@ impl PinLayout {
         Self {
             maps: dir.join(format!("maps-v{MAP_LAYOUT_VERSION}")),
             links: dir.join("links"),
+            pod_links: dir.join("pod-links"),
         }
     }
 }
@@ -344,13 +347,18 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
             }
             let egress = fds.pop().expect("two programs");
             let ingress = fds.pop().expect("two programs");
-            Some(PodDevices::start(cfg, ingress, egress).map_err(LoadError::PodDevices)?)
+            let pin_dir = layout.as_ref().map(|l| l.pod_links.as_path());
+            Some(PodDevices::start(cfg, ingress, egress, pin_dir).map_err(LoadError::PodDevices)?)
         }
         None => None,
     };
     // Only once the pods' devices translate may the socket hooks leave pods' traffic to
     // them; without a pod path, a pinned map from an earlier run is set back to "all".
     pods::write_sock_config(&mut ebpf, opts.pods.as_ref()).map_err(LoadError::PodDevices)?;
+    // The socket hooks take pods' traffic again: an earlier run's pod path can go.
+    if let (None, Some(l)) = (&opts.pods, &layout) {
+        remove_pinned(&l.pod_links)?;
+    }
     // Ours are attached: only now let the previous generation go.
     if let Some(l) = &layout {
         let entries = std::fs::read_dir(&l.links).map_err(pin_err(&l.links))?;

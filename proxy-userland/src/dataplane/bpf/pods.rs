@@ -6,13 +6,16 @@
 //! Pods come and go, and their devices with them, so a thread of its own (never the async
 //! runtime) looks at the namespace's devices twice a second: new matching devices get the
 //! programs through BPF links it holds, a device that went takes its links with it and its
-//! entry is forgotten. The links close when the watcher stops, i.e. with the daemon.
+//! entry is forgotten. Without a pin directory the links close when the watcher stops, i.e.
+//! with the daemon; with one they are pinned there ([`pins`]) and outlive it, as the socket
+//! hooks' do, so pods' UDP stays translated while the daemon restarts.
 
 use std::{
     collections::BTreeMap,
     ffi::CStr,
     io,
     os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicUsize, Ordering},
@@ -26,6 +29,7 @@ use aya::programs::ProgramFd;
 use crate::dataplane::netns;
 
 mod auto;
+mod pins;
 
 /// How often the devices are listed again.
 const RESCAN: Duration = Duration::from_millis(500);
@@ -125,6 +129,8 @@ fn devices_here() -> Vec<(u32, String)> {
 struct PodDevice {
     name: String,
     _links: [OwnedFd; 2],
+    /// Where its links are pinned (none without a pin directory).
+    pins: Vec<PathBuf>,
 }
 
 /// The watcher thread; stops and detaches everything on drop.
@@ -136,11 +142,18 @@ pub struct PodDevices {
 
 impl PodDevices {
     /// Attaches to the matching devices there are now (so the caller knows the programs
-    /// work here), then keeps watching from a thread.
-    pub fn start(cfg: &PodPathConfig, ingress: ProgramFd, egress: ProgramFd) -> io::Result<Self> {
+    /// work here), then keeps watching from a thread. With `pin_dir` (a bpffs folder) the
+    /// links are pinned there and replace those a previous daemon pinned (see [`pins`]).
+    pub fn start(
+        cfg: &PodPathConfig,
+        ingress: ProgramFd,
+        egress: ProgramFd,
+        pin_dir: Option<&Path>,
+    ) -> io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let attached = Arc::new(AtomicUsize::new(0));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let mut pins = pin_dir.map(pins::Pins::open).transpose()?;
         let thread = {
             let (cfg, stop, attached) = (cfg.clone(), stop.clone(), attached.clone());
             std::thread::Builder::new()
@@ -153,12 +166,13 @@ impl PodDevices {
                         return;
                     }
                     let mut devices: BTreeMap<u32, PodDevice> = BTreeMap::new();
-                    let first = rescan(&cfg, &ingress, &egress, &mut devices);
+                    let progs = (&ingress, &egress);
+                    let first = rescan(&cfg, progs, &mut devices, pins.as_mut());
                     attached.store(devices.len(), Ordering::Relaxed);
                     let _ = ready_tx.send(first);
                     while !stop.load(Ordering::Relaxed) {
                         std::thread::sleep(RESCAN);
-                        if let Err(e) = rescan(&cfg, &ingress, &egress, &mut devices) {
+                        if let Err(e) = rescan(&cfg, progs, &mut devices, pins.as_mut()) {
                             tracing::warn!("pod devices: {e}");
                         }
                         attached.store(devices.len(), Ordering::Relaxed);
@@ -192,13 +206,14 @@ impl Drop for PodDevices {
     }
 }
 
-/// Brings the attachments in line with the devices there are. A device that cannot take
-/// the programs is reported (and tried again next time); the others still get them.
+/// Brings the attachments (and their pins) in line with the devices there are. A device
+/// that cannot take the programs is reported (and tried again next time); the others still
+/// get them.
 fn rescan(
     cfg: &PodPathConfig,
-    ingress: &ProgramFd,
-    egress: &ProgramFd,
+    (ingress, egress): (&ProgramFd, &ProgramFd),
     devices: &mut BTreeMap<u32, PodDevice>,
+    pins: Option<&mut pins::Pins>,
 ) -> io::Result<()> {
     let found = if cfg.auto {
         auto_devices(cfg)?
@@ -209,23 +224,39 @@ fn rescan(
         .into_iter()
         .filter(|(ifindex, name)| cfg.matches(name) || found.contains(ifindex))
         .collect();
-    // Gone, or the index now names another device: its links went with the old device.
-    devices.retain(|ifindex, d| now.get(ifindex) == Some(&d.name));
+    // Gone, or the index now names another device: its links went with the old device, and
+    // its pins are all that holds them.
+    devices.retain(|ifindex, d| {
+        let here = now.get(ifindex) == Some(&d.name);
+        if !here {
+            pins::remove(&d.pins);
+        }
+        here
+    });
     let mut last_error = None;
-    for (ifindex, name) in now {
+    for (ifindex, name) in now.clone() {
         if devices.contains_key(&ifindex) {
             continue;
         }
         let links = tcx_attach(ingress, ifindex, BPF_TCX_INGRESS)
-            .and_then(|i| Ok([i, tcx_attach(egress, ifindex, BPF_TCX_EGRESS)?]));
+            .and_then(|i| Ok([i, tcx_attach(egress, ifindex, BPF_TCX_EGRESS)?]))
+            .and_then(|links| {
+                // Unpinned, the links would not outlive us: such a device is tried again.
+                let pinned = match pins.as_deref() {
+                    Some(p) => p.pin(ifindex, &name, &links)?,
+                    None => Vec::new(),
+                };
+                Ok((links, pinned))
+            });
         match links {
-            Ok(links) => {
+            Ok((links, pinned)) => {
                 tracing::info!(device = %name, "pod device: per-packet Service translation attached");
                 devices.insert(
                     ifindex,
                     PodDevice {
                         name,
                         _links: links,
+                        pins: pinned,
                     },
                 );
             }
@@ -238,6 +269,16 @@ fn rescan(
                 ))
             }
         }
+    }
+    // A previous daemon's links go once ours serve their device, or with their device; a
+    // device we could not attach to keeps them meanwhile.
+    if let Some(p) = pins {
+        let waiting: std::collections::BTreeSet<String> = now
+            .iter()
+            .filter(|(ifindex, _)| !devices.contains_key(ifindex))
+            .map(|(ifindex, name)| pins::device_key(*ifindex, name))
+            .collect();
+        p.release_inherited(|key| waiting.contains(key));
     }
     last_error.map_or(Ok(()), Err)
 }
