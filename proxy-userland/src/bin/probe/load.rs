@@ -430,20 +430,25 @@ struct HealthChecks {
 }
 
 impl HealthChecks {
+    /// Checks every target once before returning, as a load balancer sends nothing to a
+    /// target before its first health check passed; then keeps checking on a thread.
     fn start(pairs: &[(SocketAddr, SocketAddr)], timeout: Duration) -> Self {
-        let healthy = Arc::new(Mutex::new(Vec::new()));
+        let check = move |pairs: &[(SocketAddr, SocketAddr)]| -> Vec<SocketAddr> {
+            pairs
+                .iter()
+                .filter(|(_, health)| health_ok(*health, timeout))
+                .map(|(target, _)| *target)
+                .collect()
+        };
+        let healthy = Arc::new(Mutex::new(check(pairs)));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (healthy, stop, pairs) = (healthy.clone(), stop.clone(), pairs.to_vec());
             thread::spawn(move || {
                 while !stop.load(Ordering::SeqCst) && !STOP.load(Ordering::SeqCst) {
-                    let up: Vec<SocketAddr> = pairs
-                        .iter()
-                        .filter(|(_, health)| health_ok(*health, timeout))
-                        .map(|(target, _)| *target)
-                        .collect();
-                    *healthy.lock().unwrap_or_else(|e| e.into_inner()) = up;
                     thread::sleep(HEALTH_EVERY);
+                    let up = check(&pairs);
+                    *healthy.lock().unwrap_or_else(|e| e.into_inner()) = up;
                 }
             })
         };
