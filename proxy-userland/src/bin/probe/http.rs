@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use super::Replier;
+use super::serve::Replier;
 
 /// Set by SIGTERM when draining is asked for.
 static DRAINING: AtomicBool = AtomicBool::new(false);
