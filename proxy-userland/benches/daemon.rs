@@ -453,31 +453,14 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         // Steady churn on the odd services (the measured changes go to even ones).
         let churn = s.spawn(|| {
             let Feed::Api(api) = feed else { return 0.0 };
-            if opts.churn == 0 {
-                return 0.0;
-            }
-            let period = Duration::from_secs_f64(1.0 / f64::from(opts.churn));
-            let begun = Instant::now();
-            let deadline = begun + opts.phase + SAMPLE_TIMEOUT;
-            let mut next = begun;
-            let mut k: u32 = 0;
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                let i = ((k.wrapping_mul(7_919) % n) | 1).min(n - 1);
-                if i % 2 == 1 {
-                    let ip = cluster::endpoint_ip(1_000_000 + k);
-                    let _ = api.try_update(
-                        "endpointslices",
-                        cluster::slice(&service_name(i), &changed_endpoints(i, ip)),
-                    );
-                    churned.fetch_add(1, Ordering::Relaxed);
-                }
-                k = k.wrapping_add(1);
-                next += period;
-                if let Some(wait) = next.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(wait);
-                }
-            }
-            begun.elapsed().as_secs_f64()
+            cluster::churn(
+                api,
+                n,
+                opts.churn,
+                opts.phase + SAMPLE_TIMEOUT,
+                &stop,
+                &churned,
+            )
         });
         // Let the churn and the connections get going first.
         std::thread::sleep(Duration::from_millis(500));

@@ -203,3 +203,45 @@ pub fn write_file(path: &Path, text: &[u8]) -> anyhow::Result<()> {
     std::fs::rename(&tmp, path)?;
     Ok(())
 }
+
+/// Steady churn on the odd services of `n` (the measured changes go to even ones): `rate`
+/// endpoint changes a second written to `api`, until `stop` or `for_at_most` is over;
+/// counts them in `churned` and returns for how long it ran, in seconds.
+pub fn churn(
+    api: &ApiServer,
+    n: u32,
+    rate: u32,
+    for_at_most: std::time::Duration,
+    stop: &std::sync::atomic::AtomicBool,
+    churned: &std::sync::atomic::AtomicUsize,
+) -> f64 {
+    use std::{
+        sync::atomic::Ordering,
+        time::{Duration, Instant},
+    };
+    if rate == 0 {
+        return 0.0;
+    }
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate));
+    let begun = Instant::now();
+    let deadline = begun + for_at_most;
+    let mut next = begun;
+    let mut k: u32 = 0;
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        let i = ((k.wrapping_mul(7_919) % n) | 1).min(n - 1);
+        if i % 2 == 1 {
+            let ip = endpoint_ip(1_000_000 + k);
+            let _ = api.try_update(
+                "endpointslices",
+                slice(&service_name(i), &changed_endpoints(i, ip)),
+            );
+            churned.fetch_add(1, Ordering::Relaxed);
+        }
+        k = k.wrapping_add(1);
+        next += period;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+    begun.elapsed().as_secs_f64()
+}
