@@ -77,9 +77,15 @@ pub fn cluster_demo(opts: &DemoOptions) -> Result<()> {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    let clients: Vec<_> = (0..nodes)
+        .map(|i| c.add_pod_netns(i, &format!("client-{}", i + 1)))
+        .collect::<Result<_>>()?;
+    // A pod's containers start after its network is set up; here the clients would start
+    // within a millisecond, before the pod path's next look at the devices (twice a second)
+    // has put its programs on the new pods' veths.
+    thread::sleep(Duration::from_secs(1));
     let mut loads = Vec::new();
-    for i in 0..nodes {
-        let pod = c.add_pod_netns(i, &format!("client-{}", i + 1))?;
+    for (i, pod) in clients.iter().enumerate() {
         let cmd = c.probe_on(i, &pod.netns);
         let clients = [
             format!("tcp={WEB_IP}:80"),
