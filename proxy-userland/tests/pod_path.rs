@@ -369,3 +369,44 @@ fn node_ports_reach_pods_of_this_node_with_the_pod_path_on_their_devices() {
         assert_eq!(names(&udp), both, "16 sockets reach both pods: {udp:?}");
     }
 }
+
+/// A new pod's device gets the programs as it appears, not at the next look at the
+/// devices: its first datagrams to a ClusterIP, sent right after its network is set up,
+/// are answered. (Looking twice a second left a pod up to half a second with its UDP sent
+/// to the ClusterIP as it was.)
+#[test]
+fn a_new_pods_device_is_covered_as_it_appears() {
+    let mut s = setup("podnew", &[]);
+    for k in 0..3u8 {
+        let pod = s
+            .bed
+            .add_pod(&format!("late-{k}"), pod_ip(20 + k), None)
+            .expect("a new pod");
+        let added = std::time::Instant::now();
+        let answered = loop {
+            let out = std::process::Command::new(probe())
+                .arg("--netns")
+                .arg(&pod.netns)
+                .args(["udp", WEB_DNS, "--count", "1", "--timeout-ms", "20"])
+                .output()
+                .expect("probe runs");
+            let ok = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
+                .first()
+                .is_some_and(|o| o.is_ok());
+            if ok || added.elapsed() > std::time::Duration::from_secs(3) {
+                break ok.then(|| added.elapsed());
+            }
+        };
+        let took = answered.unwrap_or_else(|| {
+            panic!(
+                "pod late-{k} never reached the ClusterIP; log:\n{}",
+                s.daemon.log()
+            )
+        });
+        println!("pod late-{k}: first answer {took:?} after its device appeared");
+        assert!(
+            took < std::time::Duration::from_millis(150),
+            "pod late-{k}'s device was covered only after {took:?}"
+        );
+    }
+}

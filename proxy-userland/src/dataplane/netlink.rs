@@ -116,6 +116,74 @@ impl NetlinkSocket {
         }
     }
 
+    /// Joins the multicast `groups` (e.g. `RTMGRP_LINK`): the kernel then tells this socket
+    /// of every such change.
+    pub fn join_groups(&self, groups: u32) -> io::Result<()> {
+        // SAFETY: sockaddr_nl is plain data, for which all-zero is valid.
+        let mut sa: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
+        sa.nl_family = libc::AF_NETLINK as libc::sa_family_t;
+        sa.nl_groups = groups;
+        // SAFETY: the pointer and length describe `sa`, alive for the call.
+        let rc = unsafe {
+            libc::bind(
+                self.fd.as_raw_fd(),
+                (&raw const sa).cast(),
+                size_of::<libc::sockaddr_nl>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for a message; true if one came. All queued messages are then
+    /// read and dropped: the caller only wants to know that something changed (an overrun,
+    /// ENOBUFS, counts as a change too).
+    pub fn wait_for_news(&self, timeout: Duration) -> io::Result<bool> {
+        let mut pfd = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: one valid pollfd, alive for the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::Interrupted {
+                Ok(false)
+            } else {
+                Err(e)
+            };
+        }
+        if n == 0 {
+            return Ok(false);
+        }
+        let mut buf = [0u8; 8192];
+        // Bounded: a flood of changes is read in pieces across calls.
+        for _ in 0..1024 {
+            // SAFETY: the pointer and length describe `buf`, writable and ours.
+            let r = unsafe {
+                libc::recv(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if r < 0 {
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    Some(libc::ENOBUFS) | Some(libc::EINTR) => continue,
+                    _ if e.kind() == io::ErrorKind::WouldBlock => break,
+                    _ => return Err(e),
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// Reads the answer to a dump request sent on this socket: `each(type, payload)` for
     /// every message, until NLMSG_DONE; NLMSG_ERROR ends it with that error. Bounded: a
     /// dump that has not ended after [`MAX_DUMP_RECVS`] datagrams is an error. `what` names

@@ -4,8 +4,9 @@
 //! with the flow table) and `fp_pod_out` on tc egress (replies, shown as from the ClusterIP).
 //!
 //! Pods come and go, and their devices with them, so a thread of its own (never the async
-//! runtime) looks at the namespace's devices twice a second: new matching devices get the
-//! programs through BPF links it holds, a device that went takes its links with it and its
+//! runtime) looks at the namespace's devices whenever the kernel reports a device change
+//! (rtnetlink's link group), and twice a second anyway: new matching devices get the
+//! programs within milliseconds of appearing, through BPF links it holds, a device that went takes its links with it and its
 //! entry is forgotten. Without a pin directory the links close when the watcher stops, i.e.
 //! with the daemon; with one they are pinned there ([`pins`]) and outlive it, as the socket
 //! hooks' do, so pods' UDP stays translated while the daemon restarts.
@@ -31,7 +32,7 @@ use crate::dataplane::netns;
 mod auto;
 mod pins;
 
-/// How often the devices are listed again.
+/// How often the devices are listed again without news of a change.
 const RESCAN: Duration = Duration::from_millis(500);
 
 /// What the pod path is asked to cover.
@@ -140,6 +141,16 @@ pub struct PodDevices {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A socket the kernel tells of every device change in this thread's namespace
+/// (RTMGRP_LINK; no capability needed).
+fn link_news() -> io::Result<crate::dataplane::netlink::NetlinkSocket> {
+    const RTMGRP_LINK: u32 = 1;
+    let socket =
+        crate::dataplane::netlink::NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_ROUTE)?;
+    socket.join_groups(RTMGRP_LINK)?;
+    Ok(socket)
+}
+
 impl PodDevices {
     /// Attaches to the matching devices there are now (so the caller knows the programs
     /// work here), then keeps watching from a thread. With `pin_dir` (a bpffs folder) the
@@ -165,13 +176,30 @@ impl PodDevices {
                         let _ = ready_tx.send(Err(io::Error::other(e.to_string())));
                         return;
                     }
+                    // Told of every device change from before the first look, so a new
+                    // pod's device gets the programs as it appears; the looks twice a
+                    // second remain for what a lost message would hide.
+                    let news = link_news()
+                        .inspect_err(|e| {
+                            tracing::warn!(
+                                "pod devices: no link events ({e}); looking twice a second"
+                            )
+                        })
+                        .ok();
                     let mut devices: BTreeMap<u32, PodDevice> = BTreeMap::new();
                     let progs = (&ingress, &egress);
                     let first = rescan(&cfg, progs, &mut devices, pins.as_mut());
                     attached.store(devices.len(), Ordering::Relaxed);
                     let _ = ready_tx.send(first);
                     while !stop.load(Ordering::Relaxed) {
-                        std::thread::sleep(RESCAN);
+                        match news.as_ref().map(|n| n.wait_for_news(RESCAN)) {
+                            Some(Ok(_)) => {}
+                            Some(Err(e)) => {
+                                tracing::warn!("pod devices: reading link events: {e}");
+                                std::thread::sleep(RESCAN);
+                            }
+                            None => std::thread::sleep(RESCAN),
+                        }
                         if let Err(e) = rescan(&cfg, progs, &mut devices, pins.as_mut()) {
                             tracing::warn!("pod devices: {e}");
                         }
