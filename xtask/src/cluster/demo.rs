@@ -81,8 +81,8 @@ pub fn cluster_demo(opts: &DemoOptions) -> Result<()> {
         .map(|i| c.add_pod_netns(i, &format!("client-{}", i + 1)))
         .collect::<Result<_>>()?;
     // A pod's containers start after its network is set up; here the clients would start
-    // within a millisecond, before the pod path's next look at the devices (twice a second)
-    // has put its programs on the new pods' veths.
+    // within a millisecond, before the pod path has put its programs on the new pods'
+    // veths (a few milliseconds after they appear).
     thread::sleep(Duration::from_secs(1));
     let mut loads = Vec::new();
     for (i, pod) in clients.iter().enumerate() {
