@@ -8,6 +8,18 @@ use std::{
     time::Duration,
 };
 
+/// The header of every netlink message (linux/netlink.h `nlmsghdr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct NlMsgHdr {
+    pub len: u32,
+    pub ty: u16,
+    pub flags: u16,
+    pub seq: u32,
+    pub pid: u32,
+}
+const _: () = assert!(size_of::<NlMsgHdr>() == 16);
+
 pub struct NetlinkSocket {
     fd: OwnedFd,
 }
@@ -189,7 +201,7 @@ impl NetlinkSocket {
     /// dump that has not ended after [`MAX_DUMP_RECVS`] datagrams is an error. `what` names
     /// the dump in errors.
     pub fn read_dump(&self, what: &str, mut each: impl FnMut(u16, &[u8])) -> io::Result<()> {
-        const HDR: usize = 16;
+        const HDR: usize = size_of::<NlMsgHdr>();
         let mut buf = vec![0u8; 64 * 1024];
         for _ in 0..MAX_DUMP_RECVS {
             let n = self.recv(&mut buf)?;

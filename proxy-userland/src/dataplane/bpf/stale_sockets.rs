@@ -25,7 +25,7 @@ use std::{
 
 use bytemuck::{Pod, Zeroable};
 
-use crate::dataplane::netlink::{NLMSG_ERROR, NetlinkSocket, error_in};
+use crate::dataplane::netlink::{NLMSG_ERROR, NetlinkSocket, NlMsgHdr, error_in};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
@@ -34,16 +34,6 @@ const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
 /// UDP sockets report TCP_ESTABLISHED (1) once connected.
 const CONNECTED: u32 = 1 << 1;
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
-struct NlMsgHdr {
-    len: u32,
-    ty: u16,
-    flags: u16,
-    seq: u32,
-    pid: u32,
-}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]

@@ -12,7 +12,7 @@ use std::{collections::BTreeSet, io, mem::size_of, net::IpAddr};
 
 use bytemuck::{Pod, Zeroable};
 
-use crate::dataplane::netlink::NetlinkSocket;
+use crate::dataplane::netlink::{NetlinkSocket, NlMsgHdr};
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
@@ -24,16 +24,6 @@ const IFLA_INFO_KIND: u16 = 1;
 const IFLA_LINK_NETNSID: u16 = 37;
 /// The flag bits of an attribute's type (NLA_F_NESTED, NLA_F_NET_BYTEORDER).
 const NLA_TYPE_MASK: u16 = 0x3fff;
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
-struct NlMsgHdr {
-    len: u32,
-    ty: u16,
-    flags: u16,
-    seq: u32,
-    pid: u32,
-}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
