@@ -361,21 +361,7 @@ fn cleanup_for_a_namespace_leaves_nothing_of_ours() {
     assert!(ipt.stop().success(), "{}", ipt.log());
     assert!(!ours_in_node(&bed, device).is_empty());
 
-    let cleanup = std::process::Command::new(FASTPATH)
-        .args([
-            "--cleanup",
-            "--netns",
-            bed.node_netns(),
-            "--bpf-pin-dir",
-            pin_arg,
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        cleanup.status.success(),
-        "{}",
-        String::from_utf8_lossy(&cleanup.stderr)
-    );
+    let cleanup = cleanup_in(&bed, pin_arg);
     let log = String::from_utf8_lossy(&cleanup.stdout);
     let left = ours_in_node(&bed, device);
     assert!(left.is_empty(), "left after --cleanup: {left:#?}\n{log}");
@@ -522,6 +508,18 @@ fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
         !tc_programs(&bed, &client.node_veth).is_empty(),
         "the pod's programs stay attached without a daemon"
     );
+    cleanup_in(&bed, pin_arg);
+    assert!(
+        eventually(3, || tc_programs(&bed, &client.node_veth).is_empty()),
+        "left on the pod's device after --cleanup: {:?}",
+        tc_programs(&bed, &client.node_veth)
+    );
+    assert!(!pin.exists(), "the pin folder is gone");
+}
+
+/// `fastpath --cleanup` for the bed's node namespace and pin folder `pin_arg`, which must
+/// succeed; its output.
+fn cleanup_in(bed: &xtask::testbed::Testbed, pin_arg: &str) -> std::process::Output {
     let cleanup = std::process::Command::new(FASTPATH)
         .args([
             "--cleanup",
@@ -537,10 +535,5 @@ fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
         "{}",
         String::from_utf8_lossy(&cleanup.stderr)
     );
-    assert!(
-        eventually(3, || tc_programs(&bed, &client.node_veth).is_empty()),
-        "left on the pod's device after --cleanup: {:?}",
-        tc_programs(&bed, &client.node_veth)
-    );
-    assert!(!pin.exists(), "the pin folder is gone");
+    cleanup
 }
