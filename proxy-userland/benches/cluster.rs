@@ -69,27 +69,23 @@ struct Opts {
     max_others: f64,
 }
 
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 impl Opts {
     fn from_env() -> Opts {
         Opts {
-            nodes: env("FASTPATH_BENCH_CLUSTER_NODES", 3usize).clamp(1, 9),
-            services: env("FASTPATH_BENCH_CLUSTER_SERVICES", 10_000u32).clamp(2, 12_000),
-            samples: env("FASTPATH_BENCH_SAMPLES", 100usize).clamp(5, 2000),
-            churn: env("FASTPATH_BENCH_CHURN", 100u32).min(1000),
-            phase: Duration::from_secs(env("FASTPATH_BENCH_PHASE_SECS", 30u64).clamp(5, 3600)),
+            nodes: conditions::setting("FASTPATH_BENCH_CLUSTER_NODES", 3usize).clamp(1, 9),
+            services: conditions::setting("FASTPATH_BENCH_CLUSTER_SERVICES", 10_000u32)
+                .clamp(2, 12_000),
+            samples: conditions::setting("FASTPATH_BENCH_SAMPLES", 100usize).clamp(5, 2000),
+            churn: conditions::setting("FASTPATH_BENCH_CHURN", 100u32).min(1000),
+            phase: Duration::from_secs(
+                conditions::setting("FASTPATH_BENCH_PHASE_SECS", 30u64).clamp(5, 3600),
+            ),
             sync_limit: Duration::from_secs(
-                env("FASTPATH_BENCH_SYNC_SECS", 300u64).clamp(10, 3600),
+                conditions::setting("FASTPATH_BENCH_SYNC_SECS", 300u64).clamp(10, 3600),
             ),
             max_load: conditions::max_load(),
-            max_steal: env("FASTPATH_BENCH_MAX_STEAL", 5.0f64),
-            max_others: env("FASTPATH_BENCH_MAX_OTHERS", 25.0f64),
+            max_steal: conditions::setting("FASTPATH_BENCH_MAX_STEAL", 5.0f64),
+            max_others: conditions::setting("FASTPATH_BENCH_MAX_OTHERS", 25.0f64),
         }
     }
 }

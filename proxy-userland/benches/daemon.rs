@@ -113,13 +113,6 @@ struct Opts {
     iptables_max: u32,
 }
 
-fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn list(name: &str, default: &str) -> Vec<String> {
     std::env::var(name)
         .unwrap_or_else(|_| default.into())
@@ -152,15 +145,17 @@ impl Opts {
                     _ => None,
                 })
                 .collect(),
-            samples: env("FASTPATH_BENCH_SAMPLES", 100usize).clamp(5, 2000),
-            churn: env("FASTPATH_BENCH_CHURN", 100u32).min(1000),
-            phase: Duration::from_secs(env("FASTPATH_BENCH_PHASE_SECS", 30u64).clamp(5, 3600)),
-            sync_limit: Duration::from_secs(
-                env("FASTPATH_BENCH_SYNC_SECS", 300u64).clamp(10, 3600),
+            samples: conditions::setting("FASTPATH_BENCH_SAMPLES", 100usize).clamp(5, 2000),
+            churn: conditions::setting("FASTPATH_BENCH_CHURN", 100u32).min(1000),
+            phase: Duration::from_secs(
+                conditions::setting("FASTPATH_BENCH_PHASE_SECS", 30u64).clamp(5, 3600),
             ),
-            manifest_max: env("FASTPATH_BENCH_MANIFEST_MAX", 10_000u32),
-            manifest_chunk: env("FASTPATH_BENCH_MANIFEST_CHUNK", 500u32).max(1),
-            iptables_max: env("FASTPATH_BENCH_IPTABLES_MAX", u32::MAX),
+            sync_limit: Duration::from_secs(
+                conditions::setting("FASTPATH_BENCH_SYNC_SECS", 300u64).clamp(10, 3600),
+            ),
+            manifest_max: conditions::setting("FASTPATH_BENCH_MANIFEST_MAX", 10_000u32),
+            manifest_chunk: conditions::setting("FASTPATH_BENCH_MANIFEST_CHUNK", 500u32).max(1),
+            iptables_max: conditions::setting("FASTPATH_BENCH_IPTABLES_MAX", u32::MAX),
         }
     }
 }

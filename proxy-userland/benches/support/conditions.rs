@@ -10,6 +10,15 @@
 
 use std::process::Command;
 
+/// A setting from the environment (`FASTPATH_BENCH_*`), or `default` when it is unset or
+/// does not parse.
+pub fn setting<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The 1-minute load average.
 pub fn load_average() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
