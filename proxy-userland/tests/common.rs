@@ -612,3 +612,22 @@ pub fn shipped_config(dir: &Path) -> PathBuf {
     std::fs::write(&out, text).unwrap();
     out
 }
+
+/// The daemon in `mode` for the bed's node namespace (`--netns`), serving the manifest file
+/// `manifests`, without admin servers, plus `extra` flags.
+pub fn start_in_node(bed: &Testbed, mode: &str, manifests: &Path, extra: &[&str]) -> Daemon {
+    let mut args = vec![
+        "--proxy-mode",
+        mode,
+        "--netns",
+        bed.node_netns(),
+        "--manifests",
+        manifests.to_str().unwrap(),
+        "--healthz-bind-address",
+        "",
+        "--metrics-bind-address",
+        "",
+    ];
+    args.extend_from_slice(extra);
+    Daemon::start(bed.cgroup_path(), &args)
+}

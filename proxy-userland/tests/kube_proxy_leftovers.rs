@@ -75,20 +75,7 @@ fn start(bed: &Testbed, mode: &str, extra: &[&str]) -> Daemon {
     if !manifests.exists() {
         std::fs::write(&manifests, web_manifest(&[pod_ip(1)])).unwrap();
     }
-    let mut args = vec![
-        "--proxy-mode",
-        mode,
-        "--netns",
-        bed.node_netns(),
-        "--manifests",
-        manifests.to_str().unwrap(),
-        "--healthz-bind-address",
-        "",
-        "--metrics-bind-address",
-        "",
-    ];
-    args.extend_from_slice(extra);
-    Daemon::start(bed.cgroup_path(), &args)
+    start_in_node(bed, mode, &manifests, extra)
 }
 
 /// The proxier reports itself ready (after the leftovers went).

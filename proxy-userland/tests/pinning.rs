@@ -318,22 +318,7 @@ fn cleanup_for_a_namespace_leaves_nothing_of_ours() {
     let device = pods[0].node_veth.as_str();
     let manifests = bed.dir().join("manifests.yaml");
     std::fs::write(&manifests, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
-    let daemon = |mode: &str, extra: &[&str]| {
-        let mut args = vec![
-            "--proxy-mode",
-            mode,
-            "--netns",
-            bed.node_netns(),
-            "--manifests",
-            manifests.to_str().unwrap(),
-            "--healthz-bind-address",
-            "",
-            "--metrics-bind-address",
-            "",
-        ];
-        args.extend_from_slice(extra);
-        Daemon::start(bed.cgroup_path(), &args)
-    };
+    let daemon = |mode: &str, extra: &[&str]| start_in_node(&bed, mode, &manifests, extra);
 
     // eBPF mode with pins: its cgroup programs and its tc programs stay after it stops.
     let mut ebpf = daemon(
