@@ -147,7 +147,7 @@ pub struct Args {
 
     /// iptables mode: the tools to run, "system" (whatever `iptables` is), "legacy" or
     /// "nft": for a node whose other software uses the other one. Both restore 10,000
-    /// services in seconds; nft applies one change far faster (see the README's benchmarks).
+    /// services in seconds; nft applies one change far faster (see docs/benchmarks.md).
     #[arg(long, value_name = "BACKEND", default_value = "system", value_parser = ["system", "legacy", "nft"])]
     pub iptables_backend: String,
 

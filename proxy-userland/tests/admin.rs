@@ -318,7 +318,7 @@ fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
         daemon.log()
     );
     // The flow table is an LRU the kernel fills: its entries are counted off the sync path,
-    // every 30 s (README, fastpath_bpf_map_entries), so the count may lag that long.
+    // every 30 s (docs/metrics.md, fastpath_bpf_map_entries), so the count may lag that long.
     assert!(
         eventually(45, || {
             sample(

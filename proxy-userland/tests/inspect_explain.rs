@@ -275,7 +275,7 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
         pins,
     ]);
     assert!(table.starts_with("FRONTEND"), "{table}");
-    // What an operator sees (and the README shows).
+    // What an operator sees (and docs/inspect.md shows).
     eprintln!("$ fastpath inspect services\n{table}");
     let text = tool(&[
         "explain",

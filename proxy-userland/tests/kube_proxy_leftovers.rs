@@ -317,7 +317,7 @@ fn round_trip(stream: &mut BufReader<TcpStream>, word: &str) -> std::io::Result<
 /// conntrack state, and so keeps netfilter conntrack (and with it the translation of flows
 /// kube-proxy's DNAT set up) running in the namespace once kube-proxy's rules are gone: in
 /// a namespace where nothing else used conntrack, removing kube-proxy's rules would turn
-/// it off there and those flows would stop (see the README).
+/// it off there and those flows would stop (see docs/modes.md).
 const KUBELET_FIREWALL: &str = "*filter
 :KUBE-FIREWALL - [0:0]
 -A INPUT -j KUBE-FIREWALL

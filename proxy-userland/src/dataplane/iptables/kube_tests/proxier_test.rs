@@ -979,7 +979,7 @@ fn test_terminating_endpoints_traffic_policy_local() {
 
 /// Upstream's expected output for TestOverallIPTablesRules, in our addresses, with
 /// `{SEP spn ip:port}` for the endpoint chains (their names hash the endpoint's address).
-/// Left out on purpose (see README): kubelet's KUBE-FIREWALL chain, the nfacct matches and
+/// Left out on purpose (see docs/modes.md): kubelet's KUBE-FIREWALL chain, the nfacct matches and
 /// the localhost node-port rules (`-d 127.0.0.0/8 ... -m nfacct`).
 const OVERALL_EXPECTED: &str = r#"*filter
 :KUBE-NODEPORTS - [0:0]
