@@ -456,7 +456,11 @@ fn new_flow<P: Packet, I: Ip>(
     let Some((backend_id, b)) = choose_backend::<I>(fe, f, master, now) else {
         return Err(drop_as(nat::stat::DROP_NO_BACKEND));
     };
-    let snat = master.flags & flags::SNAT != 0 && b.flags & backend::flags::LOCAL == 0;
+    // Hairpin: a pod's flow that picked the pod itself. With its own address as the source
+    // its stack would drop the packet as a martian, so the source becomes the address the
+    // pod dialled (kube-proxy masquerades such traffic to the node's address instead).
+    let hairpin = I::same(&b.addr, &f.saddr);
+    let snat = hairpin || (master.flags & flags::SNAT != 0 && b.flags & backend::flags::LOCAL == 0);
     let reply = &mut w.reply;
     *reply = CtValue {
         addr: f.daddr,
@@ -468,8 +472,13 @@ fn new_flow<P: Packet, I: Ip>(
     };
     let (mut snat_addr, mut snat_port) = (I::Addr::default(), 0);
     if snat {
-        let Some(addr) = snat_address::<P, I>(pkt, f, b.addr, &mut w.fib) else {
-            return Err(drop_as(nat::stat::DROP_NAT));
+        let addr = if hairpin {
+            f.daddr
+        } else {
+            let Some(addr) = snat_address::<P, I>(pkt, f, b.addr, &mut w.fib) else {
+                return Err(drop_as(nat::stat::DROP_NAT));
+            };
+            addr
         };
         reply.snat_addr = f.saddr;
         reply.snat_port = f.sport;

@@ -17,7 +17,7 @@ use nat_common::*;
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::{AttachOptions, BpfDataplane, PacketPathConfig, loader},
+        bpf::{AttachOptions, BpfDataplane, PacketPathConfig, loader, maps::PacketFlow},
     },
     model::{Endpoint, Service},
 };
@@ -800,15 +800,17 @@ fn reaches_a_pod_on_node_b_through_snat(tag: &str, v6: bool) {
     }
     // Every flow went to pod-b with this node's address as its source, so the replies came
     // back here to be translated.
+    // The TCP connections have ended: their SNAT ports go back to the pool within seconds,
+    // so many short connections cannot use them all up. (A closing packet is seen on the
+    // node's softirq after the client returns: give the last one a moment.)
+    let all_closing = |flows: &[PacketFlow]| {
+        let tcp_flows = flows.iter().filter(|f| f.frontend.port() == NODE_PORT);
+        tcp_flows.clone().count() >= 20 && tcp_flows.clone().all(|f| f.closing)
+    };
+    eventually(2, || all_closing(&dp.programmer().maps().packet_flows()));
     let flows = dp.programmer().maps().packet_flows();
     assert!(flows.len() >= 25, "{flows:?}");
-    // The TCP connections have ended: their SNAT ports go back to the pool within seconds,
-    // so many short connections cannot use them all up.
-    let tcp_flows = flows.iter().filter(|f| f.frontend.port() == NODE_PORT);
-    assert!(
-        tcp_flows.clone().count() >= 20 && tcp_flows.clone().all(|f| f.closing),
-        "{flows:?}"
-    );
+    assert!(all_closing(&flows), "{flows:?}");
     assert!(
         flows
             .iter()

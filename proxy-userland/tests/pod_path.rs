@@ -188,6 +188,56 @@ fn outside_pod_reaches(s: &Setup, web: &str, web_dns: &str) {
     );
 }
 
+/// Hairpin: a pod that is one of its Service's backends reaches the Service from outside
+/// the hooks' cgroup, over TCP and UDP, v4 and v6, and every flow that picks the pod itself
+/// lands on it. Without a source rewrite the pod would get a packet from its own address on
+/// its device, which its stack drops as a martian, and such flows would time out.
+#[test]
+fn a_pod_reaches_itself_through_its_cluster_ip_on_its_device() {
+    let s = setup_for("hairpin", &[], true);
+    let pod1 = s.bed.pods()[0].netns.clone();
+    let from_pod1 = |args: &[&str]| {
+        let out = std::process::Command::new(probe())
+            .arg("--netns")
+            .arg(&pod1)
+            .args(args)
+            .output()
+            .expect("probe runs");
+        xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
+    };
+    for (web, web_dns) in [(WEB, WEB_DNS), (WEB6, WEB6_DNS)] {
+        let tcp = from_pod1(&["tcp", web, "--count", "20", "--timeout-ms", "1000"]);
+        let udp = from_pod1(&[
+            "udp",
+            web_dns,
+            "--count",
+            "20",
+            "--fresh-socket",
+            "--timeout-ms",
+            "1000",
+        ]);
+        for (what, out, shown) in [("tcp", &tcp, peer as Shown), ("udp", &udp, from)] {
+            assert!(
+                out.iter().all(|a| a.is_ok()),
+                "{what} to {web}: every flow from pod-1 is answered, those it picks itself \
+                 too: {out:?}\n{}",
+                s.daemon.log()
+            );
+            assert!(
+                reached(out).contains("pod-1"),
+                "{what} to {web}: 20 flows never picked pod-1 itself: {out:?}"
+            );
+            assert!(
+                out.iter()
+                    .all(|a| shown(a).is_some_and(|p| p == web || p == web_dns)),
+                "{what}: pod-1 sees only the ClusterIP: {out:?}"
+            );
+        }
+    }
+}
+
+type Shown = fn(&xtask::probe::Outcome) -> Option<&str>;
+
 /// Cilium's socketLB.hostNamespaceOnly: with the flag, a pod's TCP inside the cgroup is
 /// left to its device (new flows counted there); without it, the socket hook takes it and
 /// the device sees no new flow. The host's own sockets keep socket load-balancing.
