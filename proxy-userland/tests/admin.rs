@@ -229,7 +229,7 @@ fn a_bad_config_file_stops_the_daemon_with_the_field_named() {
         "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack: {maxPerCore: -5}\n",
     )
     .unwrap();
-    let out = std::process::Command::new(FASTPATH)
+    let out = xtask::seccomp::command(FASTPATH)
         .args([
             "--config",
             path.to_str().unwrap(),

@@ -342,10 +342,10 @@ impl Daemon {
         let mut cmd = match wrapper.split_first() {
             Some((program, rest)) => {
                 let mut c = Command::new(program);
-                c.args(rest).arg(FASTPATH);
+                c.args(rest).args(xtask::seccomp::prefix()).arg(FASTPATH);
                 c
             }
-            None => Command::new(FASTPATH),
+            None => xtask::seccomp::command(FASTPATH),
         };
         let child = cmd
             .arg("--cgroup-path")
@@ -383,6 +383,7 @@ impl Daemon {
         let (program, rest) = wrapper.split_first().expect("a wrapper");
         let child = Command::new(program)
             .args(rest)
+            .args(xtask::seccomp::prefix())
             .arg(FASTPATH)
             .args(args)
             .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
@@ -398,9 +399,10 @@ impl Daemon {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// The daemon's process id (for /proc/PID/status).
+    /// The daemon's process id (for /proc/PID/status and signals), strace's child when
+    /// `cargo xtask seccomp-trace` runs the test.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        xtask::seccomp::tracee(self.child.id())
     }
 
     /// Waits up to `secs` for the daemon to exit by itself.
@@ -418,7 +420,7 @@ impl Daemon {
     /// SIGTERM, as the kubelet stops a pod, and the exit status.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         // SAFETY: kill only takes integers and touches no memory of ours.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        unsafe { libc::kill(self.pid() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -435,6 +437,12 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        // Under a trace, strace writes its count once the daemon is gone.
+        let daemon = self.pid();
+        if daemon != self.child.id() {
+            // SAFETY: kill only takes integers and touches no memory of ours.
+            unsafe { libc::kill(daemon as i32, libc::SIGKILL) };
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
         // FASTPATH_KEEP_LOGS=1 keeps the daemon's log for a look after the run.

@@ -6,7 +6,7 @@ mod common;
 
 use std::{
     path::PathBuf,
-    process::{Command, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
@@ -38,7 +38,7 @@ impl Drop for TempDir {
 fn run(args: &[&str]) -> (Option<i32>, String, Duration) {
     let err = tempfile_path("stderr");
     let started = Instant::now();
-    let mut child = Command::new(FASTPATH)
+    let mut child = xtask::seccomp::command(FASTPATH)
         .args(["--healthz-bind-address", "", "--metrics-bind-address", ""])
         .args([
             "--nodeport-devices",

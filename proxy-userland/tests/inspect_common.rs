@@ -2,7 +2,7 @@
 //! apart.
 #![allow(dead_code)]
 
-use std::{collections::BTreeSet, process::Command};
+use std::collections::BTreeSet;
 
 use serde_json::Value;
 
@@ -10,7 +10,7 @@ const FASTPATH: &str = env!("CARGO_BIN_EXE_fastpath");
 
 /// `fastpath ARGS`' stdout; fails the test on a non-zero exit.
 pub fn tool(args: &[&str]) -> String {
-    let out = Command::new(FASTPATH)
+    let out = xtask::seccomp::command(FASTPATH)
         .args(args)
         .output()
         .expect("fastpath runs");

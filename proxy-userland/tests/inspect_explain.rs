@@ -139,7 +139,7 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
         ],
     );
     let synced = || {
-        Command::new(FASTPATH)
+        xtask::seccomp::command(FASTPATH)
             .args([
                 "explain",
                 "tcp",
@@ -300,7 +300,7 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
 
     // Without the daemon the maps alone still answer, by address.
     drop(daemon);
-    let out = Command::new(FASTPATH)
+    let out = xtask::seccomp::command(FASTPATH)
         .args([
             "inspect",
             "services",
@@ -346,7 +346,7 @@ fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
         ],
     );
     let synced = || {
-        Command::new(FASTPATH)
+        xtask::seccomp::command(FASTPATH)
             .args(["explain", "tcp", WEB, "--admin", &admin, "-o", "json"])
             .output()
             .ok()

@@ -117,7 +117,7 @@ fn inspect_in_iptables_mode_shows_the_rules_and_conntrack_and_tampering() {
     );
     let services = || json(&["inspect", "services", "--admin", &admin]);
     let synced = || {
-        Command::new(FASTPATH)
+        xtask::seccomp::command(FASTPATH)
             .args(["inspect", "services", "--admin", &admin, "-o", "json"])
             .output()
             .ok()
@@ -275,7 +275,7 @@ fn inspect_in_iptables_mode_shows_the_rules_and_conntrack_and_tampering() {
 
     // Without the daemon, the rules alone still answer, by address and comment.
     daemon.stop();
-    let out = Command::new(FASTPATH)
+    let out = xtask::seccomp::command(FASTPATH)
         .args([
             "inspect",
             "services",

@@ -33,10 +33,11 @@ impl Confined {
             "--inh-caps=-all".into(),
             "--no-new-privs".into(),
             "--".into(),
-            FASTPATH.into(),
         ];
         let mut argv: Vec<String> = prefix.iter().map(|s| s.to_string()).collect();
         argv.extend(setpriv);
+        argv.extend(xtask::seccomp::prefix());
+        argv.push(FASTPATH.into());
         argv.extend(
             [
                 "--hostname-override",
@@ -80,7 +81,11 @@ impl Confined {
 
     /// The effective capabilities of the running daemon, by name.
     fn effective_caps(&self) -> BTreeSet<String> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let status = std::fs::read_to_string(format!(
+            "/proc/{}/status",
+            xtask::seccomp::tracee(self.child.id())
+        ))
+        .unwrap();
         let hex = status
             .lines()
             .find_map(|l| l.strip_prefix("CapEff:"))
@@ -105,6 +110,11 @@ impl Confined {
 
 impl Drop for Confined {
     fn drop(&mut self) {
+        let daemon = xtask::seccomp::tracee(self.child.id());
+        if daemon != self.child.id() {
+            // SAFETY: kill only takes integers and touches no memory of ours.
+            unsafe { libc::kill(daemon as i32, libc::SIGKILL) };
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -198,6 +208,6 @@ fn iptables_mode_runs_with_net_admin_alone() {
     // SIGTERM, so --cleanup-on-exit removes the chains from the bed's namespace.
     // SAFETY: kill only takes integers and touches no memory of ours (and the child, seen
     // running just above, is not reaped, so the pid is still its own).
-    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    unsafe { libc::kill(xtask::seccomp::tracee(d.child.id()) as i32, libc::SIGTERM) };
     let _ = d.exited(10);
 }

@@ -241,7 +241,7 @@ endpoints: [{addresses: [198.18.1.11]}, {addresses: [198.18.1.12]}]
     );
     assert_eq!(reached(&without_daemon).len(), 2);
 
-    let cleanup = std::process::Command::new(FASTPATH)
+    let cleanup = xtask::seccomp::command(FASTPATH)
         .args(["--cleanup", "--bpf-pin-dir", pin_arg])
         .output()
         .unwrap();
@@ -505,7 +505,7 @@ fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
 /// `fastpath --cleanup` for the bed's node namespace and pin folder `pin_arg`, which must
 /// succeed; its output.
 fn cleanup_in(bed: &xtask::testbed::Testbed, pin_arg: &str) -> std::process::Output {
-    let cleanup = std::process::Command::new(FASTPATH)
+    let cleanup = xtask::seccomp::command(FASTPATH)
         .args([
             "--cleanup",
             "--netns",

@@ -14,6 +14,7 @@ pub mod image;
 pub mod netns;
 pub mod probe;
 pub mod run;
+pub mod seccomp;
 pub mod setup;
 pub mod signals;
 pub mod testbed;

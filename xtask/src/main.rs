@@ -93,6 +93,17 @@ enum Cmd {
     /// Build the container image localhost/fastpath:0.1.0 with podman, from a Debian root
     /// file system made by debootstrap (cached under target/image/) and the release binaries.
     Image,
+    /// Run the tests that start the real daemon (every mode, --cleanup, inspect, explain,
+    /// probes, SIGTERM) under `strace -f`, and rewrite deploy/seccomp/fastpath.json as the
+    /// allow-list of the system calls they made.
+    SeccompTrace {
+        /// Only these integration tests of proxy-userland (default: every daemon workload).
+        tests: Vec<String>,
+        /// Rewrite the profile from the last trace (target/seccomp-trace) without running
+        /// the tests again.
+        #[arg(long)]
+        no_run: bool,
+    },
     /// Set up, build (release), and run the demo; with --manifests or --kubeconfig, run the
     /// daemon instead.
     Run {
@@ -123,6 +134,7 @@ fn main() -> ExitCode {
         match Cli::parse().command {
             Cmd::Setup => xtask::setup::setup(),
             Cmd::Image => xtask::image::image(),
+            Cmd::SeccompTrace { tests, no_run } => xtask::seccomp::trace(&tests, !no_run),
             Cmd::Cluster { nodes, modes, wait } => {
                 let last = modes.last().cloned().unwrap_or_else(|| "ebpf".into());
                 let modes = (0..usize::from(nodes))

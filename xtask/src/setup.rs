@@ -31,6 +31,8 @@ pub const SYSTEM_TOOLS: &[(&str, &str)] = &[
     ("podman", "podman"),
     ("runc", "runc"),
     ("debootstrap", "debootstrap"),
+    // `cargo xtask seccomp-trace` counts the daemon's system calls with it.
+    ("strace", "strace"),
 ];
 
 const STAMP: &str = "bpf-linker.stamp";
