@@ -360,31 +360,60 @@ fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
             .unwrap_or_else(|e| panic!("deploy/seccomp/{name}: {e}")),
     )
     .expect("the profile is JSON");
-    assert_eq!(profile["defaultAction"], "SCMP_ACT_ALLOW", "{profile}");
-    let denied: Vec<&str> = profile["syscalls"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|r| r["action"] != "SCMP_ACT_ALLOW")
-        .flat_map(|r| {
-            r["names"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|n| n.as_str().unwrap())
-        })
-        .collect();
+    // An allow-list: what is not listed is refused (xtask/src/seccomp.rs makes it from a
+    // trace; tests/container_image.rs runs the daemon under it in every mode).
+    assert_eq!(profile["defaultAction"], "SCMP_ACT_ERRNO", "{profile}");
+    assert_eq!(
+        profile["defaultErrnoRet"], 1,
+        "EPERM, as a refused capability"
+    );
+    let arches = profile["architectures"].as_array().expect("architectures");
+    for arch in ["SCMP_ARCH_X86_64", "SCMP_ARCH_AARCH64"] {
+        assert!(arches.iter().any(|a| a == arch), "{arch} missing");
+    }
+    let rules = profile["syscalls"].as_array().unwrap();
+    for rule in rules {
+        assert_eq!(rule["action"], "SCMP_ACT_ALLOW", "only allow rules: {rule}");
+        assert!(
+            rule["comment"].as_str().is_some_and(|c| !c.is_empty()),
+            "every rule says why: {rule}"
+        );
+    }
+    let allowed = xtask::seccomp::allowed(&profile);
     for needed in [
         "bpf",
-        "perf_event_open",
         "setns",
         "socket",
         "sendmsg",
         "mount",
         "statfs",
+        "execve",
+        "clone3",
+        "epoll_wait",
+        "epoll_pwait",
+        "openat",
     ] {
-        assert!(!denied.contains(&needed), "the profile refuses {needed}");
+        assert!(allowed.contains(needed), "the profile refuses {needed}");
     }
+    // What the old deny-list named, and io_uring, stay refused.
+    for dangerous in xtask::seccomp::NEVER {
+        assert!(
+            !allowed.contains(*dangerous),
+            "the profile allows {dangerous}"
+        );
+    }
+    // Nothing but the trace and the documented extras: the file is what the tracer writes.
+    let traced: std::collections::BTreeSet<String> = rules[0]["names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        xtask::seccomp::profile(&traced).unwrap(),
+        profile,
+        "deploy/seccomp/{name} differs from what `cargo xtask seccomp-trace --no-run` writes"
+    );
 
     // The init container: node set-up, privileged (sysctls), installs the profile under
     // the kubelet's seccomp root as the name the daemon's container asks for.
