@@ -17,10 +17,10 @@
 use proxy_common::{CtKey, CtValue, nat, proto};
 
 use crate::{
-    ip::{ETH_HLEN, Ip},
+    flow::Flow,
+    ip::{ETH_HLEN, Ip, scratch},
     kernel,
     maps::{Lookup, count},
-    nodeport::{Flow, scratch},
     packet::{FIB_NOT_FWDED, FIB_SUCCESS, Packet},
 };
 
@@ -255,7 +255,7 @@ fn send_on<P: Packet, I: Ip>(
     daddr: I::Addr,
 ) -> i32 {
     let tot_len = I::tot_len(pkt);
-    let ret = pkt.fib_lookup::<I>(fib, I::ICMP, 0, 0, saddr, daddr, tot_len);
+    let ret = I::fib_lookup(pkt, fib, I::ICMP, 0, 0, saddr, daddr, tot_len);
     if ret == FIB_NOT_FWDED {
         return P::PASS;
     }

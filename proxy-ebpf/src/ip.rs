@@ -2,8 +2,11 @@
 //! backends and flows live in, and, for the packet path, where its header keeps the
 //! addresses. [`crate::lb`] and [`crate::nodeport`] are written once over [`Ip`].
 
+use core::mem;
+
 use aya_ebpf::{
     bindings::bpf_fib_lookup as FibParams,
+    helpers::bpf_fib_lookup,
     maps::{LruHashMap, lpm_trie::Key as LpmKey},
 };
 use proxy_common::{
@@ -12,11 +15,11 @@ use proxy_common::{
 };
 
 use crate::{
+    flow::Scratch,
     maps::{
         BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, Lookup, NODE_ADDRS4,
         NODE_ADDRS6, SCRATCH4, SCRATCH6, SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6,
     },
-    nodeport::Scratch,
     packet::Packet,
 };
 
@@ -92,6 +95,35 @@ pub trait Ip {
     fn tot_len<P: Packet>(pkt: &P) -> u16;
     /// Sets the FIB lookup's family and addresses.
     fn fib_params(p: &mut FibParams, saddr: Self::Addr, daddr: Self::Addr);
+
+    /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device; `p`
+    /// is filled in (the caller's, so the 64-byte struct is not copied around).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn fib_lookup<P: Packet>(
+        pkt: &P,
+        p: &mut FibParams,
+        proto: u8,
+        sport: u16,
+        dport: u16,
+        saddr: Self::Addr,
+        daddr: Self::Addr,
+        tot_len: u16,
+    ) -> i64 {
+        // SAFETY: bpf_fib_lookup is integers and unions of integers: all zeros is a valid
+        // value, and the one the helper expects in the fields we do not set.
+        *p = unsafe { mem::zeroed() };
+        Self::fib_params(p, saddr, daddr);
+        p.l4_protocol = proto;
+        p.sport = sport;
+        p.dport = dport;
+        p.__bindgen_anon_1.tot_len = tot_len;
+        p.ifindex = pkt.ifindex();
+        let size = mem::size_of::<FibParams>() as i32;
+        // SAFETY: our own program's context, and a live, exclusively borrowed parameter
+        // struct of exactly the size passed, which is all the helper reads and writes.
+        unsafe { bpf_fib_lookup(pkt.as_ctx(), p, size, 0) }
+    }
 
     /// The master (slot 0) or slot entry of a frontend in `scope`.
     fn service(
@@ -347,4 +379,13 @@ pub fn words(b: [u8; 16]) -> [u32; 4] {
 #[inline(always)]
 pub fn bytes(w: [u32; 4]) -> [u8; 16] {
     bytemuck::cast(w)
+}
+
+/// This CPU's scratch entry (see [`Scratch`]).
+#[inline(always)]
+pub(crate) fn scratch<I: Ip>() -> Option<&'static mut Scratch<I::Addr>> {
+    // SAFETY: a non-null lookup result is this CPU's entry of the map, a `Scratch` that
+    // stays allocated while we run (see `maps::Lookup`); programs on one CPU run one at a
+    // time (see `Scratch`), so this is the only reference into it.
+    I::scratch().map(|s| unsafe { &mut *s })
 }

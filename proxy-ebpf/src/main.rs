@@ -7,6 +7,7 @@
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
 //!   The same per-packet translation on the pods' devices serves pods whose sockets the
 //!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
+//! - [`flow`]: one packet's tuple and the per-CPU scratch space its translation works in.
 //! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
@@ -20,6 +21,7 @@
 #![no_std]
 #![no_main]
 
+mod flow;
 mod icmp;
 mod ip;
 mod kernel;

@@ -18,7 +18,7 @@ use proxy_common::{
     nat::stat,
 };
 
-use crate::nodeport::Scratch;
+use crate::flow::Scratch;
 
 #[map(name = "FP_SERVICES4")]
 pub static SERVICES4: HashMap<Service4Key, ServiceValue> =
@@ -86,7 +86,7 @@ pub static DEVICE_ADDRS6: HashMap<u32, Addr6> = HashMap::with_max_entries(NODE_A
 #[map(name = "FP_SOCK_CFG")]
 pub static SOCK_CONFIG: Array<SockConfig> = Array::with_max_entries(1, 0);
 
-/// Per CPU, what one packet's translation works on (see `nodeport::Scratch`); not shared
+/// Per CPU, what one packet's translation works on (see `flow::Scratch`); not shared
 /// with the daemon.
 #[map(name = "FP_SCRATCH4")]
 pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1, 0);

@@ -21,8 +21,9 @@ use proxy_common::{
 };
 
 use crate::{
+    flow::{Flow, Frontend, FrontendAt, Nat, Scratch, Work},
     icmp,
-    ip::{Backend, Ip, V4, V6},
+    ip::{Backend, Ip, V4, V6, scratch},
     kernel,
     lb::{pick_slot, serves},
     maps::{AFFINITY, Lookup, count},
@@ -31,88 +32,6 @@ use crate::{
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
 const SNAT_TRIES: u32 = 8;
-
-/// The tuple of one TCP or UDP packet, addresses and ports as in the packet.
-#[derive(Clone, Copy)]
-pub struct Flow<A> {
-    pub(crate) saddr: A,
-    pub(crate) daddr: A,
-    pub(crate) sport: u16,
-    pub(crate) dport: u16,
-    pub(crate) proto: u8,
-    /// Offset of the L4 header.
-    pub(crate) l4: usize,
-    /// TCP flags (0 for UDP).
-    pub(crate) tcp_flags: u8,
-}
-
-const TCP_FIN: u8 = 0x01;
-const TCP_SYN: u8 = 0x02;
-const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
-
-impl<A: Copy> Flow<A> {
-    fn key(&self, dir: u8) -> CtKey<A> {
-        CtKey {
-            saddr: self.saddr,
-            daddr: self.daddr,
-            sport: self.sport,
-            dport: self.dport,
-            proto: self.proto,
-            dir,
-            _pad: [0; 2],
-        }
-    }
-
-    /// Whether an entry last seen at `last_seen` with `flags` is past its time.
-    pub(crate) fn expired(&self, last_seen: u64, flags: u16, now: u64) -> bool {
-        now.wrapping_sub(last_seen) > nat::ct_timeout_ns(self.proto, flags)
-    }
-
-    /// A FIN or RST: the connection is ending.
-    fn ending(&self) -> bool {
-        self.tcp_flags & (TCP_FIN | TCP_RST) != 0
-    }
-
-    /// A SYN without ACK: a client opening a connection (maybe reusing a port).
-    fn opening(&self) -> bool {
-        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-    }
-
-    /// The flags an entry of this flow carries after this packet.
-    fn mark(&self, flags: u16) -> u16 {
-        if self.ending() {
-            flags | nat::ct_flags::CLOSING
-        } else {
-            flags
-        }
-    }
-}
-
-/// What one packet's translation works on, kept in a per-CPU map (`maps::SCRATCH4`,
-/// `SCRATCH6`) rather than on the stack: with IPv6 addresses the flow, its two entries and
-/// the FIB's parameters do not fit the 512 bytes BPF allows beside everything else. A
-/// program runs to its end on its CPU before the next one there starts (softirq), so one
-/// entry per CPU is enough.
-pub struct Scratch<A> {
-    pub(crate) flow: Flow<A>,
-    pub(crate) work: Work<A>,
-}
-
-/// The parts of [`Scratch`] a new flow and a redirect fill in.
-pub(crate) struct Work<A> {
-    frontend: Frontend<A>,
-    pub(crate) fib: FibParams,
-    reply: CtValue<A>,
-    pub(crate) forward: CtValue<A>,
-}
-
-/// What to turn a packet into: a new destination, and maybe a new source.
-#[derive(Clone, Copy)]
-struct Nat<A> {
-    dst: Option<(A, u16)>,
-    src: Option<(A, u16)>,
-}
 
 /// Reads the packet's tuple into `f`; None for packets that are not ours to translate.
 #[inline(always)]
@@ -130,15 +49,6 @@ fn parse<P: Packet, I: Ip>(pkt: &P, f: &mut Flow<I::Addr>) -> Option<()> {
         0
     };
     Some(())
-}
-
-/// This CPU's scratch entry (see [`Scratch`]).
-#[inline(always)]
-pub(crate) fn scratch<I: Ip>() -> Option<&'static mut Scratch<I::Addr>> {
-    // SAFETY: a non-null lookup result is this CPU's entry of the map, a `Scratch` that
-    // stays allocated while we run (see `maps::Lookup`); programs on one CPU run one at a
-    // time (see `Scratch`), so this is the only reference into it.
-    I::scratch().map(|s| unsafe { &mut *s })
 }
 
 /// Rewrites one address and port of the packet (`source` picks which), fixing the IP and
@@ -238,7 +148,7 @@ fn redirect_translated<P: Packet, I: Ip>(
     // segment by segment for a GSO packet, whose IP length counts all its segments and
     // would fail the check (a client's TSO burst, dropped whole).
     let tot_len = if P::XDP { I::tot_len(pkt) } else { 0 };
-    let ret = pkt.fib_lookup::<I>(fib, f.proto, sport, dport, saddr, daddr, tot_len);
+    let ret = I::fib_lookup(pkt, fib, f.proto, sport, dport, saddr, daddr, tot_len);
     if ret == FIB_NOT_FWDED {
         apply::<P, I>(pkt, f, nat)?;
         return Ok(P::PASS);
@@ -286,15 +196,6 @@ fn reply_nat<I: Ip>(f: &Flow<I::Addr>, now: u64) -> Option<(Nat<I::Addr>, bool)>
 #[inline(always)]
 fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>) -> bool {
     nat.src.is_some_and(|(addr, _)| I::node_address(addr))
-}
-
-/// Where a frontend's entries are stored: its address (0 for node ports) and scope.
-type FrontendAt<A> = (A, u8);
-
-/// A frontend a packet is addressed to, and its master entry.
-struct Frontend<A> {
-    at: FrontendAt<A>,
-    master: ServiceValue,
 }
 
 /// The master entry of the frontend this packet is addressed to: its own address (external
@@ -423,7 +324,7 @@ fn snat_address<P: Packet, I: Ip>(
     p: &mut FibParams,
 ) -> Option<I::Addr> {
     let any = I::Addr::default();
-    let ret = pkt.fib_lookup::<I>(p, f.proto, f.sport, f.dport, any, backend, 0);
+    let ret = I::fib_lookup(pkt, p, f.proto, f.sport, f.dport, any, backend, 0);
     if ret != crate::packet::FIB_SUCCESS && ret != crate::packet::FIB_NO_NEIGH {
         return None;
     }

@@ -6,16 +6,11 @@ use core::{ffi::c_void, mem};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT,
-        bpf_fib_lookup as FibParams, xdp_action,
-    },
-    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    helpers::{bpf_redirect, bpf_redirect_neigh},
     programs::{TcContext, XdpContext},
 };
 use bytemuck::Pod;
-
-use crate::ip::Ip;
 
 pub const FIB_SUCCESS: i64 = 0;
 pub const FIB_NOT_FWDED: i64 = 4;
@@ -50,35 +45,6 @@ pub trait Packet {
     fn can_redirect(fib_ret: i64) -> bool;
     /// Sends the packet out of the FIB's device (MACs already set on success).
     fn redirect(&mut self, fib_ret: i64, ifindex: u32) -> i32;
-
-    /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device; `p`
-    /// is filled in (the caller's, so the 64-byte struct is not copied around).
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    fn fib_lookup<I: Ip>(
-        &self,
-        p: &mut FibParams,
-        proto: u8,
-        sport: u16,
-        dport: u16,
-        saddr: I::Addr,
-        daddr: I::Addr,
-        tot_len: u16,
-    ) -> i64 {
-        // SAFETY: bpf_fib_lookup is integers and unions of integers: all zeros is a valid
-        // value, and the one the helper expects in the fields we do not set.
-        *p = unsafe { mem::zeroed() };
-        I::fib_params(p, saddr, daddr);
-        p.l4_protocol = proto;
-        p.sport = sport;
-        p.dport = dport;
-        p.__bindgen_anon_1.tot_len = tot_len;
-        p.ifindex = self.ifindex();
-        let size = mem::size_of::<FibParams>() as i32;
-        // SAFETY: our own program's context, and a live, exclusively borrowed parameter
-        // struct of exactly the size passed, which is all the helper reads and writes.
-        unsafe { bpf_fib_lookup(self.as_ctx(), p, size, 0) }
-    }
 }
 
 impl Packet for TcContext {

@@ -43,7 +43,7 @@ pub struct SliceInfo {
 /// several slices, and an address may appear in more than one.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EndpointSet {
-    pub slices: Slices,
+    pub slices: Slices<SliceInfo>,
 }
 
 /// An endpoint resolved for one service port: where to send, plus the conditions that

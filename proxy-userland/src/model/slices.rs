@@ -7,18 +7,24 @@
 
 use std::{collections::BTreeMap, ops::Index};
 
-use super::endpoint::SliceInfo;
+/// Generic over the slice type so that this container needs nothing from the model's
+/// endpoint types, which hold it (`Slices<SliceInfo>`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slices<T>(Vec<(String, T)>);
 
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Slices(Vec<(String, SliceInfo)>);
+impl<T> Default for Slices<T> {
+    fn default() -> Self {
+        Self(Vec::new())
+    }
+}
 
-impl Slices {
+impl<T> Slices<T> {
     fn find(&self, name: &str) -> Result<usize, usize> {
         self.0.binary_search_by(|(n, _)| n.as_str().cmp(name))
     }
 
     /// Sets slice `name`; returns the slice it replaced.
-    pub fn insert(&mut self, name: String, slice: SliceInfo) -> Option<SliceInfo> {
+    pub fn insert(&mut self, name: String, slice: T) -> Option<T> {
         match self.find(&name) {
             Ok(i) => Some(std::mem::replace(&mut self.0[i].1, slice)),
             Err(i) => {
@@ -28,11 +34,11 @@ impl Slices {
         }
     }
 
-    pub fn remove(&mut self, name: &str) -> Option<SliceInfo> {
+    pub fn remove(&mut self, name: &str) -> Option<T> {
         self.find(name).ok().map(|i| self.0.remove(i).1)
     }
 
-    pub fn get(&self, name: &str) -> Option<&SliceInfo> {
+    pub fn get(&self, name: &str) -> Option<&T> {
         self.find(name).ok().map(|i| &self.0[i].1)
     }
 
@@ -54,19 +60,19 @@ impl Slices {
     }
 
     /// Slices, in the order of their names.
-    pub fn values(&self) -> impl Iterator<Item = &SliceInfo> {
+    pub fn values(&self) -> impl Iterator<Item = &T> {
         self.0.iter().map(|(_, s)| s)
     }
 
     /// (name, slice), in order.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &SliceInfo)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &T)> {
         self.0.iter().map(|(n, s)| (n, s))
     }
 }
 
-impl FromIterator<(String, SliceInfo)> for Slices {
+impl<T> FromIterator<(String, T)> for Slices<T> {
     /// A name given twice keeps its last slice, as collecting into a map would.
-    fn from_iter<I: IntoIterator<Item = (String, SliceInfo)>>(iter: I) -> Self {
+    fn from_iter<I: IntoIterator<Item = (String, T)>>(iter: I) -> Self {
         let mut slices = Slices::default();
         for (name, slice) in iter {
             slices.insert(name, slice);
@@ -76,37 +82,38 @@ impl FromIterator<(String, SliceInfo)> for Slices {
     }
 }
 
-impl<const N: usize> From<[(String, SliceInfo); N]> for Slices {
-    fn from(slices: [(String, SliceInfo); N]) -> Self {
+impl<T, const N: usize> From<[(String, T); N]> for Slices<T> {
+    fn from(slices: [(String, T); N]) -> Self {
         slices.into_iter().collect()
     }
 }
 
-impl Index<&str> for Slices {
-    type Output = SliceInfo;
+impl<T> Index<&str> for Slices<T> {
+    type Output = T;
 
-    fn index(&self, name: &str) -> &SliceInfo {
+    fn index(&self, name: &str) -> &T {
         self.get(name)
             .unwrap_or_else(|| panic!("no slice named {name:?}"))
     }
 }
 
 /// As a map of name to slice (what /debug/model has always shown).
-impl serde::Serialize for Slices {
+impl<T: serde::Serialize> serde::Serialize for Slices<T> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.collect_map(self.iter())
     }
 }
 
-impl<'de> serde::Deserialize<'de> for Slices {
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Slices<T> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        BTreeMap::<String, SliceInfo>::deserialize(d).map(|m| m.into_iter().collect())
+        BTreeMap::<String, T>::deserialize(d).map(|m| m.into_iter().collect())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::SliceInfo;
 
     fn slice(n: u16) -> SliceInfo {
         SliceInfo {
@@ -133,11 +140,12 @@ mod tests {
         assert_eq!(s.remove("a"), None);
         assert_eq!(s.len(), 2);
         let json = serde_json::to_string(&s).unwrap();
-        let back: Slices = serde_json::from_str(&json).unwrap();
+        let back: Slices<SliceInfo> = serde_json::from_str(&json).unwrap();
         assert_eq!(back, s);
-        let from_pairs: Slices = [("c".to_string(), slice(3)), ("b".to_string(), slice(20))]
-            .into_iter()
-            .collect();
+        let from_pairs: Slices<SliceInfo> =
+            [("c".to_string(), slice(3)), ("b".to_string(), slice(20))]
+                .into_iter()
+                .collect();
         assert_eq!(from_pairs, s);
     }
 }

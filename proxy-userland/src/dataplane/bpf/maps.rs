@@ -26,11 +26,11 @@ use proxy_common::{
     service::scope,
 };
 
-use super::{
-    loader::LoadError,
-    program::{BackendAddr, Frontend},
+use super::loader::LoadError;
+use crate::{
+    dataplane::frontends::{BackendAddr, Frontend, FrontendScope},
+    model::Protocol,
 };
-use crate::{dataplane::frontends::FrontendScope, model::Protocol};
 
 mod census;
 

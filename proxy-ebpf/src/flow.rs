@@ -1,0 +1,97 @@
+//! The state of one packet's translation: its tuple, the frontend it is addressed to, and
+//! the per-CPU scratch space the node-port and ICMP code work in. Plain data, so that the
+//! maps and the per-family glue can name it without depending on the translation itself.
+
+use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
+use proxy_common::{CtKey, CtValue, ServiceValue, nat};
+
+/// The tuple of one TCP or UDP packet, addresses and ports as in the packet.
+#[derive(Clone, Copy)]
+pub struct Flow<A> {
+    pub(crate) saddr: A,
+    pub(crate) daddr: A,
+    pub(crate) sport: u16,
+    pub(crate) dport: u16,
+    pub(crate) proto: u8,
+    /// Offset of the L4 header.
+    pub(crate) l4: usize,
+    /// TCP flags (0 for UDP).
+    pub(crate) tcp_flags: u8,
+}
+
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+
+impl<A: Copy> Flow<A> {
+    pub(crate) fn key(&self, dir: u8) -> CtKey<A> {
+        CtKey {
+            saddr: self.saddr,
+            daddr: self.daddr,
+            sport: self.sport,
+            dport: self.dport,
+            proto: self.proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+
+    /// Whether an entry last seen at `last_seen` with `flags` is past its time.
+    pub(crate) fn expired(&self, last_seen: u64, flags: u16, now: u64) -> bool {
+        now.wrapping_sub(last_seen) > nat::ct_timeout_ns(self.proto, flags)
+    }
+
+    /// A FIN or RST: the connection is ending.
+    pub(crate) fn ending(&self) -> bool {
+        self.tcp_flags & (TCP_FIN | TCP_RST) != 0
+    }
+
+    /// A SYN without ACK: a client opening a connection (maybe reusing a port).
+    pub(crate) fn opening(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+
+    /// The flags an entry of this flow carries after this packet.
+    pub(crate) fn mark(&self, flags: u16) -> u16 {
+        if self.ending() {
+            flags | nat::ct_flags::CLOSING
+        } else {
+            flags
+        }
+    }
+}
+
+/// What one packet's translation works on, kept in a per-CPU map (`maps::SCRATCH4`,
+/// `SCRATCH6`) rather than on the stack: with IPv6 addresses the flow, its two entries and
+/// the FIB's parameters do not fit the 512 bytes BPF allows beside everything else. A
+/// program runs to its end on its CPU before the next one there starts (softirq), so one
+/// entry per CPU is enough.
+pub struct Scratch<A> {
+    pub(crate) flow: Flow<A>,
+    pub(crate) work: Work<A>,
+}
+
+/// The parts of [`Scratch`] a new flow and a redirect fill in.
+pub(crate) struct Work<A> {
+    pub(crate) frontend: Frontend<A>,
+    pub(crate) fib: FibParams,
+    pub(crate) reply: CtValue<A>,
+    pub(crate) forward: CtValue<A>,
+}
+
+/// What to turn a packet into: a new destination, and maybe a new source.
+#[derive(Clone, Copy)]
+pub(crate) struct Nat<A> {
+    pub(crate) dst: Option<(A, u16)>,
+    pub(crate) src: Option<(A, u16)>,
+}
+
+/// Where a frontend's entries are stored: its address (0 for node ports) and scope.
+pub(crate) type FrontendAt<A> = (A, u8);
+
+/// A frontend a packet is addressed to, and its master entry.
+pub(crate) struct Frontend<A> {
+    pub(crate) at: FrontendAt<A>,
+    pub(crate) master: ServiceValue,
+}
