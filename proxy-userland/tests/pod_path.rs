@@ -99,9 +99,14 @@ fn setup_for(tag: &str, extra: &[&str], dual: bool) -> Setup {
 
 /// Runs the probe in the client pod but outside the hooks' cgroup.
 fn outside_cgroup(s: &Setup, args: &[&str]) -> Vec<xtask::probe::Outcome> {
+    probe_in(&s.client.netns, args)
+}
+
+/// Runs the probe in network namespace `netns`, in no cgroup of the hooks.
+fn probe_in(netns: &str, args: &[&str]) -> Vec<xtask::probe::Outcome> {
     let out = std::process::Command::new(probe())
         .arg("--netns")
-        .arg(&s.client.netns)
+        .arg(netns)
         .args(args)
         .output()
         .expect("probe runs");
@@ -196,15 +201,7 @@ fn outside_pod_reaches(s: &Setup, web: &str, web_dns: &str) {
 fn a_pod_reaches_itself_through_its_cluster_ip_on_its_device() {
     let s = setup_for("hairpin", &[], true);
     let pod1 = s.bed.pods()[0].netns.clone();
-    let from_pod1 = |args: &[&str]| {
-        let out = std::process::Command::new(probe())
-            .arg("--netns")
-            .arg(&pod1)
-            .args(args)
-            .output()
-            .expect("probe runs");
-        xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
-    };
+    let from_pod1 = |args: &[&str]| probe_in(&pod1, args);
     for (web, web_dns) in [(WEB, WEB_DNS), (WEB6, WEB6_DNS)] {
         let tcp = from_pod1(&["tcp", web, "--count", "20", "--timeout-ms", "1000"]);
         let udp = from_pod1(&[
