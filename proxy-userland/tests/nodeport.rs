@@ -42,10 +42,21 @@ fn attach_opts(
     xdp: bool,
     pin_dir: Option<&std::path::Path>,
 ) -> BpfDataplane {
+    attach_cidrs(bed, devices, xdp, pin_dir, vec![])
+}
+
+/// As [`attach_opts`], with `--nodeport-addresses` CIDRs.
+fn attach_cidrs(
+    bed: &Testbed,
+    devices: &[&str],
+    xdp: bool,
+    pin_dir: Option<&std::path::Path>,
+    node_port_cidrs: Vec<(IpAddr, u8)>,
+) -> BpfDataplane {
     let packet = PacketPathConfig {
         netns: Some(bed.node_netns().to_string()),
         devices: devices.iter().map(|d| d.to_string()).collect(),
-        node_port_cidrs: vec![],
+        node_port_cidrs,
         xdp,
     };
     let opts = AttachOptions {
@@ -199,6 +210,36 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
 
 /// The outside client's IPv6 address, beside its IPv4 one (see `external_client`).
 const EXT6: &str = "2001:db8:2::1";
+
+/// `--nodeport-addresses` with IPv4 CIDRs only: the IPv6 node ports still answer, on
+/// every IPv6 address of the node, as kube-proxy's NewNodePortAddresses decides (a family
+/// without CIDRs is all of its addresses).
+#[test]
+fn nodeport_addresses_of_one_family_leave_the_other_on_every_address() {
+    let (mut bed, _pods) = bed_with_dual_stack_pods("npfam", 1, &[]);
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
+        .expect("external client namespace");
+    let v4_only = vec![(IpAddr::V4(bed.node_ipv4()), 32)];
+    let mut dp = attach_cidrs(&bed, &[&ext.node_veth], false, None, v4_only);
+    let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
+    svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());
+    let eps = web_endpoints(
+        [ready(pod_ip(1)), ready6(1)]
+            .into_iter()
+            .map(|e| on("node-a", e))
+            .collect(),
+    );
+    let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+    let v6 = format!("[{}]:{NODE_PORT}", bed.node_ipv6());
+    assert!(
+        eventually(10, || tcp_from(&ext, &v6, 1)[0].is_ok()),
+        "the IPv6 node port never answered with IPv4-only --nodeport-addresses"
+    );
+    let v4 = format!("{}:{NODE_PORT}", bed.node_ipv4());
+    assert!(tcp_from(&ext, &v4, 3).iter().all(|o| o.is_ok()));
+}
 
 /// A dual-stack Service's node ports answer on the node's IPv6 address as on its IPv4
 /// one, each family served by the pods' addresses of that family, without SNAT for local

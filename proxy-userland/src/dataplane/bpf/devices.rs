@@ -10,7 +10,7 @@ use std::{
 };
 
 use crate::dataplane::{
-    iptables::render::cidr_contains as contains,
+    iptables::render::nodeport_address_allowed,
     netns::{NetnsError, in_netns},
 };
 
@@ -22,7 +22,7 @@ pub struct PacketPathConfig {
     /// Devices to attach to; empty: those of the default routes (IPv4 and IPv6).
     pub devices: Vec<String>,
     /// Node ports answer only on addresses in these ranges (kube-proxy's
-    /// `--nodeport-addresses`); empty: on every address of the node.
+    /// `--nodeport-addresses`); none of a family: on every address of that family.
     pub node_port_cidrs: Vec<(IpAddr, u8)>,
     /// Run the ingress work in XDP, ahead of tc, on devices whose driver supports native
     /// XDP; the others keep tc alone.
@@ -111,9 +111,7 @@ fn read_here(cfg: &PacketPathConfig) -> Result<NodeDevices, DeviceError> {
         .iter()
         .map(|(_, a)| *a)
         .filter(|a| !a.is_loopback())
-        .filter(|a| {
-            cfg.node_port_cidrs.is_empty() || cfg.node_port_cidrs.iter().any(|c| contains(*c, *a))
-        })
+        .filter(|a| nodeport_address_allowed(&cfg.node_port_cidrs, *a))
         .collect();
     node_port_addrs.sort();
     node_port_addrs.dedup();
@@ -227,6 +225,7 @@ pub(super) fn default_route_devices() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataplane::iptables::render::cidr_contains as contains;
 
     #[test]
     fn cidr_filter_matches_prefixes() {
@@ -240,5 +239,20 @@ mod tests {
         assert!(!contains((ip("2001:db8::"), 48), ip("2001:db8:ff::1")));
         assert!(!contains((ip("198.18.0.0"), 15), ip("2001:db8::1")));
         assert!(link_local(&ip("fe80::1")) && !link_local(&ip("2001:db8::1")));
+    }
+
+    /// kube-proxy's NewNodePortAddresses: CIDRs of one family leave the other family's
+    /// addresses all open, as if `::/0` (or `0.0.0.0/0`) were given.
+    #[test]
+    fn nodeport_addresses_of_one_family_keep_the_other() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let v4_only = [(ip("198.18.2.0"), 24)];
+        assert!(nodeport_address_allowed(&v4_only, ip("198.18.2.7")));
+        assert!(!nodeport_address_allowed(&v4_only, ip("198.18.3.7")));
+        assert!(nodeport_address_allowed(&v4_only, ip("2001:db8::7")));
+        let both = [(ip("198.18.2.0"), 24), (ip("2001:db8:1::"), 64)];
+        assert!(!nodeport_address_allowed(&both, ip("2001:db8::7")));
+        assert!(nodeport_address_allowed(&both, ip("2001:db8:1::7")));
+        assert!(nodeport_address_allowed(&[], ip("198.19.0.1")));
     }
 }

@@ -455,6 +455,22 @@ fn test_node_ports() {
             localhost_allowed: false,
             allow_alt_node_ip: false,
         },
+        // Not a case of upstream's table, but its NewNodePortAddresses: CIDRs of the other
+        // family only mean every address of this one (issue 22).
+        Case {
+            name: "ipv6, nodeport-addresses of IPv4 only",
+            family: Family::V6,
+            node_port_addresses: &[("198.19.128.0", 24)],
+            localhost_allowed: false,
+            allow_alt_node_ip: true,
+        },
+        Case {
+            name: "ipv4, nodeport-addresses of IPv6 only",
+            family: Family::V4,
+            node_port_addresses: &[("2001:db8::", 64)],
+            localhost_allowed: true,
+            allow_alt_node_ip: true,
+        },
     ];
     for c in cases {
         let v4 = c.family.is_v4();

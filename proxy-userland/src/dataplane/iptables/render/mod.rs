@@ -165,6 +165,31 @@ pub fn cidr_contains((net, len): (IpAddr, u8), ip: IpAddr) -> bool {
     }
 }
 
+/// The `--nodeport-addresses` networks of `family`; None: node ports answer on every
+/// address of that family. kube-proxy's NewNodePortAddresses (pkg/proxy/util) keeps a
+/// family's CIDRs only and, when none is left, matches all of the family (`0.0.0.0/0` or
+/// `::/0`): CIDRs of one family never turn off the other family's node ports.
+pub fn nodeport_cidrs_of(
+    cidrs: &[(IpAddr, u8)],
+    family: Family,
+) -> Option<impl Iterator<Item = (IpAddr, u8)> + '_> {
+    let mut mine = cidrs
+        .iter()
+        .copied()
+        .filter(move |(net, _)| Family::of(net) == family)
+        .peekable();
+    mine.peek().is_some().then_some(mine)
+}
+
+/// Whether node ports answer on `ip` under `--nodeport-addresses` `cidrs`, per family as
+/// [`nodeport_cidrs_of`] decides.
+pub fn nodeport_address_allowed(cidrs: &[(IpAddr, u8)], ip: IpAddr) -> bool {
+    match nodeport_cidrs_of(cidrs, Family::of(&ip)) {
+        None => true,
+        Some(mut nets) => nets.any(|net| cidr_contains(net, ip)),
+    }
+}
+
 /// One family's ruleset: the chains each table must hold and their rules, in order.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ruleset {
@@ -422,24 +447,21 @@ fn tail(family: Family, cfg: &RenderConfig) -> Vec<String> {
         Rule::new(KUBE_SERVICES)
             .comment("kubernetes service nodeports; NOTE: this must be the last rule in this chain")
     };
-    if cfg.nodeport_addresses.is_empty() {
+    let Some(nets) = nodeport_cidrs_of(&cfg.nodeport_addresses, family) else {
         let local_dst = match family {
             Family::V4 => "-m addrtype --dst-type LOCAL",
             // No route_localnet for IPv6: DNAT from ::1 cannot leave the node.
             Family::V6 => "-m addrtype --dst-type LOCAL ! -d ::1/128",
         };
         return vec![rule().arg(local_dst).jump(KUBE_NODEPORTS)];
-    }
+    };
+    let nets: Vec<(IpAddr, u8)> = nets.collect();
     let mut ips: Vec<IpAddr> = cfg
         .node_ips
         .iter()
         .copied()
         .filter(|ip| Family::of(ip) == family && !(ip.is_ipv6() && ip.is_loopback()))
-        .filter(|ip| {
-            cfg.nodeport_addresses
-                .iter()
-                .any(|&net| cidr_contains(net, *ip))
-        })
+        .filter(|ip| nets.iter().any(|&net| cidr_contains(net, *ip)))
         .collect();
     ips.sort();
     ips.dedup();
