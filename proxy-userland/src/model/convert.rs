@@ -204,8 +204,9 @@ impl Ctx {
         })
     }
 
+    /// An address as kube-proxy reads it (leading zeros allowed, see [`super::sloppy_ip`]).
     fn ip(&self, field: impl fmt::Display, value: &str) -> Result<IpAddr, ConvertError> {
-        value.parse().map_err(|_| ConvertError::InvalidIp {
+        super::sloppy_ip::parse_ip(value).ok_or_else(|| ConvertError::InvalidIp {
             kind: self.kind,
             object: self.object.clone(),
             field: field.to_string(),
@@ -226,15 +227,9 @@ impl Ctx {
 
 /// Parses `address/prefix` and clears the host bits, so that `198.19.2.3/15` and `198.18.0.0/15`
 /// are the same range (Go's ParseCIDR, which the API server and kube-proxy use, does the
-/// same).
+/// same). Leading zeros are read as kube-proxy's ParseCIDRSloppy does.
 pub fn parse_cidr(s: &str) -> Result<(IpAddr, u8), &'static str> {
-    let (addr, prefix) = s.split_once('/').ok_or("missing /prefix")?;
-    let addr: IpAddr = addr.parse().map_err(|_| "bad address")?;
-    // u8::from_str accepts a leading '+', which no CIDR parser does.
-    if prefix.is_empty() || !prefix.bytes().all(|b| b.is_ascii_digit()) {
-        return Err("bad prefix length");
-    }
-    let prefix: u8 = prefix.parse().map_err(|_| "bad prefix length")?;
+    let (addr, prefix) = super::sloppy_ip::parse_cidr_parts(s)?;
     match addr {
         IpAddr::V4(v4) if prefix <= 32 => {
             let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);

@@ -11,6 +11,7 @@ pub mod intern;
 pub mod select;
 pub mod service;
 pub mod slices;
+pub mod sloppy_ip;
 pub mod tracker;
 pub mod validate;
 

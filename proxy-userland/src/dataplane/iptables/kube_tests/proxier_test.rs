@@ -361,6 +361,97 @@ fn test_load_balancer() {
     );
 }
 
+/// TestBadIPs: addresses that API servers before 1.22 accepted (IPv4 octets with leading
+/// zeros, decimal under Go 1.16's parser) reach the rules as kube-proxy's ParseIPSloppy
+/// reads them, instead of the Service being refused. Built from the API objects, since the
+/// reading happens in [`crate::model::convert`].
+#[test]
+fn test_bad_ips() {
+    let svc: k8s_openapi::api::core::v1::Service = serde_saphyr::from_str(
+        r#"
+metadata: {name: svc1, namespace: ns1}
+spec:
+  type: LoadBalancer
+  clusterIP: 198.19.0.041
+  ports: [{name: p80, port: 80, nodePort: 3001}]
+  externalIPs: [198.19.227.011]
+  loadBalancerSourceRanges: [198.19.240.000/025]
+status: {loadBalancer: {ingress: [{ip: 198.19.250.004}]}}
+"#,
+    )
+    .unwrap();
+    let slice: k8s_openapi::api::discovery::v1::EndpointSlice = serde_saphyr::from_str(
+        r#"
+metadata:
+  name: svc1-1
+  namespace: ns1
+  labels: {kubernetes.io/service-name: svc1}
+addressType: IPv4
+ports: [{name: p80, port: 80}]
+endpoints: [{addresses: [198.18.180.001]}]
+"#,
+    )
+    .unwrap();
+    let svc = crate::model::convert::service(&svc, None)
+        .expect("leading zeros are read, not refused")
+        .expect("proxied");
+    let (_, name, info) = crate::model::convert::endpoint_slice(&slice)
+        .expect("leading zeros are read, not refused")
+        .expect("kept");
+    let eps = EndpointSet {
+        slices: crate::model::Slices::from([(name, info)]),
+    };
+    let dump = v4(&state(vec![(svc, Some(eps))]));
+    let e = "198.18.180.1:80";
+    run_packet_flow_tests(
+        "TestBadIPs",
+        &dump,
+        TEST_NODE_IPS,
+        &[
+            flow(
+                "pod to cluster IP",
+                "198.18.0.2",
+                "198.19.0.41",
+                80,
+                e,
+                false,
+            ),
+            flow(
+                "external to nodePort",
+                TEST_EXTERNAL_CLIENT,
+                TEST_NODE_IP,
+                3001,
+                e,
+                true,
+            ),
+            flow(
+                "external to external IP",
+                TEST_EXTERNAL_CLIENT,
+                "198.19.227.11",
+                80,
+                e,
+                true,
+            ),
+            flow(
+                "accepted external to LB",
+                TEST_EXTERNAL_CLIENT,
+                "198.19.250.4",
+                80,
+                e,
+                true,
+            ),
+            flow(
+                "blocked external to LB",
+                TEST_EXTERNAL_CLIENT_BLOCKED,
+                "198.19.250.4",
+                80,
+                "DROP",
+                false,
+            ),
+        ],
+    );
+}
+
 /// Not upstream's: the case of issue 11. A load balancer with source ranges and no
 /// endpoints must neither jump to a chain that is not written (which made every restore
 /// fail) nor let anything through: every address rejects.
