@@ -236,6 +236,12 @@ pub struct Args {
     #[arg(long, value_parser = values::seconds, default_value = "1h")]
     pub conntrack_tcp_timeout_close_wait: Duration,
 
+    /// Set nf_conntrack_tcp_be_liberal (with --node-setup), so that conntrack marks no
+    /// out-of-window TCP packet INVALID, and leave out the rule that drops INVALID packets
+    /// forwarded to Services (iptables mode), as kube-proxy does.
+    #[arg(long, default_value_t = false)]
+    pub conntrack_tcp_be_liberal: bool,
+
     /// The daemon's /proc/self/oom_score_adj, -1000..1000.
     #[arg(long, default_value_t = -999, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32).range(-1000..=1000))]
@@ -494,6 +500,9 @@ impl Args {
         ) {
             self.conntrack_tcp_timeout_close_wait = d;
         }
+        if let (Some(v), false) = (ct.tcp_be_liberal, given("conntrack_tcp_be_liberal")) {
+            self.conntrack_tcp_be_liberal = v;
+        }
 
         if let Some(cc) = &cfg.client_connection
             && let (Some(path), None) = (
@@ -709,6 +718,7 @@ impl Args {
             conntrack_min: self.conntrack_min,
             tcp_timeout_established: self.conntrack_tcp_timeout_established,
             tcp_timeout_close_wait: self.conntrack_tcp_timeout_close_wait,
+            tcp_be_liberal: self.conntrack_tcp_be_liberal,
             oom_score_adj: Some(self.oom_score_adj),
         })
     }
@@ -825,7 +835,7 @@ mod tests {
             &[],
             "healthzBindAddress: 127.0.0.1:20256\nmetricsBindAddress: \"[::1]:20249\"\n\
              iptables: {syncPeriod: 1m0s, minSyncPeriod: 2s, masqueradeBit: 15}\n\
-             conntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 12h}\n\
+             conntrack: {maxPerCore: 0, min: 1000, tcpEstablishedTimeout: 12h, tcpBeLiberal: true}\n\
              hostnameOverride: Node-B\noomScoreAdj: -500\nclusterCIDR: 198.18.0.0/15,2001:db8::/48\n\
              detectLocalMode: ClusterCIDR\nnodePortAddresses: [198.18.2.0/24]\n\
              clientConnection: {kubeconfig: /etc/kube/config}\nlogging: {format: json}\n\
@@ -849,6 +859,7 @@ mod tests {
             (setup.conntrack_max_per_core, setup.conntrack_min),
             (0, 1000)
         );
+        assert!(setup.tcp_be_liberal);
         assert_eq!(
             setup.tcp_timeout_established,
             Duration::from_secs(12 * 3600)

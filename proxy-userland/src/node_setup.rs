@@ -25,12 +25,16 @@ pub struct NodeSetup {
     pub conntrack_min: u32,
     pub tcp_timeout_established: Duration,
     pub tcp_timeout_close_wait: Duration,
+    /// Set nf_conntrack_tcp_be_liberal to 1 (kube-proxy's conntrack.tcpBeLiberal); false
+    /// leaves it alone, as kube-proxy does.
+    pub tcp_be_liberal: bool,
     pub oom_score_adj: Option<i32>,
 }
 
 const CONNTRACK_MAX: &str = "proc/sys/net/netfilter/nf_conntrack_max";
 const TCP_ESTABLISHED: &str = "proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established";
 const TCP_CLOSE_WAIT: &str = "proc/sys/net/netfilter/nf_conntrack_tcp_timeout_close_wait";
+const TCP_BE_LIBERAL: &str = "proc/sys/net/netfilter/nf_conntrack_tcp_be_liberal";
 const HASHSIZE: &str = "sys/module/nf_conntrack/parameters/hashsize";
 const OOM_SCORE_ADJ: &str = "proc/self/oom_score_adj";
 
@@ -98,6 +102,9 @@ impl NodeSetup {
             if !timeout.is_zero() {
                 report.record(set_int(root, rel, timeout.as_secs() as i64, true));
             }
+        }
+        if self.tcp_be_liberal {
+            report.record(set_int(root, TCP_BE_LIBERAL, 1, true));
         }
         if let Some(adj) = self.oom_score_adj {
             report.record(set_int(root, OOM_SCORE_ADJ, i64::from(adj), false));
@@ -224,6 +231,7 @@ mod tests {
             conntrack_min: 131072,
             tcp_timeout_established: Duration::from_secs(86400),
             tcp_timeout_close_wait: Duration::from_secs(3600),
+            tcp_be_liberal: false,
             oom_score_adj: Some(-999),
         }
     }
@@ -268,6 +276,30 @@ mod tests {
             Some(3600),
             "already right: not rewritten"
         );
+    }
+
+    /// kube-proxy's conntrack.tcpBeLiberal: set to 1 when asked, untouched otherwise.
+    #[test]
+    fn tcp_be_liberal_is_set_only_when_asked() {
+        let root = FakeRoot::new("liberal");
+        root.put(TCP_BE_LIBERAL, "0\n");
+        let quiet = NodeSetup {
+            conntrack_max_per_core: 0,
+            tcp_timeout_established: Duration::ZERO,
+            tcp_timeout_close_wait: Duration::ZERO,
+            oom_score_adj: None,
+            ..kube_proxy_defaults()
+        };
+        let report = quiet.apply(&root.0, 1);
+        assert!(report.failed.is_empty() && report.applied.is_empty());
+        assert_eq!(root.get(TCP_BE_LIBERAL), "0");
+        let report = NodeSetup {
+            tcp_be_liberal: true,
+            ..quiet
+        }
+        .apply(&root.0, 1);
+        assert!(report.failed.is_empty(), "{:?}", report.failed);
+        assert_eq!(root.get(TCP_BE_LIBERAL), "1");
     }
 
     #[test]

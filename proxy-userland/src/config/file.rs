@@ -77,7 +77,7 @@ pub struct Conntrack {
     pub min: Option<i32>,
     pub tcp_established_timeout: Option<String>,
     pub tcp_close_wait_timeout: Option<String>,
-    pub tcp_be_liberal: Option<Value>,
+    pub tcp_be_liberal: Option<bool>,
     pub udp_timeout: Option<Value>,
     pub udp_stream_timeout: Option<Value>,
 }
@@ -230,10 +230,6 @@ impl KubeProxyConfiguration {
             (
                 "iptables.localhostNodePorts",
                 ipt.is_some_and(|i| i.localhost_nodeports.is_some()),
-            ),
-            (
-                "conntrack.tcpBeLiberal",
-                ct.is_some_and(|c| c.tcp_be_liberal.is_some()),
             ),
             (
                 "conntrack.udpTimeout",

@@ -216,6 +216,7 @@ impl StartOptions {
                 cluster_cidrs,
                 masquerade_bit: args.masquerade_bit,
                 nodeport_addresses: node_port_cidrs,
+                conntrack_tcp_liberal: args.conntrack_tcp_be_liberal,
                 ..RenderConfig::default()
             },
             relay: RelayConfig::default(),

@@ -1292,3 +1292,27 @@ fn test_overall_iptables_rules() {
         );
     }
 }
+
+/// TestDropInvalidRule: the INVALID drop in KUBE-FORWARD is written unless conntrack is
+/// liberal about TCP windows (conntrack.tcpBeLiberal).
+#[test]
+fn test_drop_invalid_rule() {
+    for tcp_liberal in [false, true] {
+        let mut cfg = fake_config(Family::V4);
+        cfg.conntrack_tcp_liberal = tcp_liberal;
+        let text = sync_text(&ProxyState::default(), Family::V4, &cfg);
+        let mut want = Vec::new();
+        if !tcp_liberal {
+            want.push("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP");
+        }
+        want.extend([
+            "-A KUBE-FORWARD -m comment --comment kubernetes forwarding rules -m mark --mark 0x4000/0x4000 -j ACCEPT",
+            "-A KUBE-FORWARD -m comment --comment kubernetes forwarding conntrack rule -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+        ]);
+        assert_eq!(
+            by_chain(&text)["filter"].1["KUBE-FORWARD"],
+            want,
+            "TestDropInvalidRule/tcpLiberal {tcp_liberal}\n{text}"
+        );
+    }
+}

@@ -125,6 +125,9 @@ pub struct RenderConfig {
     /// Node ports answer only on the node's addresses in these networks
     /// (--nodeport-addresses); empty: on every local address.
     pub nodeport_addresses: Vec<(IpAddr, u8)>,
+    /// conntrack.tcpBeLiberal: conntrack marks no out-of-window TCP packet INVALID, so the
+    /// rule dropping INVALID forwarded packets is left out, as kube-proxy does.
+    pub conntrack_tcp_liberal: bool,
     /// Found on the node, not configured: the iptables binary knows MASQUERADE's
     /// `--random-fully` (see [`super::apply::has_random_fully`]).
     pub random_fully: bool,
@@ -140,6 +143,7 @@ impl Default for RenderConfig {
             cluster_cidrs: Vec::new(),
             masquerade_bit: 14,
             nodeport_addresses: Vec::new(),
+            conntrack_tcp_liberal: false,
             random_fully: false,
             node_ips: Vec::new(),
         }
@@ -392,11 +396,16 @@ fn head(cfg: &RenderConfig) -> Ruleset {
     rs.nat_chains
         .extend(NAT_CHAINS.iter().map(|c| c.to_string()));
 
-    rs.filter_rules.push(
-        Rule::new(KUBE_FORWARD)
-            .arg("-m conntrack --ctstate INVALID")
-            .jump("DROP"),
-    );
+    // Packets conntrack calls INVALID (out of the TCP window) would otherwise reach the
+    // pod un-NATed and be answered with a reset (kubernetes#74840); with be_liberal set
+    // conntrack marks none of them, and kube-proxy leaves the rule out (#117924).
+    if !cfg.conntrack_tcp_liberal {
+        rs.filter_rules.push(
+            Rule::new(KUBE_FORWARD)
+                .arg("-m conntrack --ctstate INVALID")
+                .jump("DROP"),
+        );
+    }
     rs.filter_rules.push(
         Rule::new(KUBE_FORWARD)
             .comment("kubernetes forwarding rules")
