@@ -136,10 +136,17 @@ pub struct Args {
     #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', action = clap::ArgAction::Set)]
     pub cluster_cidr: Vec<Cidr>,
 
-    /// How local traffic is told apart: ClusterCIDR, NodeCIDR, BridgeInterface or
-    /// InterfaceNamePrefix.
+    /// How pods' traffic is told apart (iptables mode: which traffic to a Service is
+    /// masqueraded, and which skips externalTrafficPolicy Local): ClusterCIDR (sources in
+    /// --cluster-cidr; default), NodeCIDR (sources in the Node's spec.podCIDRs),
+    /// BridgeInterface (in on --pod-bridge-interface) or InterfaceNamePrefix (in on a device
+    /// named --pod-interface-name-prefix*).
     #[arg(long, value_name = "MODE")]
     pub detect_local_mode: Option<String>,
+
+    /// The bridge pods' traffic comes in on, for --detect-local-mode BridgeInterface.
+    #[arg(long, value_name = "DEV")]
+    pub pod_bridge_interface: Option<String>,
 
     /// Masquerade all traffic sent to Services (NAT dataplanes only).
     #[arg(long, default_value_t = false)]
@@ -327,12 +334,23 @@ pub enum ConfigError {
     },
 }
 
+pub const LOCAL_MODE_CLUSTER: &str = "ClusterCIDR";
+pub const LOCAL_MODE_NODE: &str = "NodeCIDR";
+pub const LOCAL_MODE_BRIDGE: &str = "BridgeInterface";
+pub const LOCAL_MODE_PREFIX: &str = "InterfaceNamePrefix";
 const DETECT_LOCAL_MODES: &[&str] = &[
-    "ClusterCIDR",
-    "NodeCIDR",
-    "BridgeInterface",
-    "InterfaceNamePrefix",
+    LOCAL_MODE_CLUSTER,
+    LOCAL_MODE_NODE,
+    LOCAL_MODE_BRIDGE,
+    LOCAL_MODE_PREFIX,
 ];
+
+/// A detect-local setting's name as a flag and as a config file field, for errors.
+#[derive(Debug)]
+struct DetectLocalField {
+    flag: &'static str,
+    file: &'static str,
+}
 
 impl Args {
     /// Parses the command line and the config file it names, merged and checked.
@@ -423,9 +441,30 @@ impl Args {
         }
         if let (Some(s), false) = (set(&cfg.detect_local_mode), given("detect_local_mode")) {
             self.detect_local_mode = Some(s);
-            self.check_detect_local_mode()
-                .map_err(|m| invalid("detectLocalMode", m))?;
         }
+        // detectLocal's names count only for the mode that reads them, as in kube-proxy: a
+        // prefix left there must not turn on the eBPF pod path.
+        let detect = cfg.detect_local.clone().unwrap_or_default();
+        match self.detect_local_mode.as_deref() {
+            Some(LOCAL_MODE_BRIDGE) => {
+                if let (Some(s), false) =
+                    (set(&detect.bridge_interface), given("pod_bridge_interface"))
+                {
+                    self.pod_bridge_interface = Some(s);
+                }
+            }
+            Some(LOCAL_MODE_PREFIX) => {
+                if let (Some(s), false) = (
+                    set(&detect.interface_name_prefix),
+                    given("pod_interface_name_prefix"),
+                ) {
+                    self.pod_interface_name_prefix = vec![s];
+                }
+            }
+            _ => {}
+        }
+        self.check_detect_local_mode()
+            .map_err(|(field, m)| invalid(field.file, m))?;
         if let (Some(list), false) = (&cfg.node_port_addresses, given("node_port_addresses")) {
             self.node_port_addresses = list
                 .iter()
@@ -606,7 +645,7 @@ impl Args {
         };
         check_cidrs(&self.cluster_cidr).map_err(|m| invalid("--cluster-cidr", m))?;
         self.check_detect_local_mode()
-            .map_err(|m| invalid("--detect-local-mode", m))?;
+            .map_err(|(field, m)| invalid(field.flag, m))?;
         check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
         check_node_port_addresses(&self.node_port_addresses)
             .map_err(|m| invalid("--nodeport-addresses", m))?;
@@ -670,15 +709,55 @@ impl Args {
         Ok(())
     }
 
-    fn check_detect_local_mode(&self) -> Result<(), String> {
-        match &self.detect_local_mode {
-            Some(m) if !DETECT_LOCAL_MODES.contains(&m.as_str()) => Err(format!(
-                "unknown mode {m:?}; expected one of {}",
-                DETECT_LOCAL_MODES.join(", ")
+    /// kube-proxy's validateDetectLocalMode and validateInterface. ClusterCIDR without a
+    /// clusterCIDR is no error there: kube-proxy warns and tells nothing apart (see
+    /// [`crate::dataplane::start`]).
+    fn check_detect_local_mode(&self) -> Result<(), (DetectLocalField, String)> {
+        let mode_field = DetectLocalField {
+            flag: "--detect-local-mode",
+            file: "detectLocalMode",
+        };
+        let empty = |flag, file| {
+            Err((
+                DetectLocalField { flag, file },
+                "must not be empty".to_string(),
+            ))
+        };
+        match self.detect_local_mode.as_deref() {
+            Some(m) if !DETECT_LOCAL_MODES.contains(&m) => Err((
+                mode_field,
+                format!(
+                    "unknown mode {m:?}; expected one of {}",
+                    DETECT_LOCAL_MODES.join(", ")
+                ),
             )),
-            Some(m) if m == "ClusterCIDR" && self.cluster_cidr.is_empty() => {
-                Err("ClusterCIDR needs clusterCIDR (--cluster-cidr) to be set".into())
+            Some(LOCAL_MODE_BRIDGE)
+                if self
+                    .pod_bridge_interface
+                    .as_deref()
+                    .unwrap_or("")
+                    .is_empty() =>
+            {
+                empty("--pod-bridge-interface", "detectLocal.bridgeInterface")
             }
+            Some(LOCAL_MODE_PREFIX) => match self.pod_interface_name_prefix.as_slice() {
+                [] => empty(
+                    "--pod-interface-name-prefix",
+                    "detectLocal.interfaceNamePrefix",
+                ),
+                [p] if p.is_empty() => empty(
+                    "--pod-interface-name-prefix",
+                    "detectLocal.interfaceNamePrefix",
+                ),
+                [_] => Ok(()),
+                _ => Err((
+                    DetectLocalField {
+                        flag: "--pod-interface-name-prefix",
+                        file: "detectLocal.interfaceNamePrefix",
+                    },
+                    "InterfaceNamePrefix takes one prefix".into(),
+                )),
+            },
             _ => Ok(()),
         }
     }
@@ -827,6 +906,46 @@ mod tests {
         assert_eq!((a.conntrack_max_per_core, a.conntrack_min), (32768, 131072));
         assert_eq!(a.health_timeout(), Duration::from_secs(60));
         assert!(a.node_setup().is_none(), "node set-up is opt-in");
+    }
+
+    /// kube-proxy accepts ClusterCIDR without a clusterCIDR (and tells nothing apart), and
+    /// reads detectLocal's names only for the mode that uses them.
+    #[test]
+    fn detect_local_settings_as_kube_proxy_reads_them() {
+        let a = merged(&[], "detectLocalMode: ClusterCIDR\n").expect("accepted");
+        assert!(a.cluster_cidr.is_empty());
+        let a = merged(
+            &[],
+            "detectLocalMode: InterfaceNamePrefix\ndetectLocal: {interfaceNamePrefix: veth, bridgeInterface: cbr0}\n",
+        )
+        .unwrap();
+        assert_eq!(a.pod_interface_name_prefix, ["veth"]);
+        assert_eq!(a.pod_bridge_interface, None);
+        let a = merged(
+            &[],
+            "detectLocalMode: BridgeInterface\ndetectLocal: {interfaceNamePrefix: veth, bridgeInterface: cbr0}\n",
+        )
+        .unwrap();
+        assert_eq!(a.pod_bridge_interface.as_deref(), Some("cbr0"));
+        assert!(a.pod_interface_name_prefix.is_empty(), "no eBPF pod path");
+        let a = merged(
+            &[
+                "--detect-local-mode",
+                "BridgeInterface",
+                "--pod-bridge-interface",
+                "br9",
+            ],
+            "detectLocal: {bridgeInterface: cbr0}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            a.pod_bridge_interface.as_deref(),
+            Some("br9"),
+            "the flag wins"
+        );
+        assert!(
+            error(&["--detect-local-mode", "BridgeInterface"], "").contains("must not be empty")
+        );
     }
 
     #[test]
@@ -984,11 +1103,6 @@ mod tests {
                 "detectLocalMode: Magic\n",
                 "detectLocalMode",
                 "unknown mode",
-            ),
-            (
-                "detectLocalMode: ClusterCIDR\n",
-                "detectLocalMode",
-                "needs clusterCIDR",
             ),
             (
                 "nodePortAddresses: [everything]\n",

@@ -100,9 +100,12 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
         true => resolve_primary(&args, node_client.as_ref(), &node.name).await?,
         false => Vec::new(),
     };
-    let start = StartOptions::from_args(&args, &primary)
+    let mut start = StartOptions::from_args(&args, &primary)
         .map_err(anyhow::Error::msg)
         .context("cannot start the dataplane")?;
+    if args.detect_local_mode.as_deref() == Some(crate::config::LOCAL_MODE_NODE) {
+        start.render.local_traffic = node_pod_cidrs(node_client.as_ref(), &node.name).await?;
+    }
     let requested = args.proxy_mode.or(args.file_mode);
     let (proxier, decision) =
         tokio::task::spawn_blocking(move || dataplane::select_and_start(requested, &start))
@@ -178,6 +181,41 @@ fn on_own_thread(
             warn!("the {name} thread ended without finishing (a panic?)");
         }
     }))
+}
+
+/// How long start-up waits for the Node to get its pod CIDRs (kube-proxy's
+/// timeoutForNodePodCIDR).
+const POD_CIDR_WAIT: std::time::Duration = std::time::Duration::from_secs(5 * 60);
+
+/// `--detect-local-mode NodeCIDR`: the Node's pod CIDRs, read once at start-up as
+/// kube-proxy does (it restarts when they change; see the README's differences).
+async fn node_pod_cidrs(
+    client: Option<&::kube::Client>,
+    node_name: &str,
+) -> anyhow::Result<dataplane::iptables::render::LocalTraffic> {
+    let Some(client) = client else {
+        anyhow::bail!(
+            "--detect-local-mode NodeCIDR reads the Node's spec.podCIDRs from the API server; \
+             the manifest source has no Node"
+        );
+    };
+    info!(
+        node = node_name,
+        "waiting for the Node's pod CIDRs (--detect-local-mode NodeCIDR)"
+    );
+    let cidrs = kube::node_pod_cidrs(client.clone(), node_name, POD_CIDR_WAIT)
+        .await
+        .map_err(anyhow::Error::msg)
+        .context("--detect-local-mode NodeCIDR")?;
+    let parsed = cidrs
+        .iter()
+        .map(|c| {
+            crate::model::convert::parse_cidr(c)
+                .map_err(|e| anyhow::anyhow!("Node {node_name}: spec.podCIDRs {c:?}: {e}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    info!(node = node_name, pod_cidrs = ?cidrs, "pods' traffic is told apart by the Node's pod CIDRs");
+    Ok(dataplane::iptables::render::LocalTraffic::Cidrs(parsed))
 }
 
 fn primary_needed(args: &Args) -> bool {

@@ -53,7 +53,7 @@ pub struct KubeProxyConfiguration {
     pub ipvs: Option<Value>,
     pub nftables: Option<Value>,
     pub winkernel: Option<Value>,
-    pub detect_local: Option<Value>,
+    pub detect_local: Option<DetectLocal>,
     pub config_sync_period: Option<Value>,
     pub port_range: Option<Value>,
     pub windows_run_as_service: Option<Value>,
@@ -68,6 +68,14 @@ pub struct Iptables {
     pub min_sync_period: Option<String>,
     pub sync_period: Option<String>,
     pub localhost_nodeports: Option<Value>,
+}
+
+/// What `detectLocalMode` BridgeInterface and InterfaceNamePrefix match on.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct DetectLocal {
+    pub bridge_interface: Option<String>,
+    pub interface_name_prefix: Option<String>,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -216,7 +224,6 @@ impl KubeProxyConfiguration {
             ("ipvs", self.ipvs.is_some()),
             ("nftables", self.nftables.is_some()),
             ("winkernel", self.winkernel.is_some()),
-            ("detectLocal", self.detect_local.is_some()),
             ("configSyncPeriod", self.config_sync_period.is_some()),
             ("portRange", self.port_range.is_some()),
             ("windowsRunAsService", self.windows_run_as_service.is_some()),

@@ -10,9 +10,8 @@
 //! - `mode`: only fastpath's modes (ebpf, iptables, userspace) are accepted; kube-proxy's
 //!   ipvs and nftables are refused rather than approximated.
 //! - Fields that mean nothing here are accepted and logged as ignored, whatever their value:
-//!   `configSyncPeriod`, `detectLocal`, `conntrack.udpTimeout`, `conntrack.udpStreamTimeout`,
-//!   `clientConnection.burst`, `ipvs`. (Pods' devices are named by
-//!   `--pod-interface-name-prefix`, not `detectLocal.interfaceNamePrefix`.)
+//!   `configSyncPeriod`, `conntrack.udpTimeout`, `conntrack.udpStreamTimeout`,
+//!   `clientConnection.burst`, `ipvs`.
 //! - A bind address with port 0 is accepted: the kernel picks a free port (tests rely on it).
 //! - TestValidateKubeProxyIPVSConfiguration and TestValidateKubeProxyExcludeCIDRs are not
 //!   ported: there is no ipvs mode.
@@ -181,15 +180,13 @@ fn test_validate_kube_proxy_configuration() {
                 &[("mode", "ipvs")],
                 MODE,
             ),
-            // Differs: detectLocal is ignored (see the module docs), so an empty prefix or
-            // bridge name there is not an error.
             (
                 "interfacePrefix is empty",
                 &[
                     ("detectLocalMode", "InterfaceNamePrefix"),
                     ("detectLocal", "{interfaceNamePrefix: \"\"}"),
                 ],
-                None,
+                Some(("detectLocal.interfaceNamePrefix", "must not be empty")),
             ),
             (
                 "bridgeInterfaceName is empty",
@@ -197,7 +194,7 @@ fn test_validate_kube_proxy_configuration() {
                     ("detectLocalMode", "BridgeInterface"),
                     ("detectLocal", "{interfaceNamePrefix: eth0}"),
                 ],
-                None,
+                Some(("detectLocal.bridgeInterface", "must not be empty")),
             ),
             (
                 "invalid DetectLocalMode",

@@ -3,12 +3,15 @@
 
 use std::path::PathBuf;
 
-use tracing::info;
+use tracing::{info, warn};
 
 use super::{
     Proxier,
     bpf::{AttachOptions, BpfDataplane, LoadError, PacketPathConfig, PodPathConfig},
-    iptables::{IptablesConfig, IptablesDataplane, IptablesError, RenderConfig, apply::Backend},
+    iptables::{
+        IptablesConfig, IptablesDataplane, IptablesError, RenderConfig, apply::Backend,
+        render::LocalTraffic,
+    },
     mode::{self, Mode, ModeDecision, ModeError, Probes},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
@@ -161,11 +164,6 @@ impl StartOptions {
         args: &crate::config::Args,
         primary: &[(std::net::IpAddr, u8)],
     ) -> Result<StartOptions, String> {
-        let cluster_cidrs = args
-            .cluster_cidr
-            .iter()
-            .map(|c| (c.addr, c.prefix))
-            .collect();
         let mut node_port_cidrs: Vec<(std::net::IpAddr, u8)> = Vec::new();
         for a in &args.node_port_addresses {
             match a {
@@ -213,7 +211,7 @@ impl StartOptions {
             cleanup_on_exit: args.cleanup_on_exit,
             render: RenderConfig {
                 masquerade_all: args.masquerade_all,
-                cluster_cidrs,
+                local_traffic: local_traffic(args),
                 masquerade_bit: args.masquerade_bit,
                 nodeport_addresses: node_port_cidrs,
                 conntrack_tcp_liberal: args.conntrack_tcp_be_liberal,
@@ -221,6 +219,41 @@ impl StartOptions {
             },
             relay: RelayConfig::default(),
         })
+    }
+}
+
+/// How pods' traffic is told apart, kube-proxy's getLocalDetectors: --detect-local-mode and
+/// the names it reads. NodeCIDR's CIDRs come from the Node, read by the daemon before the
+/// start ([`LocalTraffic::NodeCidrs`] is left empty here).
+pub fn local_traffic(args: &crate::config::Args) -> LocalTraffic {
+    use crate::config::{LOCAL_MODE_BRIDGE, LOCAL_MODE_NODE, LOCAL_MODE_PREFIX};
+    match args.detect_local_mode.as_deref() {
+        Some(LOCAL_MODE_NODE) => LocalTraffic::Cidrs(Vec::new()),
+        Some(LOCAL_MODE_BRIDGE) => {
+            LocalTraffic::Interface(args.pod_bridge_interface.clone().unwrap_or_default())
+        }
+        Some(LOCAL_MODE_PREFIX) => LocalTraffic::Interface(format!(
+            "{}+",
+            args.pod_interface_name_prefix
+                .first()
+                .map_or("", String::as_str)
+        )),
+        _ => {
+            if args.cluster_cidr.is_empty() {
+                // kube-proxy accepts this too, with the same warning, and then tells
+                // nothing apart: nothing masqueraded for being from outside the pods.
+                warn!(
+                    "--detect-local-mode ClusterCIDR without --cluster-cidr: pods' traffic is \
+                     not told apart from the node's"
+                );
+            }
+            LocalTraffic::Cidrs(
+                args.cluster_cidr
+                    .iter()
+                    .map(|c| (c.addr, c.prefix))
+                    .collect(),
+            )
+        }
     }
 }
 
@@ -240,6 +273,85 @@ mod tests {
     fn opts(flags: &[&str]) -> StartOptions {
         StartOptions::from_args(&args(flags), &[("198.19.0.1".parse().unwrap(), 32)])
             .expect("options")
+    }
+
+    /// kube-proxy's TestGetLocalDetectors (cmd/kube-proxy/app/server_linux_test.go): the
+    /// detector each --detect-local-mode builds, as the matches it gives per family.
+    /// NodeCIDR's CIDRs come from the Node, read by the daemon (empty here).
+    #[test]
+    fn test_get_local_detectors() {
+        let v4 = |s: &str| Some((format!("-s {s}"), format!("! -s {s}")));
+        /// (case, flags, IPv4 matches, IPv6 matches): (if local, if not local).
+        type Case<'a> = (
+            &'a str,
+            &'a [&'a str],
+            Option<(String, String)>,
+            Option<(String, String)>,
+        );
+        let cases: &[Case<'_>] = &[
+            (
+                "LocalModeClusterCIDR, single-stack IPv4 cluster",
+                &[
+                    "--detect-local-mode",
+                    "ClusterCIDR",
+                    "--cluster-cidr",
+                    "198.18.0.0/15",
+                ],
+                v4("198.18.0.0/15"),
+                None,
+            ),
+            (
+                "LocalModeClusterCIDR, dual-stack cluster",
+                &[
+                    "--detect-local-mode",
+                    "ClusterCIDR",
+                    "--cluster-cidr",
+                    "198.18.0.0/15,2001:db8::/64",
+                ],
+                v4("198.18.0.0/15"),
+                Some(("-s 2001:db8::/64".into(), "! -s 2001:db8::/64".into())),
+            ),
+            (
+                "LocalModeClusterCIDR, no ClusterCIDR",
+                &["--detect-local-mode", "ClusterCIDR"],
+                None,
+                None,
+            ),
+            (
+                "LocalModeNodeCIDR, before the Node is read",
+                &["--detect-local-mode", "NodeCIDR"],
+                None,
+                None,
+            ),
+            (
+                "LocalModeBridgeInterface",
+                &[
+                    "--detect-local-mode",
+                    "BridgeInterface",
+                    "--pod-bridge-interface",
+                    "eth",
+                ],
+                Some(("-i eth".into(), "! -i eth".into())),
+                Some(("-i eth".into(), "! -i eth".into())),
+            ),
+            (
+                "LocalModeInterfaceNamePrefix",
+                &[
+                    "--detect-local-mode",
+                    "InterfaceNamePrefix",
+                    "--pod-interface-name-prefix",
+                    "veth",
+                ],
+                Some(("-i veth+".into(), "! -i veth+".into())),
+                Some(("-i veth+".into(), "! -i veth+".into())),
+            ),
+        ];
+        for (name, flags, want_v4, want_v6) in cases {
+            let detector = local_traffic(&args(flags));
+            use crate::dataplane::iptables::Family;
+            assert_eq!(&detector.matches(Family::V4), want_v4, "{name}");
+            assert_eq!(&detector.matches(Family::V6), want_v6, "{name}");
+        }
     }
 
     #[test]

@@ -114,6 +114,39 @@ pub async fn node_addresses(client: Client, name: &str) -> Option<Vec<(String, S
     }
 }
 
+/// The pod CIDRs of Node `name` (spec.podCIDRs, else spec.podCIDR), for
+/// `--detect-local-mode NodeCIDR`. kube-proxy's waitForPodCIDR: polled until the node has
+/// them, for at most `wait`; an error says why there are none.
+pub async fn node_pod_cidrs(
+    client: Client,
+    name: &str,
+    wait: std::time::Duration,
+) -> Result<Vec<String>, String> {
+    let api = Api::<v1::Node>::all(client);
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let last = match api.get(name).await {
+            Ok(node) => {
+                let spec = node.spec.unwrap_or_default();
+                let cidrs = match spec.pod_cidrs {
+                    Some(list) if !list.is_empty() => list,
+                    _ => spec.pod_cidr.into_iter().collect(),
+                };
+                if !cidrs.is_empty() {
+                    return Ok(cidrs);
+                }
+                format!("Node {name} has no spec.podCIDRs")
+            }
+            Err(e) => format!("reading Node {name}: {e}"),
+        };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(last);
+        }
+        info!("{last}; waiting for them");
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
 pub async fn run(
     client: Client,
     node_name: String,

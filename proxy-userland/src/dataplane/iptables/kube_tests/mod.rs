@@ -24,7 +24,7 @@ mod tracer;
 
 use std::{net::IpAddr, sync::Arc};
 
-use super::render::{Family, RenderConfig, render};
+use super::render::{Family, LocalTraffic, RenderConfig, render};
 use crate::model::{
     Endpoint, EndpointSet, NodeInfo, Protocol, ProxyState, Service, ServiceKey, ServicePort,
     SliceInfo, SlicePort,
@@ -71,7 +71,7 @@ pub fn fake_config(family: Family) -> RenderConfig {
     let mut node_ips: Vec<IpAddr> = TEST_NODE_IPS.iter().map(|s| ip(s)).collect();
     node_ips.extend([ip("127.0.0.1"), ip("::1")]);
     RenderConfig {
-        cluster_cidrs: vec![(ip(net), len)],
+        local_traffic: LocalTraffic::Cidrs(vec![(ip(net), len)]),
         node_ips: node_ips
             .into_iter()
             .filter(|a| Family::of(a) == family)

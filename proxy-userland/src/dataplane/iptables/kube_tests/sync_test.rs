@@ -15,7 +15,7 @@ use crate::{
 fn proxier(fake: &FakeTools) -> IptablesDataplane {
     let cfg = IptablesConfig {
         render: RenderConfig {
-            cluster_cidrs: vec![(ip(POD_CIDR.0), POD_CIDR.1)],
+            local_traffic: LocalTraffic::Cidrs(vec![(ip(POD_CIDR.0), POD_CIDR.1)]),
             ..Default::default()
         },
         ..Default::default()
@@ -59,7 +59,7 @@ fn changed(
 /// The tables hold exactly what a full render of `st` writes, chain by chain (ours only).
 fn assert_tables_hold(fake: &FakeTools, st: &ProxyState) {
     let cfg = RenderConfig {
-        cluster_cidrs: vec![(ip(POD_CIDR.0), POD_CIDR.1)],
+        local_traffic: LocalTraffic::Cidrs(vec![(ip(POD_CIDR.0), POD_CIDR.1)]),
         random_fully: true,
         node_ips: vec![ip("127.0.0.1"), ip(TEST_NODE_IP)],
         ..Default::default()

@@ -117,9 +117,10 @@ impl Family {
 pub struct RenderConfig {
     /// Masquerade all traffic to cluster IPs (kube-proxy's --masquerade-all).
     pub masquerade_all: bool,
-    /// The pods' CIDRs (--cluster-cidr): traffic to a cluster IP from outside them is
-    /// masqueraded, and pod traffic to an external destination skips the Local policy.
-    pub cluster_cidrs: Vec<(IpAddr, u8)>,
+    /// How pods' traffic is told apart (--detect-local-mode): traffic to a cluster IP from
+    /// elsewhere is masqueraded, and pods' traffic to an external destination skips the
+    /// Local policy.
+    pub local_traffic: LocalTraffic,
     /// The fwmark bit that asks KUBE-POSTROUTING to masquerade (--iptables-masquerade-bit).
     pub masquerade_bit: u8,
     /// Node ports answer only on the node's addresses in these networks
@@ -140,12 +141,42 @@ impl Default for RenderConfig {
     fn default() -> Self {
         RenderConfig {
             masquerade_all: false,
-            cluster_cidrs: Vec::new(),
+            local_traffic: LocalTraffic::Cidrs(Vec::new()),
             masquerade_bit: 14,
             nodeport_addresses: Vec::new(),
             conntrack_tcp_liberal: false,
             random_fully: false,
             node_ips: Vec::new(),
+        }
+    }
+}
+
+/// kube-proxy's LocalTrafficDetector (pkg/proxy/util/localdetector.go): what marks a
+/// packet as from a pod on this node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LocalTraffic {
+    /// Sources in these networks, at most one per family (ClusterCIDR: --cluster-cidr;
+    /// NodeCIDR: the Node's spec.podCIDRs). None of a family: that family tells nothing
+    /// apart, kube-proxy's no-op detector.
+    Cidrs(Vec<(IpAddr, u8)>),
+    /// Packets in on this device (BridgeInterface), or on any whose name starts with the
+    /// part before a `+` (InterfaceNamePrefix: `veth+`), in both families.
+    Interface(String),
+}
+
+impl LocalTraffic {
+    /// The matches (if local, if not local) for `family`; None: not told apart there.
+    pub fn matches(&self, family: Family) -> Option<(String, String)> {
+        match self {
+            LocalTraffic::Cidrs(cidrs) => cidrs
+                .iter()
+                .find(|(ip, _)| Family::of(ip) == family)
+                .map(|&(ip, len)| {
+                    let net = cidr(ip, len);
+                    (format!("-s {net}"), format!("! -s {net}"))
+                }),
+            LocalTraffic::Interface(dev) if dev.is_empty() || dev == "+" => None,
+            LocalTraffic::Interface(dev) => Some((format!("-i {dev}"), format!("! -i {dev}"))),
         }
     }
 }
@@ -521,15 +552,10 @@ pub fn render_service(
     cfg: &RenderConfig,
 ) -> Option<ServiceRules> {
     let &cluster_ip = svc.cluster_ips.iter().find(|ip| Family::of(ip) == family)?;
-    let local_cidr = cfg
-        .cluster_cidrs
-        .iter()
-        .find(|(ip, _)| Family::of(ip) == family)
-        .copied();
     let target = Target {
         cluster_ip,
         family,
-        local_cidr,
+        local: cfg.local_traffic.matches(family),
         masquerade_all: cfg.masquerade_all,
         node_ips: &cfg.node_ips,
     };

@@ -18,7 +18,8 @@ use crate::{
 pub(super) struct Target<'a> {
     pub cluster_ip: IpAddr,
     pub family: Family,
-    pub local_cidr: Option<(IpAddr, u8)>,
+    /// The matches for pods' traffic and for the rest ([`super::LocalTraffic::matches`]).
+    pub local: Option<(String, String)>,
     pub masquerade_all: bool,
     /// The node's addresses of the family.
     pub node_ips: &'a [IpAddr],
@@ -31,7 +32,7 @@ pub(super) fn render_port(
     pe: &PortEndpoints<'_>,
     t: &Target<'_>,
 ) {
-    let (cluster_ip, family, local_cidr) = (t.cluster_ip, t.family, t.local_cidr);
+    let (cluster_ip, family) = (t.cluster_ip, t.family);
     let port = pe.port;
     let c = &pe.categorized;
     let spn = names::service_port_name(svc, port);
@@ -207,12 +208,9 @@ pub(super) fn render_port(
         };
         if t.masquerade_all {
             rs.nat_rules.push(base().jump(KUBE_MARK_MASQ));
-        } else if let Some((ip, len)) = local_cidr {
-            rs.nat_rules.push(
-                base()
-                    .arg(format!("! -s {}", cidr(ip, len)))
-                    .jump(KUBE_MARK_MASQ),
-            );
+        } else if let Some((_, not_local)) = &t.local {
+            rs.nat_rules
+                .push(base().arg(not_local).jump(KUBE_MARK_MASQ));
         }
     }
 
@@ -229,13 +227,13 @@ pub(super) fn render_port(
             );
         } else {
             // Local policy keeps the client's source address, with exceptions.
-            if let Some((ip, len)) = local_cidr {
+            if let Some((local, _)) = &t.local {
                 // Pods reaching an external address behave as if they went out and back in
                 // through a load balancer: neither policy applies.
                 rs.nat_rules.push(
                     Rule::new(external_chain)
                         .comment(&format!("pod traffic for {spn} external destinations"))
-                        .arg(format!("-s {}", cidr(ip, len)))
+                        .arg(local)
                         .jump(cluster_policy_chain),
                 );
             }

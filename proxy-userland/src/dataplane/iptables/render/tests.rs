@@ -350,7 +350,7 @@ fn masquerading_follows_the_cluster_cidr_or_masquerade_all() {
     let s = svc("svc1", "198.19.0.41");
     let st = state(vec![(s, Some(eps(vec![ep("198.18.180.1", "node-a")])))]);
     let cfg = RenderConfig {
-        cluster_cidrs: vec![("198.18.0.0".parse().unwrap(), 16)],
+        local_traffic: LocalTraffic::Cidrs(vec![("198.18.0.0".parse().unwrap(), 16)]),
         ..Default::default()
     };
     let rs = render(&st, &node(), Family::V4, &cfg);
@@ -381,6 +381,64 @@ fn masquerading_follows_the_cluster_cidr_or_masquerade_all() {
         &all.nat_rules,
         "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully"
     ));
+}
+
+/// --detect-local-mode: what marks pods' traffic is kube-proxy's detector's match, in both
+/// rules that tell it apart (masquerade for the rest; pods skip the Local policy).
+#[test]
+fn local_traffic_is_told_apart_as_detect_local_mode_says() {
+    let mut s = svc("svc1", "198.19.0.41");
+    s.ports[0].node_port = Some(3001);
+    s.external_policy_local = true;
+    let st = state(vec![(s, Some(eps(vec![ep("198.18.180.1", "node-a")])))]);
+    let rules = |local_traffic: LocalTraffic, family: Family| {
+        let cfg = RenderConfig {
+            local_traffic,
+            ..Default::default()
+        };
+        render(&st, &node(), family, &cfg).nat_rules
+    };
+    for (detector, local, not_local) in [
+        (
+            LocalTraffic::Interface("cbr0".into()),
+            "-i cbr0",
+            "! -i cbr0",
+        ),
+        (
+            LocalTraffic::Interface("veth+".into()),
+            "-i veth+",
+            "! -i veth+",
+        ),
+        (
+            LocalTraffic::Cidrs(vec![("198.18.0.0".parse().unwrap(), 24)]),
+            "-s 198.18.0.0/24",
+            "! -s 198.18.0.0/24",
+        ),
+    ] {
+        let nat = rules(detector.clone(), Family::V4);
+        assert!(
+            nat.iter().any(|r| r.starts_with("-A KUBE-SVC-")
+                && r.ends_with(&format!("{not_local} -j KUBE-MARK-MASQ"))),
+            "{detector:?}: {nat:#?}"
+        );
+        assert!(
+            nat.iter().any(|r| r.starts_with("-A KUBE-EXT-")
+                && r.contains("pod traffic for")
+                && r.contains(&format!("{local} -j KUBE-SVC-"))),
+            "{detector:?}: {nat:#?}"
+        );
+    }
+    // Nothing to tell apart by (ClusterCIDR without a CIDR of the family): neither rule.
+    for nat in [
+        rules(LocalTraffic::Cidrs(vec![]), Family::V4),
+        rules(
+            LocalTraffic::Cidrs(vec![("2001:db8::".parse().unwrap(), 64)]),
+            Family::V4,
+        ),
+    ] {
+        assert!(!nat.iter().any(|r| r.contains("pod traffic for")
+            || (r.starts_with("-A KUBE-SVC-") && r.ends_with("-j KUBE-MARK-MASQ"))));
+    }
 }
 
 #[test]
