@@ -38,6 +38,11 @@ pub struct Changes {
 #[derive(Debug, Default)]
 pub struct ChangeTracker {
     state: ProxyState,
+    /// The state at the last [`take_changes`](Self::take_changes) (a cheap persistent
+    /// copy): a key whose state comes back to it, such as a Service added and deleted
+    /// between two syncs, is no change, as kube-proxy's change trackers drop an item whose
+    /// previous and current are equal.
+    synced: ProxyState,
     changed: BTreeSet<ServiceKey>,
     /// Which service each slice belongs to, by (namespace, slice name), so that a slice
     /// whose `kubernetes.io/service-name` label changes leaves its old service instead of
@@ -64,6 +69,7 @@ impl ChangeTracker {
 
     /// A snapshot and the keys changed since the previous call, which are then forgotten.
     pub fn take_changes(&mut self) -> Changes {
+        self.synced = self.state.clone();
         Changes {
             state: self.state.clone(),
             changed: mem::take(&mut self.changed),
@@ -100,7 +106,21 @@ impl ChangeTracker {
         };
         if changed {
             self.services_changed_total += 1;
+            self.record(key);
+        }
+    }
+
+    /// Records `key` as changed, or forgets it when its state is back to the last taken.
+    fn record(&mut self, key: ServiceKey) {
+        let (was, now) = (&self.synced, &self.state);
+        let service_differs = was.services.get(&key) != now.services.get(&key);
+        // Endpoints of a service we do not have are not worth a sync (see the module docs).
+        let endpoints_differ =
+            now.services.contains_key(&key) && was.endpoints.get(&key) != now.endpoints.get(&key);
+        if service_differs || endpoints_differ {
             self.changed.insert(key);
+        } else {
+            self.changed.remove(&key);
         }
     }
 
@@ -156,7 +176,7 @@ impl ChangeTracker {
     fn endpoints_changed(&mut self, owner: ServiceKey) {
         if self.state.services.contains_key(&owner) {
             self.endpoints_changed_total += 1;
-            self.changed.insert(owner);
+            self.record(owner);
         }
     }
 
@@ -234,11 +254,13 @@ impl ChangeTracker {
             }
         }
 
-        self.changed.extend(changed);
         self.state = ProxyState {
             services: new_services.into_iter().collect(),
             endpoints: new_endpoints.into_iter().collect(),
         };
+        for key in changed {
+            self.record(key);
+        }
         self.slice_owner = slice_owner;
     }
 

@@ -396,3 +396,51 @@ fn test_build_service_map_service_update() {
     assert_eq!((port_count(&t), hc_ports(&t).len()), (2, 0));
     assert_eq!(changed(&mut t), ["ns1/svc1"]);
 }
+
+/// TestServiceCacheLeaks: a Service added and deleted between two syncs leaves nothing
+/// pending (and so does one changed and changed back), instead of asking for a sync of a
+/// service that is not there.
+#[test]
+fn test_service_cache_leaks() {
+    let svc = k8s(
+        "ns1",
+        "svc1",
+        "spec: {clusterIP: 198.19.55.4, ports: [{name: p, port: 80}]}",
+    );
+    let mut t = ChangeTracker::new();
+    add(&mut t, &svc);
+    assert!(t.has_changes());
+    delete(&mut t, &svc);
+    assert!(
+        !t.has_changes(),
+        "added and deleted before a sync: nothing pending"
+    );
+    assert!(t.take_changes().changed.is_empty());
+
+    add(&mut t, &svc);
+    assert_eq!(t.take_changes().changed.len(), 1);
+    let moved = k8s(
+        "ns1",
+        "svc1",
+        "spec: {clusterIP: 198.19.55.4, ports: [{name: p, port: 81}]}",
+    );
+    add(&mut t, &moved);
+    assert!(t.has_changes());
+    add(&mut t, &svc);
+    assert!(
+        !t.has_changes(),
+        "changed and changed back: nothing pending"
+    );
+
+    // Endpoints that come and go between two syncs, likewise.
+    let key = ServiceKey::new("ns1", "svc1");
+    let slice = crate::model::SliceInfo {
+        ports: vec![],
+        endpoints: vec![],
+    };
+    t.apply_slice(key.clone(), "s1".into(), Some(slice));
+    assert!(t.has_changes());
+    t.apply_slice(key, "s1".into(), None);
+    assert!(!t.has_changes());
+    assert!(t.state().endpoints.is_empty());
+}
