@@ -213,6 +213,7 @@ pub fn ready(ip: Ipv4Addr) -> Endpoint {
         node_name: None,
         zone: None,
         zone_hints: vec![],
+        node_hints: vec![],
     }
 }
 

@@ -269,6 +269,7 @@ mod tests {
             node_name: Some(node.into()),
             zone: None,
             zone_hints: vec![],
+            node_hints: vec![],
         }
     }
 

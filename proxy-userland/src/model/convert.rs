@@ -595,6 +595,12 @@ fn endpoint(
             .and_then(|h| h.for_zones.as_ref())
             .map(|zones| zones.iter().map(|z| intern(&z.name)).collect())
             .unwrap_or_default(),
+        node_hints: ep
+            .hints
+            .as_ref()
+            .and_then(|h| h.for_nodes.as_ref())
+            .map(|nodes| nodes.iter().map(|n| intern(&n.name)).collect())
+            .unwrap_or_default(),
     })
 }
 
@@ -1071,7 +1077,7 @@ endpoints:
 - addresses: [198.18.1.1]
   nodeName: node-a
   zone: zone-a
-  hints: {forZones: [{name: zone-a}, {name: zone-b}]}
+  hints: {forZones: [{name: zone-a}, {name: zone-b}], forNodes: [{name: node-a}]}
 - addresses: [198.18.1.2]
   conditions: {ready: false}
 - addresses: [198.18.1.3, 198.18.9.9]
@@ -1109,6 +1115,7 @@ endpoints:
             node_name: None,
             zone: None,
             zone_hints: vec![],
+            node_hints: vec![],
         };
         assert_eq!(
             info.endpoints,
@@ -1117,6 +1124,7 @@ endpoints:
                     node_name: Some("node-a".into()),
                     zone: Some("zone-a".into()),
                     zone_hints: vec!["zone-a".into(), "zone-b".into()],
+                    node_hints: vec!["node-a".into()],
                     ..ep("198.18.1.1", true, true, false)
                 },
                 ep("198.18.1.2", false, false, false),

@@ -30,6 +30,10 @@ pub struct Endpoint {
     /// hints.forZones[].name
     #[serde(with = "super::intern::list")]
     pub zone_hints: Vec<Arc<str>>,
+    /// hints.forNodes[].name: the EndpointSlice controller writes them (with the zone
+    /// hints) for `trafficDistribution: PreferSameNode`.
+    #[serde(default, with = "super::intern::list")]
+    pub node_hints: Vec<Arc<str>>,
 }
 
 /// One EndpointSlice, reduced to what routing needs.

@@ -6,15 +6,20 @@
 //! * Ready endpoints are used; only when there are none anywhere (for the Cluster list) or
 //!   none on this node (for the Local list) do serving-but-terminating endpoints stand in,
 //!   so that connections drain to pods that are shutting down instead of failing.
-//! * Topology hints narrow the Cluster list to this node's zone, but only when *every* ready
-//!   endpoint carries zone hints and at least one is hinted for our zone. A partly hinted
-//!   set means the EndpointSlice controller is mid-update or has given up on hints, and
-//!   following half of them would overload some endpoints.
-//! * Like kube-proxy today, hints are honoured whenever they are present, whatever the
-//!   service's `trafficDistribution` or topology annotation says: the EndpointSlice
-//!   controller only writes hints for services that asked, so the hints are the decision.
+//! * Topology hints narrow the Cluster list, as kube-proxy 1.35's `topologyModeFromHints`
+//!   and `availableForTopology` decide (see [`topology`]): to the endpoints hinted for this
+//!   node (PreferSameNode) when every ready endpoint has node hints and one is hinted for
+//!   this node; else to those hinted for this node's zone (PreferSameZone, PreferClose,
+//!   topology-mode Auto) when every ready endpoint has zone hints and one is hinted for the
+//!   zone; else to none of them: every ready endpoint. A partly hinted set means the
+//!   EndpointSlice controller is mid-update or has given up on hints, and following half of
+//!   them would overload some endpoints.
+//! * Like kube-proxy, hints are honoured whenever they are present, whatever the service's
+//!   `trafficDistribution` or topology annotation says: the EndpointSlice controller only
+//!   writes hints for services that asked, so the hints are the decision.
 //!   [`Service::prefer_close`](super::Service::prefer_close) is therefore informational here.
-//! * Node hints (PreferSameNode, alpha) are not in the model and are ignored.
+//! * The Local lists (`internalTrafficPolicy` / `externalTrafficPolicy: Local`) ignore
+//!   hints: they are node-local already.
 
 use std::{
     collections::{BTreeMap, btree_map::Entry},
@@ -118,23 +123,59 @@ fn is_serving_terminating(ep: &Endpoint) -> bool {
     ep.serving && ep.terminating
 }
 
-/// The zone to narrow the Cluster list to, if the hints allow it (see the module docs).
-fn topology_zone<'a>(eps: &[PortEndpoint], node: &'a NodeInfo) -> Option<&'a str> {
-    let zone = node.zone.as_deref().filter(|z| !z.is_empty())?;
-    let mut ready = eps
-        .iter()
-        .map(|pe| &pe.endpoint)
-        .filter(|ep| ep.ready)
-        .peekable();
-    ready.peek()?;
-    let mut any_for_zone = false;
-    for ep in ready {
-        if ep.zone_hints.is_empty() {
-            return None;
+/// How the Cluster list is narrowed by topology hints on this node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology<'a> {
+    /// The endpoints hinted for this node (PreferSameNode).
+    SameNode(&'a str),
+    /// The endpoints hinted for this node's zone (PreferSameZone, PreferClose, Auto).
+    SameZone(&'a str),
+}
+
+impl Topology<'_> {
+    /// kube-proxy's availableForTopology: no fallback here, that was decided in
+    /// [`topology`].
+    pub fn allows(self, ep: &Endpoint) -> bool {
+        let has = |hints: &[std::sync::Arc<str>], want: &str| hints.iter().any(|h| &**h == want);
+        match self {
+            Topology::SameNode(node) => has(&ep.node_hints, node),
+            Topology::SameZone(zone) => has(&ep.zone_hints, zone),
         }
-        any_for_zone |= ep.zone_hints.iter().any(|h| &**h == zone);
     }
-    any_for_zone.then_some(zone)
+}
+
+/// kube-proxy 1.35's topologyModeFromHints (pkg/proxy/topology.go), over the ready
+/// endpoints only:
+/// 1. every one has node hints and at least one is hinted for this node's name:
+///    PreferSameNode (the PreferSameTrafficDistribution gate is GA, so always on);
+/// 2. else every one has zone hints and at least one is hinted for this node's zone
+///    (topology.kubernetes.io/zone; none or empty matches nothing): PreferSameZone;
+/// 3. else no topology (None): every ready endpoint.
+///
+/// The EndpointSlice controller hints an endpoint for its own node (and zone) under
+/// PreferSameNode, so a node with a ready endpoint of the service keeps to it, and one
+/// without falls back to its zone's, then to all.
+pub fn topology<'a>(eps: &[PortEndpoint], node: &'a NodeInfo) -> Option<Topology<'a>> {
+    let node_name = node.name.as_str();
+    let zone = node.zone.as_deref().unwrap_or("");
+    let (mut all_node_hints, mut for_node) = (true, false);
+    let (mut all_zone_hints, mut for_zone) = (true, false);
+    for ep in eps.iter().map(|pe| &pe.endpoint).filter(|ep| ep.ready) {
+        if ep.zone_hints.is_empty() {
+            all_zone_hints = false;
+        } else if !zone.is_empty() && ep.zone_hints.iter().any(|h| &**h == zone) {
+            for_zone = true;
+        }
+        if ep.node_hints.is_empty() {
+            all_node_hints = false;
+        } else if !node_name.is_empty() && ep.node_hints.iter().any(|h| &**h == node_name) {
+            for_node = true;
+        }
+    }
+    if all_node_hints && for_node {
+        return Some(Topology::SameNode(node_name));
+    }
+    (all_zone_hints && for_zone).then_some(Topology::SameZone(zone))
 }
 
 fn filter(eps: &[PortEndpoint], keep: impl Fn(&Endpoint) -> bool) -> Vec<PortEndpoint> {
@@ -156,12 +197,10 @@ pub fn categorize(svc: &Service, eps: &[PortEndpoint], node: &NodeInfo) -> Categ
     }
 
     let uses_cluster = uses_cluster_endpoints(svc);
-    let mut zone = None;
+    let mut topo = None;
     if uses_cluster {
-        zone = topology_zone(eps, node);
-        out.cluster = filter(eps, |ep| {
-            ep.ready && zone.is_none_or(|z| ep.zone_hints.iter().any(|h| &**h == z))
-        });
+        topo = topology(eps, node);
+        out.cluster = filter(eps, |ep| ep.ready && topo.is_none_or(|t| t.allows(ep)));
         // Topology was already abandoned above if it would leave no ready endpoint, so an
         // empty list here means nothing is ready anywhere.
         if out.cluster.is_empty() {
@@ -195,11 +234,11 @@ pub fn categorize(svc: &Service, eps: &[PortEndpoint], node: &NodeInfo) -> Categ
 
     out.all_reachable = if !uses_cluster {
         out.local.clone()
-    } else if zone.is_none() && !local_fallback {
+    } else if topo.is_none() && !local_fallback {
         // Cluster holds every ready endpoint and local only ready ones: a superset.
         out.cluster.clone()
     } else {
-        // Cluster may lack local endpoints (other zone's hints, or terminating ones that
+        // Cluster may lack local endpoints (other nodes' or zones' hints, or terminating ones that
         // local fell back to), and local lacks remote ones: merge.
         let mut union: BTreeMap<(IpAddr, u16), PortEndpoint> = BTreeMap::new();
         for pe in out.cluster.iter().chain(&out.local) {
@@ -279,6 +318,7 @@ mod tests {
             node_name: None,
             zone: None,
             zone_hints: vec![],
+            node_hints: vec![],
         }
     }
 

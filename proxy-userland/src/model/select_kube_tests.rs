@@ -9,6 +9,9 @@
 //!   controller only writes hints for services that asked): the hinted zone is used.
 //! - Upstream tells "not used" (nil) from "none" (empty set); our lists are empty in both
 //!   cases, so an expected `None` is checked as empty.
+//! - The PreferSameNode cases (`test_categorize_endpoints_prefer_same_node`) run with the
+//!   PreferSameTrafficDistribution gate on, as it is locked in 1.35; upstream's cases with
+//!   the gate off are left out. Node `node-1` of upstream is `node-a` here.
 
 use std::collections::BTreeSet;
 
@@ -39,6 +42,8 @@ struct Case {
     /// Needed only when both lists are used.
     all: Option<&'static [u8]>,
     only_remote: bool,
+    /// hints.forNodes, by endpoint (last octet).
+    node_hints: Vec<(u8, &'static [&'static str])>,
 }
 
 impl Case {
@@ -54,7 +59,12 @@ impl Case {
             local: None,
             all: None,
             only_remote: false,
+            node_hints: Vec::new(),
         }
+    }
+    fn node_hints(mut self, hints: &[(u8, &'static [&'static str])]) -> Self {
+        self.node_hints = hints.to_vec();
+        self
     }
     fn zone(mut self, z: &'static str) -> Self {
         self.zone = Some(z);
@@ -136,6 +146,12 @@ fn run(case: &Case) {
                     node_name: Some(if local { "node-a" } else { "node-b" }.into()),
                     zone: None,
                     zone_hints: hints.iter().map(|&h| h.into()).collect(),
+                    node_hints: case
+                        .node_hints
+                        .iter()
+                        .filter(|(m, _)| *m == n)
+                        .flat_map(|(_, h)| h.iter().map(|&h| h.into()))
+                        .collect(),
                 },
             },
         )
@@ -448,6 +464,7 @@ fn generated(
                         .then(|| hosts[usize::from(i) % hosts.len()].into()),
                     zone: None,
                     zone_hints: vec![],
+                    node_hints: vec![],
                 }
             })
             .collect(),
@@ -506,6 +523,113 @@ fn lines(group: u8, ids: &[u8], port: u16, flags: &str) -> Vec<String> {
 fn sorted(mut v: Vec<String>) -> Vec<String> {
     v.sort();
     v
+}
+
+const NA: &[&str] = &["node-a"];
+const NB: &[&str] = &["node-b"];
+const NC: &[&str] = &["node-c"];
+const ND: &[&str] = &["node-d"];
+
+/// kube-proxy 1.35's PreferSameNode cases of TestCategorizeEndpoints (hints.forNodes, as
+/// the EndpointSlice controller writes them: each endpoint hinted for its own node and
+/// zone), and the interplay with the Local policies.
+#[test]
+fn test_categorize_endpoints_prefer_same_node() {
+    // Endpoint 3 runs here (node-a, zone-a), 4 elsewhere in zone-a, 5 and 6 in other zones.
+    let here_and_elsewhere = || {
+        vec![
+            row(3, ZA, R, true),
+            row(4, ZA, R, false),
+            row(5, ZB, R, false),
+            row(6, ZC, R, false),
+        ]
+    };
+    let own_nodes: &[(u8, &[&str])] = &[(3, NA), (4, NB), (5, NC), (6, ND)];
+    let cases = vec![
+        Case::new("PreferSameNode available", here_and_elsewhere())
+            .zone("zone-a")
+            .node_hints(own_nodes)
+            .cluster(&[3]),
+        Case::new(
+            "PreferSameNode not available, falls back to PreferSameZone",
+            vec![
+                row(4, ZA, R, false),
+                row(5, ZB, R, false),
+                row(6, ZC, R, false),
+                row(7, ZA, R, false),
+            ],
+        )
+        .zone("zone-a")
+        .node_hints(&[(4, NB), (5, NC), (6, ND), (7, NB)])
+        .cluster(&[4, 7]),
+        Case::new(
+            "PreferSameNode not available and no zone hints for this zone: no topology",
+            vec![row(4, ZB, R, false), row(5, ZC, R, false)],
+        )
+        .zone("zone-a")
+        .node_hints(&[(4, NB), (5, NC)])
+        .cluster(&[4, 5]),
+        Case::new(
+            "PreferSameNode ignored if some endpoints unhinted",
+            here_and_elsewhere(),
+        )
+        .zone("zone-a")
+        .node_hints(&[(3, NA), (4, NB), (5, NC)])
+        .cluster(&[3, 4]),
+        Case::new(
+            "PreferSameNode without a zone label on the node",
+            here_and_elsewhere(),
+        )
+        .node_hints(own_nodes)
+        .cluster(&[3]),
+        Case::new(
+            "PreferSameNode, the endpoint for this node is not ready",
+            vec![
+                row(3, ZA, U, true),
+                row(4, ZA, R, false),
+                row(5, ZB, R, false),
+            ],
+        )
+        .zone("zone-a")
+        .node_hints(&[(3, NA), (4, NB), (5, NC)])
+        .cluster(&[4]),
+        Case::new(
+            "PreferSameNode, only a terminating endpoint on this node: no ready one anywhere",
+            vec![row(3, ZA, T, true), row(4, ZA, T, false)],
+        )
+        .zone("zone-a")
+        .node_hints(&[(3, NA), (4, NB)])
+        .cluster(&[3, 4]),
+        Case::new(
+            "internalTrafficPolicy: Local, PreferSameNode ignored for Local endpoints",
+            vec![
+                row(3, ZA, R, true),
+                row(4, ZA, R, true),
+                row(5, ZB, R, false),
+            ],
+        )
+        .zone("zone-a")
+        .itp_local()
+        .node_port()
+        .node_hints(&[(3, NA), (4, NB), (5, NC)])
+        .cluster(&[3])
+        .local(&[3, 4])
+        .all(&[3, 4]),
+        Case::new(
+            "externalTrafficPolicy: Local, PreferSameNode for the Cluster list only",
+            vec![row(3, ZA, R, false), row(4, ZA, R, true), row(5, ZB, R, false)],
+        )
+        .zone("zone-a")
+        .etp_local()
+        .node_port()
+        .node_hints(&[(3, NA), (4, NB), (5, NC)])
+        .cluster(&[3])
+        .local(&[4])
+        .all(&[3, 4]),
+    ];
+    for case in &cases {
+        run(case);
+    }
 }
 
 #[test]

@@ -344,6 +344,7 @@ mod tests {
                     node_name: None,
                     zone: None,
                     zone_hints: vec![],
+                    node_hints: vec![],
                 })
                 .collect(),
         }

@@ -647,6 +647,7 @@ mod tests {
             node_name: Some("node-a".into()),
             zone: None,
             zone_hints: vec![],
+            node_hints: vec![],
         }
     }
 

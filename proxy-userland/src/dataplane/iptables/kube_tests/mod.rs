@@ -111,6 +111,7 @@ pub fn ep(addr: &str, node: Option<&str>) -> Endpoint {
         node_name: node.map(Into::into),
         zone: None,
         zone_hints: vec![],
+        node_hints: vec![],
     }
 }
 

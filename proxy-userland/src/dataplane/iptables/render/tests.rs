@@ -16,6 +16,7 @@ fn ep(ip: &str, node: &str) -> Endpoint {
         node_name: Some(node.into()),
         zone: None,
         zone_hints: vec![],
+        node_hints: vec![],
     }
 }
 
