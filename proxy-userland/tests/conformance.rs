@@ -84,6 +84,7 @@ matrix!(
     hairpin,
     service_proxy_name_and_headless_skipped,
     terminating_endpoints_fallback,
+    prefer_same_node,
 );
 
 // ---- the world each behaviour runs in ------------------------------------------------------
@@ -109,6 +110,11 @@ struct World {
 impl World {
     /// A bed with `pods` pods and the daemon in `mode`, serving `yaml`.
     fn new(mode: Mode, tag: &str, pods: u8, yaml: &str) -> World {
+        World::with_args(mode, tag, pods, yaml, &[])
+    }
+
+    /// As [`World::new`], with `extra` flags for the daemon (they win over the defaults).
+    fn with_args(mode: Mode, tag: &str, pods: u8, yaml: &str, extra: &[&str]) -> World {
         let mut bed = Testbed::new(&format!("cf{tag}{}", &mode.name()[..1])).expect("test bed");
         let mut servers = Vec::new();
         for i in 1..=pods {
@@ -141,7 +147,7 @@ impl World {
         route_services(&bed);
         let manifests = bed.dir().join("manifests.yaml");
         std::fs::write(&manifests, yaml).unwrap();
-        let args = [
+        let mut args = vec![
             "--proxy-mode",
             mode.name(),
             "--netns",
@@ -155,6 +161,7 @@ impl World {
             "--metrics-bind-address",
             "",
         ];
+        args.extend_from_slice(extra);
         let daemon = Daemon::start(bed.cgroup_path(), &args);
         World {
             mode,
@@ -506,4 +513,58 @@ fn terminating_endpoints_fallback(mode: Mode) {
 /// One TCP attempt with a short time limit.
 fn tcp_quick(bed: &Testbed, target: &str) -> Outcome {
     run_probe(bed, &["tcp", target, "--count", "1", "--timeout-ms", "500"]).remove(0)
+}
+
+/// trafficDistribution PreferSameNode, with the hints the EndpointSlice controller writes
+/// for it (each endpoint for its own node and zone): the proxy on a node with an endpoint
+/// sends its clients there only; the proxy on a node without one falls back to its zone's
+/// endpoints (kube-proxy's topologyModeFromHints), spreading over them.
+fn prefer_same_node(mode: Mode) {
+    // pod-1 on node-a and pod-2 on node-b, both in zone-a; pod-3 on node-c in zone-b.
+    let placed = [
+        (1, "node-a", "zone-a"),
+        (2, "node-b", "zone-a"),
+        (3, "node-c", "zone-b"),
+    ];
+    let mut yaml = service("web", Some(WEB_IP), &[HTTP], "")
+        .replace("spec:\n", "spec:\n  trafficDistribution: PreferSameNode\n");
+    let _ = write!(
+        yaml,
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  \
+         namespace: demo\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\n\
+         ports:\n- {{name: http, port: 8080, protocol: TCP}}\nendpoints:\n"
+    );
+    for (i, node, zone) in placed {
+        let _ = writeln!(
+            yaml,
+            "- addresses: [{}]\n  nodeName: {node}\n  zone: {zone}\n  conditions: {READY}\n  \
+             hints: {{forZones: [{{name: {zone}}}], forNodes: [{{name: {node}}}]}}",
+            pod_ip(i)
+        );
+    }
+    yaml.push_str("---\n");
+
+    let here = World::with_args(
+        mode,
+        "psnl",
+        3,
+        &yaml,
+        &["--hostname-override", "node-a", "--zone", "zone-a"],
+    );
+    here.until("20 connections from node-a all reach its own pod-1", || {
+        served_by(&here.tcp(WEB, 20), &["pod-1"])
+    });
+    drop(here);
+
+    let elsewhere = World::with_args(
+        mode,
+        "psnr",
+        3,
+        &yaml,
+        &["--hostname-override", "node-d", "--zone", "zone-a"],
+    );
+    elsewhere.until(
+        "20 connections from node-d (no endpoint) spread over zone-a's pod-1 and pod-2",
+        || served_by(&elsewhere.tcp(WEB, 20), &["pod-1", "pod-2"]),
+    );
 }

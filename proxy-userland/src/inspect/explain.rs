@@ -131,6 +131,7 @@ fn reason(
     policy_local: bool,
     model: &ModelDump,
     v4: bool,
+    topology: Option<select::Topology<'_>>,
 ) -> String {
     let ep = &pe.endpoint;
     let local = select::is_local(ep, &model.node);
@@ -166,7 +167,16 @@ fn reason(
     if serving_terminating {
         return "serving but terminating: used only when no ready endpoint is left".into();
     }
-    if let Some(zone) = model.node.zone.as_deref()
+    if let Some(select::Topology::SameNode(node)) = topology
+        && !topology.is_some_and(|t| t.allows(ep))
+    {
+        return format!(
+            "topology hints (PreferSameNode) send it to node(s) {}; this node ({node}) has \
+             endpoints of its own",
+            ep.node_hints.join(",")
+        );
+    }
+    if let Some(select::Topology::SameZone(zone)) = topology
         && !ep.zone_hints.is_empty()
         && !ep.zone_hints.iter().any(|z| &**z == zone)
     {
@@ -404,6 +414,7 @@ pub fn explain(
         .endpoints
         .map(|set| select::endpoints_for_port(set, port))
         .unwrap_or_default();
+    let topology = select::topology(&all, &model.node);
     ex.candidates = all
         .iter()
         .map(|pe| {
@@ -414,7 +425,7 @@ pub fn explain(
                 node: pe.endpoint.node_name.as_deref().map(str::to_owned),
                 zone: pe.endpoint.zone.as_deref().map(str::to_owned),
                 eligible,
-                reason: reason(pe, eligible, policy_local, model, v4),
+                reason: reason(pe, eligible, policy_local, model, v4, topology),
             }
         })
         .collect();

@@ -617,7 +617,11 @@ fn test_categorize_endpoints_prefer_same_node() {
         .all(&[3, 4]),
         Case::new(
             "externalTrafficPolicy: Local, PreferSameNode for the Cluster list only",
-            vec![row(3, ZA, R, false), row(4, ZA, R, true), row(5, ZB, R, false)],
+            vec![
+                row(3, ZA, R, false),
+                row(4, ZA, R, true),
+                row(5, ZB, R, false),
+            ],
         )
         .zone("zone-a")
         .etp_local()
