@@ -484,3 +484,93 @@ fn with_legacy_iptables_every_periodic_sync_reads_the_tables_back() {
     full(&mut dp, &st);
     assert_eq!(fake.state.lock().unwrap().saves, before + 2);
 }
+
+/// TestSyncProxyRulesLargeClusterMode: above 1,000 endpoints the endpoint rules lose their
+/// comments, from the sync that crosses the line on; a partial sync rewrites only the
+/// changed service's, a full one every service's.
+#[test]
+fn test_sync_proxy_rules_large_cluster_mode() {
+    use crate::dataplane::iptables::{names::endpoint_chain, render::LARGE_CLUSTER_ENDPOINTS};
+    let half = LARGE_CLUSTER_ENDPOINTS / 2 - 1;
+    let many = |net: &str, base: usize| -> Vec<String> {
+        (0..half)
+            .map(|i| format!("{net}.{}.{}", base + i / 250, i % 250 + 1))
+            .collect()
+    };
+    let (a, b) = (many("198.18", 0), many("198.19", 100));
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let mut st = state(vec![
+        (web("svc1", "198.19.0.41"), Some(eps80(&refs(&a)))),
+        (web("svc2", "198.19.0.42"), Some(eps80(&refs(&b)))),
+    ]);
+    let fake = fake();
+    let mut dp = proxier(&fake);
+    full(&mut dp, &st);
+    let sep_rules = |svc: &str, addr: &str| {
+        let chain = endpoint_chain(
+            &format!("ns1/{svc}:p80"),
+            Tcp,
+            format!("{addr}:80").parse().unwrap(),
+        );
+        fake.rules(Table::Nat, &chain)
+    };
+    let commented = |rules: Vec<String>| {
+        assert_eq!(rules.len(), 2, "{rules:?}");
+        rules.iter().all(|r| r.contains("--comment"))
+    };
+    let bare = |rules: Vec<String>| {
+        assert_eq!(rules.len(), 2, "{rules:?}");
+        rules.iter().all(|r| !r.contains("--comment"))
+    };
+    assert!(
+        commented(sep_rules("svc1", &a[0])),
+        "998 endpoints: comments"
+    );
+    assert!(commented(sep_rules("svc2", &b[0])));
+
+    // Three more endpoints: 1,001, large-cluster mode; the partial sync writes svc3 alone.
+    let svc3 = web("svc3", "198.19.0.43");
+    st.services.insert(svc3.key.clone(), Arc::new(svc3.clone()));
+    st.endpoints.insert(
+        svc3.key.clone(),
+        Arc::new(eps80(&["198.18.200.4", "198.18.200.8", "198.18.200.12"])),
+    );
+    let report = changed(&mut dp, &st, &["svc3"]);
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert!(
+        bare(sep_rules("svc3", "198.18.200.4")),
+        "1,001 endpoints: none"
+    );
+    let svc3_chain = fake
+        .rules(Table::Nat, "KUBE-SERVICES")
+        .into_iter()
+        .find(|r| r.contains("198.19.0.43"))
+        .expect("svc3 in KUBE-SERVICES");
+    let svc_chain = svc3_chain.rsplit(' ').next().unwrap().to_string();
+    assert!(
+        fake.rules(Table::Nat, &svc_chain)
+            .iter()
+            .filter(|r| r.contains("KUBE-SEP-"))
+            .all(|r| !r.contains("->")),
+        "the balancing rules lose their `-> endpoint` comments too"
+    );
+    let last = fake.restores().last().cloned().unwrap();
+    assert!(
+        !last.contains("198.18.0.1"),
+        "a partial sync leaves svc1 alone"
+    );
+    assert!(commented(sep_rules("svc1", &a[0])));
+
+    // A full sync writes every service in the mode.
+    full(&mut dp, &st);
+    assert!(bare(sep_rules("svc1", &a[0])));
+    assert!(bare(sep_rules("svc2", &b[0])));
+
+    // Back under the line: svc3 gone, the next full sync writes comments again.
+    st.services.remove(&svc3.key);
+    st.endpoints.remove(&svc3.key);
+    full(&mut dp, &st);
+    assert!(commented(sep_rules("svc1", &a[0])));
+}

@@ -392,6 +392,10 @@ impl Rule {
         self.0.push_str(a.as_ref());
         self
     }
+    /// kube-proxy's appendServiceCommentLocked: the comment, unless in large-cluster mode.
+    fn endpoint_comment(self, large_cluster: bool, c: &str) -> Self {
+        if large_cluster { self } else { self.comment(c) }
+    }
     fn comment(self, c: &str) -> Self {
         // Names in comments are Kubernetes names and IPs: no quotes or backslashes to escape.
         let c = c.replace(['"', '\\'], "");
@@ -543,19 +547,51 @@ impl ServiceRules {
     }
 }
 
+/// kube-proxy's largeClusterEndpointsThreshold: above this many endpoints (of a family,
+/// over every service port), the endpoint rules are written without their comments, which
+/// makes the ruleset some 40% smaller.
+pub const LARGE_CLUSTER_ENDPOINTS: usize = 1000;
+
+/// How many endpoints of `family` the ports of `svc` have, counted as kube-proxy counts its
+/// endpointsMap for large-cluster mode (each port's endpoints, over all of its slices).
+pub fn endpoint_count(svc: &Service, eps: Option<&EndpointSet>, family: Family) -> usize {
+    let Some(eps) = eps else { return 0 };
+    if !svc.cluster_ips.iter().any(|ip| Family::of(ip) == family) {
+        return 0;
+    }
+    svc.ports
+        .iter()
+        .map(|port| {
+            eps.slices
+                .values()
+                .filter(|s| {
+                    s.ports
+                        .iter()
+                        .any(|p| p.name == port.name && p.protocol == port.protocol)
+                })
+                .flat_map(|s| &s.endpoints)
+                .filter(|e| Family::of(&e.ip) == family)
+                .count()
+        })
+        .sum()
+}
+
 /// Renders one service for one family; None when it has no cluster IP of the family.
+/// `large_cluster`: kube-proxy's large-cluster mode, no comments on endpoint rules.
 pub fn render_service(
     svc: &Service,
     eps: Option<&EndpointSet>,
     node: &NodeInfo,
     family: Family,
     cfg: &RenderConfig,
+    large_cluster: bool,
 ) -> Option<ServiceRules> {
     let &cluster_ip = svc.cluster_ips.iter().find(|ip| Family::of(ip) == family)?;
     let target = Target {
         cluster_ip,
         family,
         local: cfg.local_traffic.matches(family),
+        large_cluster,
         masquerade_all: cfg.masquerade_all,
         node_ips: &cfg.node_ips,
     };

@@ -7,8 +7,8 @@ use std::{
 };
 
 use super::{
-    FILTER_CHAINS, Family, LIST_FIRST, NAT_CHAINS, RenderConfig, Ruleset, ServiceRules, Table,
-    head, render_service, rule_chain, tail,
+    FILTER_CHAINS, Family, LARGE_CLUSTER_ENDPOINTS, LIST_FIRST, NAT_CHAINS, RenderConfig, Ruleset,
+    ServiceRules, Table, endpoint_count, head, render_service, rule_chain, tail,
 };
 use crate::model::{NodeInfo, ProxyState, ServiceKey};
 
@@ -21,6 +21,10 @@ pub struct Rendered {
     head: Ruleset,
     tail: Vec<String>,
     services: BTreeMap<ServiceKey, Arc<ServiceRules>>,
+    /// Each service's endpoints of the family ([`endpoint_count`]), and their sum: over
+    /// [`LARGE_CLUSTER_ENDPOINTS`] the services rendered go without endpoint comments.
+    endpoints: BTreeMap<ServiceKey, usize>,
+    endpoints_total: usize,
 }
 
 /// What [`Rendered::rerender`] replaced: each service whose rules changed, with its rules
@@ -29,6 +33,18 @@ pub type Replaced = Vec<(ServiceKey, Option<Arc<ServiceRules>>)>;
 
 impl Rendered {
     pub fn new(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderConfig) -> Self {
+        // As kube-proxy, the mode is decided from every endpoint before anything is written.
+        let endpoints: BTreeMap<ServiceKey, usize> = state
+            .services
+            .iter()
+            .map(|(key, svc)| {
+                let eps = state.endpoints.get(key).map(|e| &**e);
+                (key.clone(), endpoint_count(svc, eps, family))
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        let endpoints_total = endpoints.values().sum();
+        let large = endpoints_total > LARGE_CLUSTER_ENDPOINTS;
         let services = state
             .services
             .iter()
@@ -36,7 +52,7 @@ impl Rendered {
                 let eps = state.endpoints.get(key).map(|e| &**e);
                 Some((
                     key.clone(),
-                    Arc::new(render_service(svc, eps, node, family, cfg)?),
+                    Arc::new(render_service(svc, eps, node, family, cfg, large)?),
                 ))
             })
             .collect();
@@ -44,7 +60,14 @@ impl Rendered {
             head: head(cfg),
             tail: tail(family, cfg),
             services,
+            endpoints,
+            endpoints_total,
         }
+    }
+
+    /// kube-proxy's largeClusterMode: more than [`LARGE_CLUSTER_ENDPOINTS`] endpoints.
+    pub fn large_cluster(&self) -> bool {
+        self.endpoints_total > LARGE_CLUSTER_ENDPOINTS
     }
 
     /// Renders the services `keys` again from `state` (a key it lacks: the service is
@@ -58,11 +81,27 @@ impl Rendered {
         family: Family,
         cfg: &RenderConfig,
     ) -> Replaced {
+        let keys: Vec<&ServiceKey> = keys.into_iter().collect();
+        // The mode from every endpoint, the changed services' counted again (kube-proxy
+        // counts all on each sync); services not rendered now keep their comments, or lack
+        // of them, until the next full sync, as in kube-proxy's partial syncs. A failed
+        // restore ([`undo`](Self::undo)) is followed by a full sync, which counts anew.
+        for key in &keys {
+            let n = state.services.get(*key).map_or(0, |svc| {
+                endpoint_count(svc, state.endpoints.get(*key).map(|e| &**e), family)
+            });
+            let old = match n {
+                0 => self.endpoints.remove(*key),
+                n => self.endpoints.insert((*key).clone(), n),
+            };
+            self.endpoints_total = self.endpoints_total - old.unwrap_or(0) + n;
+        }
+        let large = self.large_cluster();
         let mut replaced = Vec::new();
         for key in keys {
             let new = state.services.get(key).and_then(|svc| {
                 let eps = state.endpoints.get(key).map(|e| &**e);
-                render_service(svc, eps, node, family, cfg)
+                render_service(svc, eps, node, family, cfg, large)
             });
             if self.services.get(key).map(|r| &**r) == new.as_ref() {
                 continue;

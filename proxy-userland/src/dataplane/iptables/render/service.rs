@@ -20,6 +20,8 @@ pub(super) struct Target<'a> {
     pub family: Family,
     /// The matches for pods' traffic and for the rest ([`super::LocalTraffic::matches`]).
     pub local: Option<(String, String)>,
+    /// kube-proxy's large-cluster mode: the endpoint rules go without comments.
+    pub large_cluster: bool,
     pub masquerade_all: bool,
     /// The node's addresses of the family.
     pub node_ips: &'a [IpAddr],
@@ -306,7 +308,7 @@ pub(super) fn render_port(
         write_balancing(
             rs,
             svc,
-            &spn,
+            (&spn, t.large_cluster),
             port.protocol,
             cluster_policy_chain,
             cluster_eps,
@@ -314,7 +316,14 @@ pub(super) fn render_port(
     }
     if uses_local_chain {
         rs.nat_chains.push(local_policy_chain.to_string());
-        write_balancing(rs, svc, &spn, port.protocol, local_policy_chain, local_eps);
+        write_balancing(
+            rs,
+            svc,
+            (&spn, t.large_cluster),
+            port.protocol,
+            local_policy_chain,
+            local_eps,
+        );
     }
 
     // One chain per endpoint either policy may use.
@@ -326,11 +335,11 @@ pub(super) fn render_port(
         // directly and the client would drop the reply.
         rs.nat_rules.push(
             Rule::new(&sep)
-                .comment(&spn)
+                .endpoint_comment(t.large_cluster, &spn)
                 .arg(format!("-s {}", ep.ip))
                 .jump(KUBE_MARK_MASQ),
         );
-        let mut dnat = Rule::new(&sep).comment(&spn);
+        let mut dnat = Rule::new(&sep).endpoint_comment(t.large_cluster, &spn);
         if svc.affinity_timeout.is_some() {
             dnat = dnat.arg(format!("-m recent --name {sep} --set"));
         }
@@ -350,11 +359,12 @@ fn externally_accessible(svc: &Service) -> bool {
 
 /// Affinity first (a client seen recently goes back to its endpoint), then the random
 /// spread: rule i of n matches with probability 1/(n-i), so each endpoint gets 1/n overall
-/// and the last rule always matches.
+/// and the last rule always matches. `(spn, large_cluster)`: the service port's name, and
+/// whether its `spn -> endpoint` comments are left out.
 fn write_balancing(
     rs: &mut Ruleset,
     svc: &Service,
-    spn: &str,
+    (spn, large_cluster): (&str, bool),
     proto: crate::model::Protocol,
     chain: &str,
     eps: &[PortEndpoint],
@@ -370,7 +380,7 @@ fn write_balancing(
         for (addr, sep) in &seps {
             rs.nat_rules.push(
                 Rule::new(chain)
-                    .comment(&format!("{spn} -> {addr}"))
+                    .endpoint_comment(large_cluster, &format!("{spn} -> {addr}"))
                     .arg(format!(
                         "-m recent --name {sep} --rcheck --seconds {timeout} --reap"
                     ))
@@ -380,7 +390,7 @@ fn write_balancing(
     }
     let n = seps.len();
     for (i, (addr, sep)) in seps.iter().enumerate() {
-        let mut r = Rule::new(chain).comment(&format!("{spn} -> {addr}"));
+        let mut r = Rule::new(chain).endpoint_comment(large_cluster, &format!("{spn} -> {addr}"));
         if i + 1 < n {
             r = r.arg(format!(
                 "-m statistic --mode random --probability {}",
