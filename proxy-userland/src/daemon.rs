@@ -188,7 +188,7 @@ fn on_own_thread(
 const POD_CIDR_WAIT: std::time::Duration = std::time::Duration::from_secs(5 * 60);
 
 /// `--detect-local-mode NodeCIDR`: the Node's pod CIDRs, read once at start-up as
-/// kube-proxy does (it restarts when they change; see the README's differences).
+/// kube-proxy does (it restarts when they change; see docs/modes.md).
 async fn node_pod_cidrs(
     client: Option<&::kube::Client>,
     node_name: &str,
