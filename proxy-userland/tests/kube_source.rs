@@ -4,6 +4,7 @@
 //! dropped watch and a 410 Gone relist.
 
 mod common;
+mod nat_common;
 
 use std::time::Duration;
 
@@ -409,4 +410,134 @@ fn healthz_reports_a_node_being_deleted_as_not_eligible() {
         daemon.log()
     );
     assert!(daemon.stop().success(), "{}", daemon.log());
+}
+
+/// `trafficDistribution: PreferSameNode` through the API server: the slice's
+/// `hints.forNodes` reach the proxy (kube-rs and the in-repo API server carry them), which
+/// keeps node-a's clients on node-a's endpoint, and falls back to its zone's endpoints once
+/// no endpoint is hinted for node-a.
+#[test]
+fn prefer_same_node_hints_come_through_the_api_server() {
+    let (bed, _pods) = bed_with_pods("kpsn", 3);
+    let api = ApiServer::start().expect("test API server");
+    api.create("nodes", node());
+    let mut svc = service("web", "198.19.0.10");
+    svc["spec"]["trafficDistribution"] = json!("PreferSameNode");
+    api.create("services", svc);
+    let hinted = |nodes: [&str; 3]| {
+        let mut s = slice("web-1", "web", &[POD1, POD2, POD3]);
+        let zones = ["zone-a", "zone-a", "zone-b"];
+        for (i, ep) in s["endpoints"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .enumerate()
+        {
+            ep["nodeName"] = json!(nodes[i]);
+            ep["zone"] = json!(zones[i]);
+            ep["hints"] =
+                json!({"forZones": [{"name": zones[i]}], "forNodes": [{"name": nodes[i]}]});
+        }
+        s
+    };
+    api.create("endpointslices", hinted(["node-a", "node-b", "node-c"]));
+
+    let kubeconfig =
+        std::env::temp_dir().join(format!("fastpath-kpsn-{}.yaml", std::process::id()));
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    struct Rm(std::path::PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _rm = Rm(kubeconfig.clone());
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &["--kubeconfig", kubeconfig.to_str().unwrap()],
+    );
+    let only = |want: &[&str]| {
+        let got = reached(&tcp(&bed, "198.19.0.10:80", 20));
+        got == want.iter().map(|s| s.to_string()).collect()
+    };
+    assert!(
+        eventually(20, || only(&["pod-1"])),
+        "node-a's clients should reach its own pod-1 only; log:\n{}",
+        daemon.log()
+    );
+    // pod-1 moves to node-e (as the controller would hint it): no endpoint for node-a.
+    api.update("endpointslices", hinted(["node-e", "node-b", "node-c"]));
+    assert!(
+        eventually(20, || only(&["pod-1", "pod-2"])),
+        "without an endpoint for node-a, zone-a's pod-1 and pod-2; log:\n{}",
+        daemon.log()
+    );
+}
+
+/// `--detect-local-mode NodeCIDR` in the iptables mode: the Node's `spec.podCIDRs` are what
+/// tells pods' traffic apart (traffic to a cluster IP from elsewhere is masqueraded), as
+/// kube-proxy's NodeCIDR detector; and the service works.
+#[test]
+fn detect_local_mode_node_cidr_uses_the_nodes_pod_cidrs() {
+    let (bed, _pods) = bed_with_pods("kncidr", 1);
+    nat_common::route_services(&bed);
+    let api = ApiServer::start().expect("test API server");
+    let mut n = node();
+    n["spec"] = json!({"podCIDRs": ["198.18.1.0/24"], "podCIDR": "198.18.1.0/24"});
+    api.create("nodes", n);
+    api.create("services", service("web", "198.19.0.10"));
+    api.create("endpointslices", slice("web-1", "web", &[POD1]));
+    let kubeconfig =
+        std::env::temp_dir().join(format!("fastpath-kncidr-{}.yaml", std::process::id()));
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    struct Rm(std::path::PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _rm = Rm(kubeconfig.clone());
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--proxy-mode",
+            "iptables",
+            "--netns",
+            bed.node_netns(),
+            "--detect-local-mode",
+            "NodeCIDR",
+            "--cleanup-on-exit",
+        ],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].reply()
+            == Some("pod-1")),
+        "web never answered; log:\n{}",
+        daemon.log()
+    );
+    let save = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            bed.node_netns(),
+            "iptables-save",
+            "-t",
+            "nat",
+        ])
+        .output()
+        .expect("iptables-save");
+    let rules = String::from_utf8_lossy(&save.stdout);
+    assert!(
+        rules.lines().any(|l| l.starts_with("-A KUBE-SVC-")
+            && l.contains("! -s 198.18.1.0/24 ")
+            && l.ends_with("-j KUBE-MARK-MASQ")),
+        "masquerade for sources outside the Node's pod CIDR:\n{rules}"
+    );
+    assert!(
+        daemon.log().contains("pod_cidrs"),
+        "the pod CIDRs are logged:\n{}",
+        daemon.log()
+    );
 }
