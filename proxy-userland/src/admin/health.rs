@@ -43,7 +43,7 @@ impl Status {
     /// The body kube-proxy's /healthz answers with.
     pub fn healthz_json(&self) -> String {
         serde_json::json!({
-            "lastUpdated": self.last_updated.map_or_else(|| GO_ZERO_TIME.to_string(), rfc3339),
+            "lastUpdated": self.reported_last_updated(self.healthy && self.node_eligible),
             "currentTime": rfc3339(self.current_time),
             "nodeEligible": self.node_eligible,
         })
@@ -53,10 +53,23 @@ impl Status {
     /// The body of /livez: the same without the node's eligibility, which it ignores.
     pub fn livez_json(&self) -> String {
         serde_json::json!({
-            "lastUpdated": self.last_updated.map_or_else(|| GO_ZERO_TIME.to_string(), rfc3339),
+            "lastUpdated": self.reported_last_updated(self.healthy),
             "currentTime": rfc3339(self.current_time),
         })
         .to_string()
+    }
+}
+
+impl Status {
+    /// kube-proxy's `lastUpdated`: the current time when the answer is 200 (older releases
+    /// reported every sync loop run, even with nothing to do, and monitors watch the value
+    /// for staleness), else the time of the last completed update.
+    fn reported_last_updated(&self, answering_ok: bool) -> String {
+        if answering_ok {
+            return rfc3339(self.current_time);
+        }
+        self.last_updated
+            .map_or_else(|| GO_ZERO_TIME.to_string(), rfc3339)
     }
 }
 

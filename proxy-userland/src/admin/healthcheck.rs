@@ -9,6 +9,7 @@
 use std::{
     collections::BTreeMap,
     net::{IpAddr, SocketAddr},
+    os::fd::AsRawFd,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -145,6 +146,28 @@ struct Server {
     port: u16,
     local: Arc<AtomicUsize>,
     task: JoinHandle<()>,
+    /// A second descriptor of the task's listening socket, to take the port back at once.
+    listening: std::net::TcpListener,
+}
+
+impl Server {
+    /// Stops the server and frees its port now. The aborted task drops its listener only
+    /// when the runtime next polls it, and a bind of the same port in the same sync (the
+    /// port handed to another service) would fail with EADDRINUSE until then; shutting the
+    /// socket down takes it out of the listening state at once, whoever still holds it.
+    fn close(self) {
+        self.task.abort();
+        // SAFETY: shutdown(2) on a descriptor this struct owns (`listening`, open until it
+        // drops at the end of this function); it touches no memory of ours.
+        let rc = unsafe { libc::shutdown(self.listening.as_raw_fd(), libc::SHUT_RDWR) };
+        if rc != 0 {
+            warn!(
+                port = self.port,
+                "cannot close the health check node port at once: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
 }
 
 impl HealthCheckServers {
@@ -169,8 +192,8 @@ impl HealthCheckServers {
             .collect();
         for key in gone {
             if let Some(s) = self.servers.remove(&key) {
-                s.task.abort();
                 info!(service = %key, port = s.port, "health check node port closed");
+                s.close();
             }
         }
         self.failed
@@ -208,12 +231,18 @@ impl HealthCheckServers {
         // be opened again at once.
         let listener = std::net::TcpListener::bind(SocketAddr::new(self.bind, port))?;
         listener.set_nonblocking(true)?;
+        let listening = listener.try_clone()?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let local = Arc::new(AtomicUsize::new(count));
         let handler = handler(key.clone(), local.clone(), self.admin.clone());
         // Stopped by abort (update, drop); the daemon drops us on shutdown.
         let task = tokio::spawn(http::serve(listener, handler, std::future::pending()));
-        Ok(Server { port, local, task })
+        Ok(Server {
+            port,
+            local,
+            task,
+            listening,
+        })
     }
 
     /// The open servers' ports, for tests and diagnostics.
@@ -520,6 +549,39 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         assert!(closed, "the port is closed once the service is gone");
+    }
+
+    /// From kube-proxy's TestServer: a service's health check node port freed and taken by
+    /// another service in the same sync (a Service deleted and another created with its
+    /// port, between two syncs) is served at once by the new one. The old listener used to
+    /// close only when its aborted task next ran, so the new bind failed with EADDRINUSE
+    /// and the port stayed closed until a later sync, long enough for a load balancer to
+    /// drain the node.
+    #[tokio::test]
+    async fn test_server_port_freed_and_taken_again_in_one_sync() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let admin = AdminState::new(std::time::Duration::from_secs(60));
+        let mut servers = HealthCheckServers::new("127.0.0.1".parse().unwrap(), admin);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let (a, b) = (ServiceKey::new("demo", "a"), ServiceKey::new("demo", "b"));
+        assert!(servers.update(&Desired::from([(a, (port, 1))])).is_empty());
+        let errors = servers.update(&Desired::from([(b.clone(), (port, 3))]));
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(servers.ports(), BTreeMap::from([(b, port)]));
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        let body: serde_json::Value =
+            serde_json::from_str(out.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(body["service"]["name"], "b", "{out}");
+        assert_eq!(body["localEndpoints"], 3, "{out}");
     }
 
     /// kube-proxy's TestServerWithSelectiveListeningAddress. kube-proxy opens a service's

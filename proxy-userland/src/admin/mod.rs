@@ -340,6 +340,14 @@ mod tests {
                 v["currentTime"].is_string() && v["lastUpdated"].is_string(),
                 "{v}"
             );
+            // kube-proxy answers a healthy proxy's lastUpdated with the current time, so
+            // that a monitor does not take an idle proxy for a stuck one; an unhealthy
+            // one's is its last update.
+            assert_eq!(
+                v["lastUpdated"] == v["currentTime"],
+                code == 200,
+                "{path} {code}: {v}"
+            );
             if code == 200 {
                 tally.0 += 1
             } else {
