@@ -174,20 +174,35 @@ pub fn load_file(path: &Path, node_ips: &[IpAddr], previous: Option<Previous>) -
     if path.is_dir() {
         return (load_for_node(path, node_ips), Pieces::default());
     }
-    let mut loaded = Loaded {
-        node_ips: node_ips.to_vec(),
-        ..Loaded::default()
-    };
-    let pieces = match read_bounded(path) {
-        Ok(text) => reuse::load_text(&mut loaded, previous, path, text),
+    match read_bounded(path) {
+        Ok(text) => load_file_text(path, text, node_ips, previous),
         Err(source) => {
+            let mut loaded = Loaded {
+                node_ips: node_ips.to_vec(),
+                ..Loaded::default()
+            };
             loaded.errors.push(LoadError::Read {
                 path: path.to_owned(),
                 source,
             });
-            Pieces::default()
+            (loaded, Pieces::default())
         }
+    }
+}
+
+/// [`load_file`] on a file's text already read (`path` only names it in errors): the
+/// entry point the fuzz targets share with the daemon.
+pub fn load_file_text(
+    path: &Path,
+    text: String,
+    node_ips: &[IpAddr],
+    previous: Option<Previous>,
+) -> (Loaded, Pieces) {
+    let mut loaded = Loaded {
+        node_ips: node_ips.to_vec(),
+        ..Loaded::default()
     };
+    let pieces = reuse::load_text(&mut loaded, previous, path, text);
     (loaded, pieces)
 }
 

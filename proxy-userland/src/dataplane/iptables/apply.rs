@@ -323,7 +323,7 @@ impl Tools for Runner {
 }
 
 /// The addresses in `ip -j addr show` output (unparseable output: none).
-fn parse_ip_addr_json(text: &str) -> Vec<IpAddr> {
+pub fn parse_ip_addr_json(text: &str) -> Vec<IpAddr> {
     let Ok(links) = serde_json::from_str::<Vec<serde_json::Value>>(text) else {
         return Vec::new();
     };
