@@ -1,4 +1,4 @@
-//! fastpath's chores (`cargo xtask setup | test | run`) and the network-namespace test bed.
+//! fastpath's chores (`cargo xtask setup | test | run | fuzz`) and the network-namespace test bed.
 //!
 //! The test bed ([`testbed::Testbed`]) is what proxy-userland's integration tests and the demo
 //! build on: private network namespaces joined by veth pairs, a cgroup v2 for the client side,
@@ -10,6 +10,7 @@ pub mod cgroup;
 pub mod cluster;
 pub mod cmd;
 pub mod demo;
+pub mod fuzz;
 pub mod image;
 pub mod netns;
 pub mod probe;

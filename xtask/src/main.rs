@@ -1,4 +1,4 @@
-//! `cargo xtask <setup|test|run|bench>`; see the README.
+//! `cargo xtask <setup|test|run|bench|fuzz>`; see the README.
 
 use std::{path::PathBuf, process::ExitCode};
 
@@ -90,6 +90,16 @@ enum Cmd {
         #[arg(long)]
         wait: bool,
     },
+    /// Set up, build the fuzz targets (nightly), and run each for a bounded time; fails on a
+    /// crash, hang or out-of-memory input, naming the reproducer (see docs/fuzzing.md).
+    Fuzz {
+        /// How long each target runs.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+        /// Run only this target (repeatable); default: every one in fuzz/fuzz_targets.
+        #[arg(long = "target", value_name = "NAME")]
+        targets: Vec<String>,
+    },
     /// Build the container image localhost/fastpath:0.1.0 with podman, from a Debian root
     /// file system made by debootstrap (cached under target/image/) and the release binaries.
     Image,
@@ -135,6 +145,8 @@ fn main() -> ExitCode {
             Cmd::Setup => xtask::setup::setup(),
             Cmd::Image => xtask::image::image(),
             Cmd::SeccompTrace { tests, no_run } => xtask::seccomp::trace(&tests, !no_run),
+            Cmd::Fuzz { seconds, targets } => xtask::setup::setup()
+                .and_then(|()| xtask::fuzz::fuzz(&xtask::fuzz::FuzzOptions { seconds, targets })),
             Cmd::Cluster { nodes, modes, wait } => {
                 let last = modes.last().cloned().unwrap_or_else(|| "ebpf".into());
                 let modes = (0..usize::from(nodes))

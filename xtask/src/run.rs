@@ -4,7 +4,7 @@ use std::{path::PathBuf, process::Command, thread, time::Duration};
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{cmd, demo, setup, signals};
+use crate::{cmd, demo, fuzz, setup, signals};
 
 /// What `cargo xtask run` was given.
 #[derive(Clone, Debug, Default)]
@@ -20,8 +20,13 @@ pub struct RunOptions {
     pub daemon_args: Vec<String>,
 }
 
+/// How long `cargo xtask test` runs each fuzz target: enough to replay the seeds and catch
+/// a parser broken outright, little enough for CI (the build is most of the step).
+pub const TEST_FUZZ_SECONDS: u64 = 10;
+
 /// `cargo xtask test [ARGS]`: set-up, then `cargo test ARGS` at the workspace root (so the
-/// default members: proxy-ebpf only builds for the BPF target).
+/// default members: proxy-ebpf only builds for the BPF target); without ARGS, then every
+/// fuzz target for [`TEST_FUZZ_SECONDS`].
 pub fn test(args: &[String]) -> Result<()> {
     setup::setup()?;
     check()?;
@@ -29,7 +34,16 @@ pub fn test(args: &[String]) -> Result<()> {
     // Every test binary runs even after one fails, so a CI log shows all failures at once.
     test.args(["test", "--no-fail-fast"]).args(args);
     println!("test: running `{}`", cmd::describe(&test));
-    cmd::run(&mut test)
+    let tested = cmd::run(&mut test);
+    if !args.is_empty() {
+        return tested;
+    }
+    // After the tests, even failed ones, for the same reason as --no-fail-fast.
+    let fuzzed = fuzz::fuzz(&fuzz::FuzzOptions {
+        seconds: TEST_FUZZ_SECONDS,
+        targets: Vec::new(),
+    });
+    tested.and(fuzzed)
 }
 
 /// The code-health gate `cargo xtask test` runs before the tests: formatting, and clippy

@@ -4,7 +4,8 @@
 //! 1. the nightly toolchain with rust-src (the eBPF crate builds with `-Z build-std`);
 //! 2. bpf-linker, built against nightly's own LLVM (its libLLVM lives in nightly's sysroot;
 //!    we expose it under `~/.local/share/fastpath/llvm/lib` for `LLVM_PREFIX`);
-//! 3. the Debian packages whose tools the tests and the daemon call.
+//! 3. cargo-fuzz (pinned), which `cargo xtask fuzz` drives with nightly's libFuzzer support;
+//! 4. the Debian packages whose tools the tests and the daemon call.
 
 use std::{
     fs,
@@ -43,6 +44,7 @@ pub fn setup() -> Result<()> {
     ensure_nightly()?;
     ensure_rust_src()?;
     ensure_bpf_linker()?;
+    ensure_cargo_fuzz()?;
     ensure_system_tools()?;
     println!("setup: done in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
@@ -125,6 +127,32 @@ fn nightly_version() -> Result<String> {
             .trim()
             .to_string(),
     )
+}
+
+/// The cargo-fuzz `cargo xtask fuzz` runs; pinned so that CI and developers build the
+/// targets alike.
+pub const CARGO_FUZZ_VERSION: &str = "0.13.1";
+
+/// Installs cargo-fuzz with the stable toolchain (it is an ordinary binary); only the fuzz
+/// targets need nightly.
+fn ensure_cargo_fuzz() -> Result<()> {
+    let installed = which("cargo-fuzz")
+        .and_then(|bin| output(Command::new(bin).arg("--version")).ok())
+        .unwrap_or_default();
+    if installed.split_whitespace().nth(1) == Some(CARGO_FUZZ_VERSION) {
+        println!("setup: cargo-fuzz {CARGO_FUZZ_VERSION} present");
+        return Ok(());
+    }
+    let mut install = crate::cargo();
+    install.args([
+        "install",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+        "--locked",
+    ]);
+    println!("setup: running `{}`", cmd::describe(&install));
+    cmd::run(&mut install)
 }
 
 fn ensure_bpf_linker() -> Result<()> {
