@@ -267,10 +267,19 @@ mod tests {
         assert_eq!(parse_stats("no status here\n"), RunStats::default());
     }
 
+    /// cargo builds only the targets fuzz/Cargo.toml lists: a file without its `[[bin]]`
+    /// would be found by the runner and then fail to build.
     #[test]
     fn every_target_file_is_a_target() {
         let names = targets().expect("fuzz/fuzz_targets is readable");
         assert!(names.iter().any(|n| n == "manifest_file"), "{names:?}");
         assert!(names.windows(2).all(|w| w[0] < w[1]), "sorted: {names:?}");
+        let manifest = fs::read_to_string(fuzz_dir().join("Cargo.toml")).unwrap();
+        for name in &names {
+            assert!(
+                manifest.contains(&format!("path = \"fuzz_targets/{name}.rs\"")),
+                "fuzz/Cargo.toml has no [[bin]] for fuzz_targets/{name}.rs"
+            );
+        }
     }
 }
