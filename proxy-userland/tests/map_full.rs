@@ -70,3 +70,96 @@ fn a_service_that_does_not_fit_fails_whole_and_the_others_keep_working() {
     let attempts = tcp(&bed, "198.19.0.20:80", 10);
     assert!(attempts.iter().all(|a| a.is_ok()), "{attempts:?}");
 }
+
+/// The same through the daemon as deploy/ runs it (the configmap's config, the DaemonSet's
+/// capabilities, maps pinned): the kernel refuses `web2`'s entries (E2BIG, its service map
+/// holds 9), and the user sees that service fail alone, in the log and the metrics, while
+/// `web` answers.
+#[test]
+fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
+    let (bed, _pods) = bed_with_pods("mapfulld", 2);
+    let dir = manifest_dir("mapfulld");
+    let web = web_manifest(&[pod_ip(1), pod_ip(2)]);
+    let web2 = web
+        .replace("198.19.0.10", "198.19.0.20")
+        .replace("name: web,", "name: web2,")
+        .replace("name: web-abc", "name: web2-abc")
+        .replace("service-name: web}", "service-name: web2}");
+    std::fs::write(dir.0.join("services.yaml"), format!("{web}---\n{web2}")).unwrap();
+    let config = shipped_config(bed.dir());
+    let pins = Bpffs::mount(bed.dir());
+    let metrics_port = free_port();
+    let net = format!("--net=/run/netns/{}", bed.node_netns());
+    let mut wrapper = vec!["nsenter".to_string(), net, "--".into()];
+    wrapper.extend(daemonset_setpriv());
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let daemon = Daemon::start_as_deployed(
+        &wrapper,
+        &[
+            &format!("--config={}", config.display()),
+            "--hostname-override=node-a",
+            &format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
+            "--skip-node-setup",
+            &format!("--cgroup-path={}", bed.cgroup_path().display()),
+            &format!("--manifests={}", dir.0.display()),
+            "--bpf-lb-map-max=9",
+            "--healthz-bind-address=127.0.0.1:0",
+            &format!("--metrics-bind-address=127.0.0.1:{metrics_port}"),
+            "--healthcheck-bind-address=127.0.0.1",
+        ],
+    );
+
+    assert!(
+        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
+        "web never answered; log:\n{}",
+        daemon.log()
+    );
+    let failures = || {
+        let text = http_get(bed.node_netns(), metrics_port, "/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix("fastpath_service_program_failures_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        eventually(20, || failures() >= 1.0),
+        "no failure counted; metrics:\n{}",
+        http_get(bed.node_netns(), metrics_port, "/metrics")
+    );
+    let log = daemon.log();
+    let refused: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("cannot program service"))
+        .collect();
+    assert!(
+        !refused.is_empty() && refused.iter().all(|l| l.contains("demo/web2")),
+        "only web2 fails, and the log says so: {refused:?}"
+    );
+    assert!(
+        refused.iter().all(|l| l.contains("map full")),
+        "the error says why: {refused:?}"
+    );
+    assert!(
+        tcp(&bed, "198.19.0.20:80", 3).iter().all(|a| !a.is_ok()),
+        "web2 is not half-programmed"
+    );
+    assert!(
+        tcp(&bed, WEB, 10).iter().all(|a| a.is_ok()),
+        "web keeps working"
+    );
+    drop(daemon);
+}
+
+/// The answer to `GET path` on 127.0.0.1:`port` in network namespace `netns`, where the
+/// daemon listens (bash's /dev/tcp: no HTTP client in the image).
+fn http_get(netns: &str, port: u16, path: &str) -> String {
+    let script = format!(
+        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 5 cat <&3"
+    );
+    std::process::Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{netns}"))
+        .args(["--", "bash", "-c", &script])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}

@@ -32,6 +32,7 @@ use crate::{
     model::Protocol,
 };
 
+mod batch;
 mod census;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
@@ -144,6 +145,30 @@ fn v4(ip: std::net::Ipv4Addr) -> u32 {
     u32::from_ne_bytes(ip.octets())
 }
 
+fn backend_flags_of(b: &BackendAddr) -> u8 {
+    if b.local { backend_flags::LOCAL } else { 0 }
+}
+
+/// `b`, whose address is `ip`, as the v4 backend map holds it.
+fn backend4(ip: Ipv4Addr, b: &BackendAddr) -> Backend4 {
+    Backend4 {
+        address: v4(ip),
+        port: b.port.to_be(),
+        proto: b.proto.number(),
+        flags: backend_flags_of(b),
+    }
+}
+
+/// `b`, whose address is `ip`, as the v6 backend map holds it.
+fn backend6(ip: Ipv6Addr, b: &BackendAddr) -> Backend6 {
+    Backend6 {
+        address: ip.octets(),
+        port: b.port.to_be(),
+        proto: b.proto.number(),
+        flags: backend_flags_of(b),
+    }
+}
+
 fn scope_of(s: FrontendScope) -> u8 {
     match s {
         FrontendScope::Socket => scope::SOCKET,
@@ -211,33 +236,6 @@ impl ServiceMaps {
                 PerCpuArray::try_from(map).map_err(|source| LoadError::Map { name, source })?
             },
         })
-    }
-
-    pub fn put_backend(&mut self, id: BackendId, b: &BackendAddr) -> Result<(), MapError> {
-        let (port, proto) = (b.port.to_be(), b.proto.number());
-        let flags = if b.local { backend_flags::LOCAL } else { 0 };
-        match b.ip {
-            IpAddr::V4(ip) => self.backends4.insert(
-                id,
-                Backend4 {
-                    address: v4(ip),
-                    port,
-                    proto,
-                    flags,
-                },
-                0,
-            ),
-            IpAddr::V6(ip) => self.backends6.insert(
-                id,
-                Backend6 {
-                    address: ip.octets(),
-                    port,
-                    proto,
-                    flags,
-                },
-                0,
-            ),
-        }
     }
 
     pub fn del_backend(&mut self, id: BackendId, b: &BackendAddr) -> Result<(), MapError> {

@@ -486,18 +486,33 @@ impl Programmer {
                 this.release_backend(b);
             }
         };
+        // Ids first, then the backends no other frontend has written in one bpf() call.
+        let mut fresh = Vec::new();
+        let mut acquired = Ok(());
         for b in &want.backends {
             match self.acquire_backend(b) {
-                Ok(id) => ids.push(id),
-                Err(source) => {
-                    undo(self, &ids, &matched, 0);
-                    return Err(ProgramError::Map {
-                        what: "a backend",
-                        frontend: frontend_name(fe),
-                        source,
+                Some((id, new)) => {
+                    ids.push(id);
+                    if new {
+                        fresh.push((id, *b));
+                    }
+                }
+                None => {
+                    acquired = Err(MapError::OutOfBounds {
+                        index: proxy_common::maps::BACKENDS_MAX,
+                        max_entries: proxy_common::maps::BACKENDS_MAX,
                     });
+                    break;
                 }
             }
+        }
+        if let Err(source) = acquired.and_then(|()| self.maps.put_backends(&fresh)) {
+            undo(self, &ids, &matched, 0);
+            return Err(ProgramError::Map {
+                what: "a backend",
+                frontend: frontend_name(fe),
+                source,
+            });
         }
         if want.affinity_timeout.is_some() {
             let before: BTreeSet<BackendId> = old_matched.iter().copied().collect();
@@ -515,21 +530,20 @@ impl Programmer {
                 });
             }
         }
-        for (i, &id) in ids.iter().enumerate() {
-            if old_ids.get(i) == Some(&id) {
-                continue;
-            }
-            if let Err(source) = self
-                .maps
-                .put_service(fe, (i + 1) as u16, ServiceValue::slot(id))
-            {
-                undo(self, &ids, &matched, i);
-                return Err(ProgramError::Map {
-                    what: "a backend slot",
-                    frontend: frontend_name(fe),
-                    source,
-                });
-            }
+        let slots: Vec<(u16, ServiceValue)> = ids
+            .iter()
+            .enumerate()
+            .filter(|&(i, id)| old_ids.get(i) != Some(id))
+            .map(|(i, &id)| ((i + 1) as u16, ServiceValue::slot(id)))
+            .collect();
+        if let Err(source) = self.maps.put_slots(fe, &slots) {
+            // Any of them may be written: put every slot back.
+            undo(self, &ids, &matched, ids.len());
+            return Err(ProgramError::Map {
+                what: "a backend slot",
+                frontend: frontend_name(fe),
+                source,
+            });
         }
         if let Err(source) = self.maps.put_source_ranges(rev_nat_index, &added_ranges) {
             undo(self, &ids, &matched, ids.len());
@@ -601,21 +615,16 @@ impl Programmer {
         }
     }
 
-    fn acquire_backend(&mut self, b: &BackendAddr) -> Result<BackendId, MapError> {
+    /// The backend's id, and whether it is new (not yet in the map: the caller writes it).
+    /// None when every id is taken.
+    fn acquire_backend(&mut self, b: &BackendAddr) -> Option<(BackendId, bool)> {
         if let Some(r) = self.backends.get_mut(b) {
             r.refs += 1;
-            return Ok(r.id);
+            return Some((r.id, false));
         }
-        let id = self.backend_ids.alloc().ok_or(MapError::OutOfBounds {
-            index: proxy_common::maps::BACKENDS_MAX,
-            max_entries: proxy_common::maps::BACKENDS_MAX,
-        })?;
-        if let Err(e) = self.maps.put_backend(id, b) {
-            self.backend_ids.release(id);
-            return Err(e);
-        }
+        let id = self.backend_ids.alloc()?;
         self.backends.insert(*b, BackendRef { id, refs: 1 });
-        Ok(id)
+        Some((id, true))
     }
 
     fn release_backend(&mut self, b: &BackendAddr) {

@@ -1,0 +1,149 @@
+//! Writing many entries of one map in one bpf() call (`BPF_MAP_UPDATE_BATCH`, Linux 5.6).
+//!
+//! A frontend is a backend entry per new backend, a slot per backend and a master entry: one
+//! bpf() call each was ~21 calls a service, most of a first sync's time at 50,000 services.
+//! aya 0.14 has no batch API, so the command is issued here on the map's descriptor. A kernel
+//! without it (EINVAL, ENOTSUPP) gets the entries one call each, and is not asked again.
+//! The kernel stops at the first entry it refuses (ENOMEM, E2BIG for a full map), keeping the
+//! ones before it: callers undo the whole write, as they do when a single entry fails.
+
+use std::{
+    io,
+    net::IpAddr,
+    os::fd::{AsFd as _, AsRawFd as _},
+    sync::atomic::{AtomicBool, Ordering},
+};
+
+use aya::{
+    Pod,
+    maps::{HashMap, IterableMap as _, MapData, MapError},
+    sys::SyscallError,
+};
+use proxy_common::{BackendId, ServiceValue};
+
+use super::ServiceMaps;
+use crate::dataplane::frontends::{BackendAddr, Frontend};
+
+/// `enum bpf_cmd` in linux/bpf.h.
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+/// The kernel's internal "not supported" (not in libc), returned for map types without a
+/// batch operation.
+const ENOTSUPP: i32 = 524;
+
+/// Set once the kernel refused the command itself; every write then goes one entry a call.
+static UNSUPPORTED: AtomicBool = AtomicBool::new(false);
+
+/// The `batch` member of `union bpf_attr` (linux/bpf.h).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Inserts (or replaces) `keys[i] -> values[i]` for every i, in order.
+pub fn insert_all<K: Pod, V: Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), MapError> {
+    debug_assert_eq!(keys.len(), values.len());
+    if keys.len() > 1 && !UNSUPPORTED.load(Ordering::Relaxed) {
+        match update_batch(map.map(), keys, values) {
+            Ok(()) => return Ok(()),
+            Err(e) => match e.raw_os_error() {
+                Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP) => {
+                    tracing::info!(
+                        "the kernel has no BPF_MAP_UPDATE_BATCH ({e}): map entries are written one at a time"
+                    );
+                    UNSUPPORTED.store(true, Ordering::Relaxed);
+                }
+                _ => {
+                    return Err(MapError::SyscallError(SyscallError {
+                        call: "bpf_map_update_batch",
+                        io_error: e,
+                    }));
+                }
+            },
+        }
+    }
+    keys.iter()
+        .zip(values)
+        .try_for_each(|(k, v)| map.insert(k, v, 0))
+}
+
+/// One `BPF_MAP_UPDATE_BATCH`.
+fn update_batch<K: Pod, V: Pod>(map: &MapData, keys: &[K], values: &[V]) -> io::Result<()> {
+    let count = u32::try_from(keys.len().min(values.len()))
+        .map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))?;
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count,
+        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        ..BatchAttr::default()
+    };
+    // SAFETY: `attr` is the kernel's `bpf_attr.batch` layout (a prefix of the union, whose
+    // size is passed); `keys` and `values` are `Pod` slices of `count` entries of the map's
+    // key and value types that outlive the call; the kernel only reads them, and writes the
+    // number of entries done back into `attr.count`, unread.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_UPDATE_BATCH,
+            &mut attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+impl ServiceMaps {
+    /// Backend entries; see [`insert_all`]. On failure, some of them may be written.
+    pub fn put_backends(&mut self, entries: &[(BackendId, BackendAddr)]) -> Result<(), MapError> {
+        let (mut ids4, mut values4, mut ids6, mut values6) = (vec![], vec![], vec![], vec![]);
+        for (id, b) in entries {
+            match b.ip {
+                IpAddr::V4(ip) => {
+                    ids4.push(*id);
+                    values4.push(super::backend4(ip, b));
+                }
+                IpAddr::V6(ip) => {
+                    ids6.push(*id);
+                    values6.push(super::backend6(ip, b));
+                }
+            }
+        }
+        insert_all(&mut self.backends4, &ids4, &values4)?;
+        insert_all(&mut self.backends6, &ids6, &values6)
+    }
+
+    /// Slots `(slot, value)` of one frontend, in order; see [`insert_all`].
+    pub fn put_slots(
+        &mut self,
+        fe: &Frontend,
+        slots: &[(u16, ServiceValue)],
+    ) -> Result<(), MapError> {
+        let values: Vec<_> = slots.iter().map(|(_, v)| *v).collect();
+        match fe.ip {
+            IpAddr::V4(ip) => {
+                let keys: Vec<_> = slots.iter().map(|(s, _)| super::key4(fe, ip, *s)).collect();
+                insert_all(&mut self.services4, &keys, &values)
+            }
+            IpAddr::V6(ip) => {
+                let keys: Vec<_> = slots.iter().map(|(s, _)| super::key6(fe, ip, *s)).collect();
+                insert_all(&mut self.services6, &keys, &values)
+            }
+        }
+    }
+}
