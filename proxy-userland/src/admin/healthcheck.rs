@@ -495,25 +495,33 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn servers_open_answer_and_close_with_their_services() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let admin = AdminState::new(std::time::Duration::from_secs(60));
-        let mut servers = HealthCheckServers::new("127.0.0.1".parse().unwrap(), admin);
-        // A free port for the service.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+    /// A port no one listens on now, for a service's health check.
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
-            .port();
+            .port()
+    }
+
+    /// One GET to the health check server on `port` of 127.0.0.1: the whole answer.
+    async fn get_from(port: u16) -> std::io::Result<String> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        Ok(out)
+    }
+
+    #[tokio::test]
+    async fn servers_open_answer_and_close_with_their_services() {
+        let admin = AdminState::new(std::time::Duration::from_secs(60));
+        let mut servers = HealthCheckServers::new("127.0.0.1".parse().unwrap(), admin);
+        // A free port for the service.
+        let port = free_port();
         let key = ServiceKey::new("demo", "lb");
-        let get = || async move {
-            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-            s.write_all(b"GET / HTTP/1.1\r\n\r\n").await?;
-            let mut out = String::new();
-            s.read_to_string(&mut out).await?;
-            Ok::<_, std::io::Error>(out)
-        };
+        let get = || get_from(port);
         assert!(
             servers
                 .update(&Desired::from([(key.clone(), (port, 2))]))
@@ -559,25 +567,15 @@ mod tests {
     /// drain the node.
     #[tokio::test]
     async fn test_server_port_freed_and_taken_again_in_one_sync() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let admin = AdminState::new(std::time::Duration::from_secs(60));
         let mut servers = HealthCheckServers::new("127.0.0.1".parse().unwrap(), admin);
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let (a, b) = (ServiceKey::new("demo", "a"), ServiceKey::new("demo", "b"));
         assert!(servers.update(&Desired::from([(a, (port, 1))])).is_empty());
         let errors = servers.update(&Desired::from([(b.clone(), (port, 3))]));
         assert!(errors.is_empty(), "{errors:?}");
         assert_eq!(servers.ports(), BTreeMap::from([(b, port)]));
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .unwrap();
-        s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
+        let out = get_from(port).await.unwrap();
         let body: serde_json::Value =
             serde_json::from_str(out.split("\r\n\r\n").nth(1).unwrap()).unwrap();
         assert_eq!(body["service"]["name"], "b", "{out}");
@@ -620,11 +618,7 @@ mod tests {
 
         // A real service, with no endpoints: its port opens on 127.0.0.1 only and answers 503.
         st.endpoints.clear();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = free_port();
         let mut svc = (*svc).clone();
         svc.key = key.clone();
         svc.health_check_node_port = Some(port);
