@@ -62,20 +62,8 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
     api.create("services", other);
     api.create("endpointslices", slice("other-1", "other", &[POD1]));
 
-    let kubeconfig =
-        std::env::temp_dir().join(format!("fastpath-kube-{}.yaml", std::process::id()));
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    struct Rm(std::path::PathBuf);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _rm = Rm(kubeconfig.clone());
-    let mut daemon = Daemon::start(
-        bed.cgroup_path(),
-        &["--kubeconfig", kubeconfig.to_str().unwrap()],
-    );
+    let kubeconfig = Kubeconfig::new(&api, "kube");
+    let mut daemon = Daemon::start(bed.cgroup_path(), &["--kubeconfig", kubeconfig.path()]);
 
     // A service split over two slices reaches all three pods.
     assert!(
@@ -442,20 +430,8 @@ fn prefer_same_node_hints_come_through_the_api_server() {
     };
     api.create("endpointslices", hinted(["node-a", "node-b", "node-c"]));
 
-    let kubeconfig =
-        std::env::temp_dir().join(format!("fastpath-kpsn-{}.yaml", std::process::id()));
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    struct Rm(std::path::PathBuf);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _rm = Rm(kubeconfig.clone());
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &["--kubeconfig", kubeconfig.to_str().unwrap()],
-    );
+    let kubeconfig = Kubeconfig::new(&api, "kpsn");
+    let daemon = Daemon::start(bed.cgroup_path(), &["--kubeconfig", kubeconfig.path()]);
     let only = |want: &[&str]| {
         let got = reached(&tcp(&bed, "198.19.0.10:80", 20));
         got == want.iter().map(|s| s.to_string()).collect()
@@ -487,21 +463,12 @@ fn detect_local_mode_node_cidr_uses_the_nodes_pod_cidrs() {
     api.create("nodes", n);
     api.create("services", service("web", "198.19.0.10"));
     api.create("endpointslices", slice("web-1", "web", &[POD1]));
-    let kubeconfig =
-        std::env::temp_dir().join(format!("fastpath-kncidr-{}.yaml", std::process::id()));
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    struct Rm(std::path::PathBuf);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _rm = Rm(kubeconfig.clone());
+    let kubeconfig = Kubeconfig::new(&api, "kncidr");
     let daemon = Daemon::start(
         bed.cgroup_path(),
         &[
             "--kubeconfig",
-            kubeconfig.to_str().unwrap(),
+            kubeconfig.path(),
             "--proxy-mode",
             "iptables",
             "--netns",
