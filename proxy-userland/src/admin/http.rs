@@ -1,25 +1,28 @@
-//! A minimal HTTP/1.1 responder for the admin endpoints.
+//! The admin endpoints' HTTP/1.1 server: hyper, one request per connection.
 //!
 //! Probes, Prometheus scrapes and load-balancer health checks are single GETs with small
-//! answers, so this reads one request head, answers it and closes the connection
-//! (`Connection: close`). That is all those clients need, and it keeps an HTTP server stack
-//! out of the build.
+//! answers, so each connection carries one request and is closed after its answer
+//! (`Connection: close`), and handlers are plain functions from a [`Request`] to a
+//! [`Response`].
 //!
 //! These ports answer the kubelet's liveness probe and cloud load balancers, and the
 //! health check node ports listen on every address, so any host can reach them: a slow or
 //! hostile client must not be able to make them fail. Hence:
-//! - the request head must arrive within [`HEAD_TIMEOUT`] and fit in [`MAX_HEAD`] bytes
-//!   (slowloris clients dribbling bytes are cut off);
+//! - the request head must arrive within [`HEAD_TIMEOUT`] (hyper's header read timeout)
+//!   and fit in [`MAX_HEAD`] bytes, else the answer is 431 (slowloris clients dribbling
+//!   bytes are cut off);
+//! - a connection is done within [`HEAD_TIMEOUT`] + [`WRITE_TIMEOUT`] whatever the client
+//!   does with the answer;
 //! - at most [`MAX_CONNECTIONS`] connections per listener are served at once, and when a new
 //!   one arrives at the limit the *oldest* still sending its head is dropped, not the
-//!   newcomer: a probe, which
-//!   sends its request at once and is answered in microseconds, always gets through, while
-//!   an attacker's half-open connections are the ones that keep being the oldest.
+//!   newcomer: a probe, which sends its request at once and is answered in microseconds,
+//!   always gets through, while an attacker's half-open connections are the ones that keep
+//!   being the oldest. hyper has no such policy, so the accept loop keeps it.
 
 use std::{
     collections::VecDeque,
+    convert::Infallible,
     future::Future,
-    io,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -27,19 +30,27 @@ use std::{
     time::Duration,
 };
 
+use http_body_util::Full;
+use hyper::{
+    Method, StatusCode,
+    body::{Bytes, Incoming},
+    header::{self, HeaderName, HeaderValue},
+    server::conn::http1,
+    service::service_fn,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
     task::AbortHandle,
 };
 use tracing::debug;
 
 /// The largest request head read; anything longer is answered 431.
-const MAX_HEAD: usize = 8 * 1024;
+pub const MAX_HEAD: usize = 8 * 1024;
 /// A connection gets this long to send its whole request head.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(3);
 /// And this long to take the answer.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once per listener; a new one beyond it drops the oldest.
 pub const MAX_CONNECTIONS: usize = 64;
 
@@ -83,39 +94,86 @@ impl Response {
         Self::text(404, "404 page not found\n")
     }
 
-    fn head(&self) -> String {
-        let mut head = format!(
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n\
-             X-Content-Type-Options: nosniff\r\nConnection: close\r\n",
-            self.status,
-            reason(self.status),
-            self.content_type,
-            self.body.len(),
+    /// As hyper sends it. A header a handler got wrong is left out (and logged) rather than
+    /// failing the answer: the status is what probes and load balancers read.
+    fn into_hyper(self) -> hyper::Response<Full<Bytes>> {
+        let mut out = hyper::Response::new(Full::new(Bytes::from(self.body)));
+        *out.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let headers = out.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(self.content_type),
         );
-        for (name, value) in &self.headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
+        headers.insert(
+            header::X_CONTENT_TYPE_OPTIONS,
+            HeaderValue::from_static("nosniff"),
+        );
+        headers.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        for (name, value) in self.headers {
+            match (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(&value),
+            ) {
+                (Ok(name), Ok(value)) => {
+                    headers.insert(name, value);
+                }
+                _ => debug!(name, value, "admin answer: not a valid header, left out"),
+            }
         }
-        head.push_str("\r\n");
-        head
-    }
-}
-
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        431 => "Request Header Fields Too Large",
-        503 => "Service Unavailable",
-        _ => "",
+        out
     }
 }
 
 pub type Handler = Arc<dyn Fn(&Request) -> Response + Send + Sync>;
 
+/// What a handler sees of a request hyper parsed: its method, the path of an origin-form
+/// (or absolute-form) target, and the Accept header. `None` for any other target form
+/// (`*`, an authority) or a header that is not text.
+fn request<B>(req: &hyper::Request<B>) -> Option<Request> {
+    let path = req.uri().path();
+    if !path.starts_with('/') || req.uri().path_and_query().is_none() {
+        return None;
+    }
+    let accept = match req.headers().get(header::ACCEPT) {
+        Some(value) => Some(value.to_str().ok()?.trim().to_string()),
+        None => None,
+    };
+    Some(Request {
+        method: req.method().as_str().to_string(),
+        path: path.to_string(),
+        accept,
+    })
+}
+
+/// `handler`'s answer to `req`; GET and HEAD only, as the endpoints are read-only.
+fn answer<B>(handler: &Handler, req: &hyper::Request<B>) -> Response {
+    match request(req) {
+        // hyper sends HEAD's answer without its body, and with the length GET's would have.
+        Some(r) if req.method() == Method::GET || req.method() == Method::HEAD => handler(&r),
+        Some(_) => Response::text(405, "method not allowed\n"),
+        None => Response::text(400, "bad request\n"),
+    }
+}
+
+/// One connection's hyper settings: see the module docs.
+fn connection_builder() -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .max_header_size(MAX_HEAD)
+        // Room for one head and hyper's read-ahead, no more, per connection.
+        .max_buf_size(2 * MAX_HEAD)
+        .keep_alive(false)
+        // The header names clients saw from the earlier responder (and Go's net/http).
+        .title_case_headers(true);
+    builder
+}
+
 /// Serves `listener` with `handler` until `stop` resolves.
 pub async fn serve(listener: TcpListener, handler: Handler, stop: impl Future<Output = ()>) {
+    let builder = connection_builder();
     // The connections being served, oldest first, each with a flag set once its request
     // head is in. Only this loop touches it; finished ones are pruned at the limit.
     let mut live: VecDeque<(AbortHandle, Arc<AtomicBool>)> =
@@ -138,14 +196,8 @@ pub async fn serve(listener: TcpListener, handler: Handler, stop: impl Future<Ou
                             oldest.abort();
                         }
                     }
-                    let handler = handler.clone();
                     let headed = Arc::new(AtomicBool::new(false));
-                    let flag = headed.clone();
-                    let task = tokio::spawn(async move {
-                        if let Err(e) = answer(stream, &handler, &flag).await {
-                            debug!(%peer, "admin connection: {e}");
-                        }
-                    });
+                    let task = tokio::spawn(connection(stream, builder.clone(), handler.clone(), headed.clone()));
                     live.push_back((task.abort_handle(), headed));
                 }
                 // Out of file descriptors and the like: back off instead of spinning.
@@ -161,138 +213,89 @@ pub async fn serve(listener: TcpListener, handler: Handler, stop: impl Future<Ou
     }
 }
 
-async fn answer(mut stream: TcpStream, handler: &Handler, headed: &AtomicBool) -> io::Result<()> {
-    let head = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await {
-        Ok(Ok(Some(head))) => {
-            headed.store(true, Ordering::Relaxed);
-            head
-        }
-        Ok(Ok(None)) => return Ok(()),
-        Ok(Err(e)) => return Err(e),
-        Err(_) => {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "no complete request head in time",
-            ));
-        }
-    };
-    let response = match head {
-        Head::TooLarge => Response::text(431, "request head too large\n"),
-        Head::Complete(head) => match parse(&head) {
-            Some(req) if req.method == "GET" || req.method == "HEAD" => {
-                let mut resp = handler(&req);
-                if req.method == "HEAD" {
-                    resp.body.clear();
-                }
-                resp
-            }
-            Some(_) => Response::text(405, "method not allowed\n"),
-            None => Response::text(400, "bad request\n"),
-        },
-    };
-    let write = async {
-        stream.write_all(response.head().as_bytes()).await?;
-        stream.write_all(response.body.as_bytes()).await?;
-        stream.shutdown().await
-    };
-    tokio::time::timeout(WRITE_TIMEOUT, write)
-        .await
-        .unwrap_or_else(|_| {
-            Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "answer not taken in time",
-            ))
-        })
-}
-
-enum Head {
-    Complete(Vec<u8>),
-    TooLarge,
-}
-
-/// Reads one request head; `None` if the client went away first.
-async fn read_head(stream: &mut TcpStream) -> io::Result<Option<Head>> {
-    let mut head = Vec::with_capacity(512);
-    let mut chunk = [0u8; 1024];
-    loop {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        head.extend_from_slice(&chunk[..n]);
-        if let Some(end) = find_end(&head) {
-            head.truncate(end);
-            return Ok(Some(Head::Complete(head)));
-        }
-        if head.len() > MAX_HEAD {
-            return Ok(Some(Head::TooLarge));
-        }
+/// Serves one connection: one request, its answer, then close.
+async fn connection(
+    stream: TcpStream,
+    builder: http1::Builder,
+    handler: Handler,
+    headed: Arc<AtomicBool>,
+) {
+    let peer = stream.peer_addr().ok();
+    let service = service_fn(move |req: hyper::Request<Incoming>| {
+        headed.store(true, Ordering::Relaxed);
+        let resp = answer(&handler, &req).into_hyper();
+        async move { Ok::<_, Infallible>(resp) }
+    });
+    let served = builder.serve_connection(TokioIo::new(stream), service);
+    match tokio::time::timeout(HEAD_TIMEOUT + WRITE_TIMEOUT, served).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => debug!(?peer, "admin connection: {e}"),
+        Err(_) => debug!(?peer, "admin connection: not done in time"),
     }
-}
-
-/// Where the request head ends (after the blank line), if it has.
-fn find_end(buf: &[u8]) -> Option<usize> {
-    buf.windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| i + 4)
-        .or_else(|| buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2))
-}
-
-/// The request line (`METHOD /path?query HTTP/1.x`) and the Accept header.
-pub fn parse(head: &[u8]) -> Option<Request> {
-    let text = std::str::from_utf8(head).ok()?;
-    let mut lines = text.lines();
-    let line = lines.next()?;
-    let mut parts = line.split(' ');
-    let (method, target, version) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() || !version.starts_with("HTTP/1.") || !target.starts_with('/') {
-        return None;
-    }
-    let path = target.split(['?', '#']).next().unwrap_or("/");
-    let accept = lines
-        .filter_map(|l| l.split_once(':'))
-        .find(|(name, _)| name.trim().eq_ignore_ascii_case("accept"))
-        .map(|(_, value)| value.trim().to_string());
-    Some(Request {
-        method: method.to_string(),
-        path: path.to_string(),
-        accept,
-    })
 }
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
 
-    #[test]
-    fn parses_the_request_line() {
-        let r = parse(b"GET /healthz?verbose=1 HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        assert_eq!((r.method.as_str(), r.path.as_str()), ("GET", "/healthz"));
-        assert_eq!(r.accept, None);
-        let r =
-            parse(b"GET /metrics HTTP/1.1\r\nACCEPT:  text/plain;version=0.0.4 \r\n\r\n").unwrap();
-        assert_eq!(r.accept.as_deref(), Some("text/plain;version=0.0.4"));
-        assert!(parse(b"GET healthz HTTP/1.1\r\n\r\n").is_none());
-        assert!(parse(b"GET / SPDY/3\r\n\r\n").is_none());
-        assert!(parse(b"\xff\xfe\r\n\r\n").is_none());
-        assert!(parse(b"").is_none());
+    fn hyper_request(method: &str, target: &str, accept: Option<&str>) -> hyper::Request<()> {
+        let mut r = hyper::Request::builder().method(method).uri(target);
+        if let Some(a) = accept {
+            r = r.header("ACCEPT", a);
+        }
+        r.body(()).unwrap()
     }
 
     #[test]
-    fn the_head_carries_length_and_extra_headers() {
+    fn a_request_is_its_method_path_and_accept_header() {
+        let r = request(&hyper_request("GET", "/healthz?verbose=1", None)).unwrap();
+        assert_eq!((r.method.as_str(), r.path.as_str()), ("GET", "/healthz"));
+        assert_eq!(r.accept, None);
+        let r = request(&hyper_request(
+            "GET",
+            "/metrics",
+            Some("  text/plain;version=0.0.4 "),
+        ))
+        .unwrap();
+        assert_eq!(r.accept.as_deref(), Some("text/plain;version=0.0.4"));
+        let absolute = request(&hyper_request("GET", "http://node:10256/livez", None)).unwrap();
+        assert_eq!(absolute.path, "/livez");
+        assert!(request(&hyper_request("OPTIONS", "*", None)).is_none());
+        assert!(request(&hyper_request("CONNECT", "node:10256", None)).is_none());
+        let mut bad_accept = hyper_request("GET", "/metrics", None);
+        bad_accept.headers_mut().insert(
+            header::ACCEPT,
+            HeaderValue::from_bytes(b"\xfftext").unwrap(),
+        );
+        assert!(request(&bad_accept).is_none(), "not text");
+    }
+
+    #[test]
+    fn only_get_and_head_reach_the_handler() {
+        let handler: Handler = Arc::new(|_: &Request| Response::text(200, "ok\n"));
+        let status = |method, target| answer(&handler, &hyper_request(method, target, None));
+        assert_eq!(status("GET", "/").body, "ok\n");
+        assert_eq!(status("HEAD", "/").status, 200);
+        assert_eq!(status("POST", "/").status, 405);
+        assert_eq!(status("OPTIONS", "*").status, 400);
+    }
+
+    #[test]
+    fn the_answer_carries_its_type_and_extra_headers() {
         let mut r = Response::json(503, "{}");
         r.headers
             .push(("X-Load-Balancing-Endpoint-Weight", "0".into()));
-        let head = r.head();
-        assert!(
-            head.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
-            "{head}"
-        );
-        assert!(
-            head.contains("Content-Length: 2\r\n")
-                && head.contains("X-Load-Balancing-Endpoint-Weight: 0\r\n")
-        );
-        assert!(head.ends_with("\r\n\r\n"));
+        r.headers.push(("X-Bad", "line\r\nbreak".into()));
+        let out = r.into_hyper();
+        assert_eq!(out.status(), 503);
+        let h = out.headers();
+        assert_eq!(h["content-type"], "application/json");
+        assert_eq!(h["x-load-balancing-endpoint-weight"], "0");
+        assert_eq!(h["connection"], "close");
+        assert!(!h.contains_key("x-bad"), "an invalid value is left out");
+        assert_eq!(Response::text(1000, "").into_hyper().status(), 500);
     }
 
     /// MAX_CONNECTIONS idle connections hold every slot; a new request is answered anyway,
@@ -361,6 +364,47 @@ mod tests {
         server.abort();
     }
 
+    /// A connection that sends nothing at all is closed after the head timeout too.
+    #[tokio::test]
+    async fn a_silent_connection_is_closed_after_the_head_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handler: Handler = Arc::new(|_: &Request| Response::text(200, "ok\n"));
+        let server = tokio::spawn(serve(listener, handler, std::future::pending()));
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(HEAD_TIMEOUT * 2, s.read(&mut buf)).await;
+        assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "{read:?}");
+        let took = started.elapsed();
+        assert!(
+            took >= HEAD_TIMEOUT - Duration::from_millis(50)
+                && took < HEAD_TIMEOUT + Duration::from_secs(1),
+            "{took:?}"
+        );
+        server.abort();
+    }
+
+    /// A head over MAX_HEAD is answered 431 and the handler never runs.
+    #[tokio::test]
+    async fn an_oversized_head_is_answered_431() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handler: Handler = Arc::new(|_: &Request| panic!("the handler ran"));
+        let server = tokio::spawn(serve(listener, handler, std::future::pending()));
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let mut head = b"GET /healthz HTTP/1.1\r\nX-Big: ".to_vec();
+        head.resize(head.len() + MAX_HEAD * 2, b'a');
+        head.extend_from_slice(b"\r\n\r\n");
+        // The server may answer and close before taking it all.
+        let _ = s.write_all(&head).await;
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut out)).await;
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 431"), "{out:?}");
+        server.abort();
+    }
+
     #[tokio::test]
     async fn serves_until_stopped() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -385,10 +429,11 @@ mod tests {
             ok.starts_with("HTTP/1.1 200 OK") && ok.ends_with("\r\n\r\nhi\n"),
             "{ok}"
         );
+        // An HTTP/1.0 client is answered in its version.
         assert!(
             get(b"GET /nope HTTP/1.0\r\n\r\n")
                 .await
-                .starts_with("HTTP/1.1 404")
+                .starts_with("HTTP/1.0 404")
         );
         assert!(
             get(b"POST /hello HTTP/1.1\r\n\r\n")
@@ -398,7 +443,9 @@ mod tests {
         assert!(get(b"garbage\r\n\r\n").await.starts_with("HTTP/1.1 400"));
         let head = get(b"HEAD /hello HTTP/1.1\r\n\r\n").await;
         assert!(
-            head.contains("Content-Length: 0") && head.ends_with("\r\n\r\n"),
+            head.starts_with("HTTP/1.1 200")
+                && head.contains("Content-Length: 3\r\n")
+                && head.ends_with("\r\n\r\n"),
             "{head}"
         );
         let _ = tx.send(());
