@@ -227,10 +227,7 @@ impl HealthCheckServers {
     }
 
     fn open(&self, key: &ServiceKey, port: u16, count: usize) -> std::io::Result<Server> {
-        // std's bind is immediate and sets SO_REUSEADDR, so a port closed by an update can
-        // be opened again at once.
-        let listener = std::net::TcpListener::bind(SocketAddr::new(self.bind, port))?;
-        listener.set_nonblocking(true)?;
+        let listener = http::listen(SocketAddr::new(self.bind, port))?;
         let listening = listener.try_clone()?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let local = Arc::new(AtomicUsize::new(count));

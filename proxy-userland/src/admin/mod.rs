@@ -6,7 +6,7 @@
 //!   `--metrics-bind-address` (default 127.0.0.1:10249, as kube-proxy).
 //! - [`healthcheck`]: one health check node port server per `externalTrafficPolicy: Local`
 //!   load balancer, for the cloud load balancer to find the nodes with endpoints.
-//! - [`http`]: the small HTTP/1.1 responder they share.
+//! - [`http`]: the HTTP/1.1 server they share (hyper, with a connection cap and head limits).
 //!
 //! The sync loop writes an [`AdminState`] after each sync, and the Kubernetes source the
 //! node's eligibility; the servers only read it, so a slow scrape never delays a sync.
@@ -256,7 +256,7 @@ where
     ];
     for (what, addr, handler) in servers {
         let Some(addr) = addr else { continue };
-        match TcpListener::bind(addr).await {
+        match http::listen(addr).and_then(TcpListener::from_std) {
             Ok(listener) => {
                 let local = listener.local_addr().unwrap_or(addr);
                 info!(addr = %local, "serving {what}");
@@ -286,7 +286,7 @@ async fn retry_bind(
             _ = &mut stop => return,
             _ = tokio::time::sleep(REBIND_PERIOD) => {}
         }
-        if let Ok(listener) = TcpListener::bind(addr).await {
+        if let Ok(listener) = http::listen(addr).and_then(TcpListener::from_std) {
             info!(%addr, "serving {what}");
             return http::serve(listener, handler, stop).await;
         }
