@@ -47,6 +47,7 @@ use hyper::{
 use hyper_util::rt::{TokioIo, TokioTimer};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::{
+    io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
     task::AbortHandle,
 };
@@ -270,16 +271,39 @@ async fn connection(
     headed: Arc<AtomicBool>,
 ) {
     let peer = stream.peer_addr().ok();
+    if let Err(e) = exchange(stream, builder, handler, headed).await {
+        debug!(?peer, "admin connection: {e}");
+    }
+}
+
+/// One request and its answer over `io`, as a listener's connections get them: the entry
+/// point of the admin HTTP fuzz target, which has no sockets.
+pub async fn serve_one<I>(io: I, handler: Handler) -> Result<(), String>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    exchange(io, connection_builder(), handler, Arc::default()).await
+}
+
+async fn exchange<I>(
+    io: I,
+    builder: http1::Builder,
+    handler: Handler,
+    headed: Arc<AtomicBool>,
+) -> Result<(), String>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let service = service_fn(move |req: hyper::Request<Incoming>| {
         headed.store(true, Ordering::Relaxed);
         let resp = answer(&handler, &req).into_hyper();
         async move { Ok::<_, Infallible>(resp) }
     });
-    let served = builder.serve_connection(TokioIo::new(stream), service);
+    let served = builder.serve_connection(TokioIo::new(io), service);
     match tokio::time::timeout(HEAD_TIMEOUT + WRITE_TIMEOUT, served).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => debug!(?peer, "admin connection: {e}"),
-        Err(_) => debug!(?peer, "admin connection: not done in time"),
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("not done in time".into()),
     }
 }
 
@@ -292,6 +316,16 @@ mod tests {
     /// A listener as the daemon makes them, on a loopback port the kernel picks.
     fn bound() -> TcpListener {
         TcpListener::from_std(listen("127.0.0.1:0".parse().unwrap()).unwrap()).unwrap()
+    }
+
+    /// A server with `handler` until aborted: its address and task.
+    fn serving(handler: Handler) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+        let listener = bound();
+        let addr = listener.local_addr().unwrap();
+        (
+            addr,
+            tokio::spawn(serve(listener, handler, std::future::pending())),
+        )
     }
 
     fn hyper_request(method: &str, target: &str, accept: Option<&str>) -> hyper::Request<()> {
@@ -356,10 +390,7 @@ mod tests {
     /// by dropping the oldest of them.
     #[tokio::test]
     async fn the_oldest_connection_makes_room_for_a_new_one() {
-        let listener = bound();
-        let addr = listener.local_addr().unwrap();
-        let handler: Handler = Arc::new(|_: &Request| Response::text(200, "ok\n"));
-        let server = tokio::spawn(serve(listener, handler, std::future::pending()));
+        let (addr, server) = serving(Arc::new(|_: &Request| Response::text(200, "ok\n")));
         let mut idle = Vec::new();
         for _ in 0..MAX_CONNECTIONS {
             let mut s = TcpStream::connect(addr).await.unwrap();
@@ -390,10 +421,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_head_that_does_not_arrive_in_time_is_cut_off() {
-        let listener = bound();
-        let addr = listener.local_addr().unwrap();
-        let handler: Handler = Arc::new(|_: &Request| Response::text(200, "ok\n"));
-        let server = tokio::spawn(serve(listener, handler, std::future::pending()));
+        let (addr, server) = serving(Arc::new(|_: &Request| Response::text(200, "ok\n")));
         let mut s = TcpStream::connect(addr).await.unwrap();
         let started = std::time::Instant::now();
         let mut buf = [0u8; 16];
@@ -422,10 +450,7 @@ mod tests {
     /// (TCP_DEFER_ACCEPT), then gets the head timeout here, and is closed.
     #[tokio::test]
     async fn a_silent_connection_is_closed_after_the_head_timeout() {
-        let listener = bound();
-        let addr = listener.local_addr().unwrap();
-        let handler: Handler = Arc::new(|_: &Request| Response::text(200, "ok\n"));
-        let server = tokio::spawn(serve(listener, handler, std::future::pending()));
+        let (addr, server) = serving(Arc::new(|_: &Request| Response::text(200, "ok\n")));
         let mut s = TcpStream::connect(addr).await.unwrap();
         let started = std::time::Instant::now();
         let mut buf = [0u8; 16];
@@ -442,10 +467,7 @@ mod tests {
     /// A head over MAX_HEAD is answered 431 and the handler never runs.
     #[tokio::test]
     async fn an_oversized_head_is_answered_431() {
-        let listener = bound();
-        let addr = listener.local_addr().unwrap();
-        let handler: Handler = Arc::new(|_: &Request| panic!("the handler ran"));
-        let server = tokio::spawn(serve(listener, handler, std::future::pending()));
+        let (addr, server) = serving(Arc::new(|_: &Request| panic!("the handler ran")));
         let mut s = TcpStream::connect(addr).await.unwrap();
         let mut head = b"GET /healthz HTTP/1.1\r\nX-Big: ".to_vec();
         head.resize(head.len() + MAX_HEAD * 2, b'a');
