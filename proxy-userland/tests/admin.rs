@@ -36,34 +36,6 @@ endpoints:
 - {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
 "#;
 
-/// A LoadBalancer with externalTrafficPolicy Local; HCPORT and NODE2 are filled in.
-const LB: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: lb, namespace: demo}
-spec:
-  type: LoadBalancer
-  clusterIP: 198.19.0.40
-  clusterIPs: [198.19.0.40]
-  externalTrafficPolicy: Local
-  healthCheckNodePort: HCPORT
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}
-status:
-  loadBalancer:
-    ingress: [{ip: 198.19.100.1}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: lb-1, namespace: demo, labels: {kubernetes.io/service-name: lb}}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-endpoints:
-- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: NODE1}
-- {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
-"#;
-
 /// GET http://127.0.0.1:port/path: (status, body), or None if nobody answers.
 fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
@@ -100,7 +72,8 @@ fn health_metrics_and_health_check_node_ports_over_http() {
     let _rm = RmDir(dir.clone());
     let (health, metrics, hc) = (free_port(), free_port(), free_port());
     let lb = |node1: &str| {
-        LB.replace("HCPORT", &hc.to_string())
+        LOCAL_LB
+            .replace("HCPORT", &hc.to_string())
             .replace("NODE1", node1)
     };
     std::fs::write(dir.join("web.yaml"), WEB).unwrap();
@@ -257,7 +230,7 @@ fn the_daemon_serves_node_ports_from_other_hosts_and_counts_their_packets() {
     let dir = bed.dir().join("manifests");
     std::fs::create_dir_all(&dir).unwrap();
     // lb: NodePort 30080, externalTrafficPolicy Local, pod-1 on this node.
-    let lb = LB
+    let lb = LOCAL_LB
         .replace("HCPORT", &free_port().to_string())
         .replace("NODE1", "node-a");
     std::fs::write(dir.join("lb.yaml"), lb).unwrap();
@@ -376,7 +349,7 @@ fn metrics_negotiate_the_format_and_pass_promtool() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("web.yaml"), WEB).unwrap();
     // lb: Local policy, its only ready pod on another node: no local endpoints.
-    let lb = LB
+    let lb = LOCAL_LB
         .replace("HCPORT", &free_port().to_string())
         .replace("NODE1", "node-c");
     std::fs::write(dir.join("lb.yaml"), lb).unwrap();
@@ -497,7 +470,8 @@ fn slow_connections_never_keep_probes_from_the_admin_servers() {
     let (health, metrics, hc) = (10256u16, 10249u16, 32001u16);
     std::fs::write(
         dir.join("lb.yaml"),
-        LB.replace("HCPORT", &hc.to_string())
+        LOCAL_LB
+            .replace("HCPORT", &hc.to_string())
             .replace("NODE1", "node-a"),
     )
     .unwrap();

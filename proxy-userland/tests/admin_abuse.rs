@@ -40,33 +40,6 @@ const OVERSIZED: usize = 2_000;
 /// containerd's default soft RLIMIT_NOFILE for a container (its hard limit is higher).
 const CONTAINER_SOFT_NOFILE: u64 = 1024;
 
-/// A LoadBalancer with externalTrafficPolicy Local and a ready endpoint on this node, so
-/// its health check node port answers 200.
-const LB: &str = r#"
-apiVersion: v1
-kind: Service
-metadata: {name: lb, namespace: demo}
-spec:
-  type: LoadBalancer
-  clusterIP: 198.19.0.40
-  clusterIPs: [198.19.0.40]
-  externalTrafficPolicy: Local
-  healthCheckNodePort: 32001
-  ports:
-  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}
-status:
-  loadBalancer:
-    ingress: [{ip: 198.19.100.1}]
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata: {name: lb-1, namespace: demo, labels: {kubernetes.io/service-name: lb}}
-addressType: IPv4
-ports:
-- {name: http, port: 8080, protocol: TCP}
-endpoints:
-- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: node-a}
-"#;
 const HC_PORT: u16 = 32001;
 
 /// The shipped config's admin addresses, as reached from inside the node namespace.
@@ -217,7 +190,7 @@ fn oversized_attacker(addr: SocketAddr, stop: &AtomicBool, tally: &Tally) {
             &tally.oversized_other
         };
         counter.fetch_add(1, Ordering::Relaxed);
-        thread::sleep(Duration::from_millis(5));
+        thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -231,7 +204,11 @@ fn probes_are_answered_within_100ms_while_slow_oversized_and_idle_clients_attack
     let (bed, _pods) = bed_with_pods("abuse", 1);
     let ns = bed.node_netns().to_string();
     let manifests = manifest_dir("abuse");
-    std::fs::write(manifests.0.join("lb.yaml"), LB).unwrap();
+    // A ready endpoint on this node: the health check node port answers 200.
+    let lb = LOCAL_LB
+        .replace("HCPORT", &HC_PORT.to_string())
+        .replace("NODE1", "node-a");
+    std::fs::write(manifests.0.join("lb.yaml"), lb).unwrap();
     let config = shipped_config(bed.dir());
     let (health, metrics) = shipped_ports(&config);
     let pins = Bpffs::mount(bed.dir());

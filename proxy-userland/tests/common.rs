@@ -27,6 +27,36 @@ pub const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 pub const WEB: &str = "198.19.0.10:80";
 pub const WEB_DNS: &str = "198.19.0.10:53";
 
+/// A LoadBalancer with externalTrafficPolicy Local and two ready endpoints, one on NODE1
+/// (filled in: "node-a" for the tests' daemon) and one on node-b; its health check node
+/// port HCPORT is filled in too.
+pub const LOCAL_LB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: demo}
+spec:
+  type: LoadBalancer
+  clusterIP: 198.19.0.40
+  clusterIPs: [198.19.0.40]
+  externalTrafficPolicy: Local
+  healthCheckNodePort: HCPORT
+  ports:
+  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}
+status:
+  loadBalancer:
+    ingress: [{ip: 198.19.100.1}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-1, namespace: demo, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- {addresses: [198.18.1.11], conditions: {ready: true}, nodeName: NODE1}
+- {addresses: [198.18.1.12], conditions: {ready: true}, nodeName: node-b}
+"#;
+
 /// The node the tests' proxy runs as ("node-a", no zone).
 pub fn node() -> proxy_userland::model::NodeInfo {
     proxy_userland::model::NodeInfo {
