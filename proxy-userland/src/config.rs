@@ -984,7 +984,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             a.service_cluster_ip_range,
-            ["198.19.0.0/16".parse().unwrap(), "2001:db8:5::/112".parse().unwrap()]
+            [
+                "198.19.0.0/16".parse().unwrap(),
+                "2001:db8:5::/112".parse().unwrap()
+            ]
         );
         assert_eq!(a.healthz_bind_address.to_string(), "127.0.0.1:20256");
         assert_eq!(a.metrics_bind_address.to_string(), "[::1]:20249");

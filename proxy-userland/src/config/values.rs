@@ -6,7 +6,6 @@
 
 use std::{fmt, str::FromStr, time::Duration};
 
-
 /// The longest duration any setting takes. Longer ones are typos (`30000s` for `30s`) or
 /// attacks; refusing them keeps every later `Instant + d` and `d * 2` from overflowing.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);

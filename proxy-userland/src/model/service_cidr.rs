@@ -22,7 +22,9 @@ impl Cidr {
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, ip) {
             (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix)).unwrap_or(0);
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
                 u32::from(ip) & mask == u32::from(net)
             }
             (IpAddr::V6(net), IpAddr::V6(ip)) => {
@@ -117,7 +119,10 @@ impl ServiceRangeSources {
     }
 
     pub fn union(&self) -> ServiceRanges {
-        let all = self.configured.iter().chain(self.objects.values().flatten());
+        let all = self
+            .configured
+            .iter()
+            .chain(self.objects.values().flatten());
         ServiceRanges::new(all.copied().collect())
     }
 }
@@ -178,10 +183,17 @@ mod tests {
     fn the_union_joins_the_flag_and_every_object() {
         let mut s = ServiceRangeSources::new(vec![c("198.19.0.0/16")]);
         s.apply("kubernetes".into(), Some(vec![c("198.19.0.0/16")]));
-        s.apply("extra".into(), Some(vec![c("198.18.128.0/24"), c("2001:db8::/112")]));
+        s.apply(
+            "extra".into(),
+            Some(vec![c("198.18.128.0/24"), c("2001:db8::/112")]),
+        );
         assert_eq!(
             s.union().cidrs(),
-            [c("198.18.128.0/24"), c("198.19.0.0/16"), c("2001:db8::/112")]
+            [
+                c("198.18.128.0/24"),
+                c("198.19.0.0/16"),
+                c("2001:db8::/112")
+            ]
         );
         s.apply("extra".into(), None);
         assert_eq!(s.union().cidrs(), [c("198.19.0.0/16")]);

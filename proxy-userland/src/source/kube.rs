@@ -428,11 +428,16 @@ impl Pump {
         }
     }
 
-    async fn service_cidr(&mut self, ev: Result<watcher::Event<ServiceCIDR>, watcher::Error>) -> bool {
+    async fn service_cidr(
+        &mut self,
+        ev: Result<watcher::Event<ServiceCIDR>, watcher::Error>,
+    ) -> bool {
         let ev = match ev {
             Ok(ev) => ev,
             Err(watcher::Error::InitialListFailed(kube::Error::Api(s))) if s.code == 404 => {
-                info!("the API server has no ServiceCIDR objects; the service ranges are --service-cluster-ip-range alone");
+                info!(
+                    "the API server has no ServiceCIDR objects; the service ranges are --service-cluster-ip-range alone"
+                );
                 self.service_cidrs_served = false;
                 return true;
             }
@@ -459,7 +464,9 @@ impl Pump {
             }
             watcher::Event::Delete(obj) => {
                 let name = obj.name_any();
-                return self.send(SourceEvent::ServiceCidr { name, cidrs: None }).await;
+                return self
+                    .send(SourceEvent::ServiceCidr { name, cidrs: None })
+                    .await;
             }
         }
         true
