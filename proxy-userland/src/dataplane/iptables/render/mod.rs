@@ -525,14 +525,24 @@ fn tail(family: Family, cfg: &RenderConfig) -> Vec<String> {
 /// instead of the packet leaving by the default route. After the services' own filter
 /// rules, so a Local policy's DROP stays a drop. kube-proxy's nftables mode rejects the
 /// second case and drops the first (see docs/modes.md).
+///
+/// TCP is answered with a reset: a connecting socket takes an ICMPv6 error only at its
+/// first SYN retransmit (1 s later, measured), a reset at once, in both families.
 fn filter_tail(family: Family, cfg: &RenderConfig) -> Vec<String> {
+    let rule = |net, len| {
+        Rule::new(KUBE_SERVICES)
+            .comment("no service at this address and port in the service range")
+            .arg(format!("-d {}", cidr(net, len)))
+    };
     (cfg.service_ranges.iter())
         .filter(|(net, _)| Family::of(net) == family)
-        .map(|&(net, len)| {
-            Rule::new(KUBE_SERVICES)
-                .comment("no service at this address and port in the service range")
-                .arg(format!("-d {}", cidr(net, len)))
-                .jump("REJECT")
+        .flat_map(|&(net, len)| {
+            [
+                rule(net, len)
+                    .arg("-p tcp")
+                    .jump("REJECT --reject-with tcp-reset"),
+                rule(net, len).jump("REJECT"),
+            ]
         })
         .collect()
 }
