@@ -577,13 +577,16 @@ fn timed(probe: impl FnOnce() -> Vec<Outcome>) -> (Vec<Outcome>, Duration) {
     (out, started.elapsed())
 }
 
-/// With `--service-cluster-ip-range 198.19.0.0/17`: a held address serves; an address of
-/// the range no Service holds, and a held address on a port or protocol it does not
-/// serve, are refused at once (TCP connect, and connected UDP), each attempt well within
-/// 100 ms (process start included), never a timeout; an address outside the range is left
-/// alone (here it is routed to a dead end, so it times out as before).
+/// With `--service-cluster-ip-range 198.19.0.0/17` and a ServiceCIDR manifest for
+/// 198.19.128.0/24: a held address serves; an address of the ranges no Service holds, and
+/// a held address on a port or protocol it does not serve, are refused at once (TCP
+/// connect, and connected UDP), each attempt well within 100 ms (process start included),
+/// never a timeout; an address outside the ranges is left alone (here it is routed to a
+/// dead end, so it times out as before).
 fn service_range_refused(mode: Mode) {
-    let yaml = web(&[HTTP], &[1]);
+    let yaml = web(&[HTTP], &[1])
+        + "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: extra}\n\
+           spec: {cidrs: [198.19.128.0/24]}\n";
     let w = World::with_args(
         mode,
         "svcrange",
@@ -599,7 +602,7 @@ fn service_range_refused(mode: Mode) {
     w.until("the unheld address is refused", || {
         refused(&w.tcp(unheld, 1))
     });
-    for target in [unheld, "198.19.0.10:81"] {
+    for target in [unheld, "198.19.0.10:81", "198.19.128.5:80"] {
         let (out, took) = timed(|| w.tcp(target, 10));
         assert!(refused(&out), "{} mode, {target}: {out:?}", mode.name());
         assert!(
