@@ -21,6 +21,10 @@ pub const NODE_ADDRS6: &str = "FP_NODE_ADDR6";
 /// The address SNATed traffic leaves each device with (ifindex -> address).
 pub const DEVICE_ADDRS4: &str = "FP_DEV_ADDR4";
 pub const DEVICE_ADDRS6: &str = "FP_DEV_ADDR6";
+/// The service ranges (`--service-cluster-ip-range`, ServiceCIDRs): LPM tries, network ->
+/// 1. A socket call to an address inside them that no frontend serves is refused.
+pub const SERVICE_RANGES4: &str = "FP_SVC_RANGE4";
+pub const SERVICE_RANGES6: &str = "FP_SVC_RANGE6";
 pub const STATS: &str = "FP_STATS";
 /// One entry: what the socket hooks leave to the pods' devices (see `sockcfg`).
 pub const SOCK_CONFIG: &str = "FP_SOCK_CFG";
@@ -40,9 +44,11 @@ pub const AFFINITY_MATCH_MAX: u32 = 2 * SERVICES_MAX;
 pub const CT_MAX: u32 = 262_144;
 pub const SOURCE_RANGES_MAX: u32 = 16_384;
 pub const NODE_ADDRS_MAX: u32 = 256;
+/// A cluster has a few ServiceCIDRs (one per family, plus the ones added as it grows).
+pub const SERVICE_RANGES_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 18] = [
+pub const ALL: [&str; 20] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -59,6 +65,8 @@ pub const ALL: [&str; 18] = [
     NODE_ADDRS6,
     DEVICE_ADDRS4,
     DEVICE_ADDRS6,
+    SERVICE_RANGES4,
+    SERVICE_RANGES6,
     STATS,
     SOCK_CONFIG,
 ];

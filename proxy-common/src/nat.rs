@@ -205,5 +205,8 @@ pub mod stat {
     pub const ICMP_TRANSLATED: u32 = 6;
     /// Dropped: an ICMP error translated back but with no route to send it on.
     pub const ICMP_DROPPED: u32 = 7;
-    pub const COUNT: u32 = 8;
+    /// Socket calls refused: the address is inside a service range and no frontend
+    /// serves it (no Service holds the address, or not on that port and protocol).
+    pub const REFUSED_SERVICE_RANGE: u32 = 8;
+    pub const COUNT: u32 = 9;
 }

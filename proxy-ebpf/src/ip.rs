@@ -18,7 +18,8 @@ use crate::{
     flow::Scratch,
     maps::{
         BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, Lookup, NODE_ADDRS4,
-        NODE_ADDRS6, SCRATCH4, SCRATCH6, SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6,
+        NODE_ADDRS6, SCRATCH4, SCRATCH6, SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6,
+        SOURCE_RANGES4, SOURCE_RANGES6,
     },
     packet::Packet,
 };
@@ -140,6 +141,8 @@ pub trait Ip {
     fn ct() -> &'static LruHashMap<CtKey<Self::Addr>, CtValue<Self::Addr>>;
     /// Whether node ports answer on `addr`.
     fn node_address(addr: Self::Addr) -> bool;
+    /// Whether `addr` is inside a service range (where ClusterIPs come from).
+    fn in_service_range(addr: Self::Addr) -> bool;
     /// The address SNATed traffic leaving device `ifindex` gets.
     fn device_address(ifindex: u32) -> Option<Self::Addr>;
     /// Whether `saddr` is in a loadBalancerSourceRange of frontend `rev_nat_index`.
@@ -235,6 +238,11 @@ impl Ip for V4 {
     #[inline(always)]
     fn node_address(addr: u32) -> bool {
         NODE_ADDRS4.lookup(addr).is_some()
+    }
+
+    #[inline(always)]
+    fn in_service_range(addr: u32) -> bool {
+        SERVICE_RANGES4.get(LpmKey::new(32, addr)).is_some()
     }
 
     #[inline(always)]
@@ -338,6 +346,11 @@ impl Ip for V6 {
     #[inline(always)]
     fn node_address(addr: Addr6) -> bool {
         NODE_ADDRS6.lookup(addr).is_some()
+    }
+
+    #[inline(always)]
+    fn in_service_range(addr: Addr6) -> bool {
+        SERVICE_RANGES6.get(LpmKey::new(128, addr)).is_some()
     }
 
     #[inline(always)]

@@ -2,7 +2,7 @@
 
 use aya_ebpf::{bindings::bpf_sock_addr, helpers::bpf_set_retval, programs::SockAddrContext};
 use proxy_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, ServiceValue, proto,
+    AffinityKey, AffinityMatchKey, AffinityValue, ServiceValue, nat, proto,
     service::{flags, scope},
     sockcfg,
 };
@@ -11,7 +11,7 @@ use crate::{
     PROCEED, REJECT,
     ip::Ip,
     kernel,
-    maps::{AFFINITY, AFFINITY_MATCH, Lookup, SOCK_CONFIG},
+    maps::{AFFINITY, AFFINITY_MATCH, Lookup, SOCK_CONFIG, count},
 };
 
 const SOCK_STREAM: u32 = 1;
@@ -116,16 +116,18 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     // node's own connections to `<node address>:<node port>` work as kube-proxy's do.
     let (addr, master) = match service::<F>(user_addr, port, proto, 0) {
         Some(m) => (user_addr, m),
-        None => {
-            if !F::node_address(user_addr) {
-                return Ok(PROCEED);
-            }
+        None if F::node_address(user_addr) => {
             let any = F::Addr::default();
             let Some(m) = service::<F>(any, port, proto, 0) else {
                 return Ok(PROCEED);
             };
             (any, m)
         }
+        None if unallocated_service_address::<F>(user_addr) => {
+            count(nat::stat::REFUSED_SERVICE_RANGE);
+            return Ok(refuse());
+        }
+        None => return Ok(PROCEED),
     };
     if master.count == 0 {
         return Ok(refuse());
@@ -140,6 +142,15 @@ pub fn translate<F: Family>(ctx: &SockAddrContext) -> Result<i32, ()> {
     F::remember(cookie, backend, (user_addr, port), master.rev_nat_index);
     F::write_user(ctx, backend.0, backend.1);
     Ok(PROCEED)
+}
+
+/// No frontend serves this address (on this port and protocol) and it is inside a service
+/// range: an address no Service holds, or a Service's address on a port it does not
+/// serve. Left alone, the call would go to the default route and hang; kube-proxy's
+/// nftables mode drops the first and rejects the second, we refuse both.
+#[inline(always)]
+fn unallocated_service_address<F: Family>(addr: F::Addr) -> bool {
+    F::in_service_range(addr)
 }
 
 /// ClientIP affinity: the backend this client (its netns) got last for this frontend, if

@@ -12,8 +12,8 @@ use proxy_common::{
     Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue, SockConfig, SockRevNat4Key,
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
     maps::{
-        AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICES_MAX,
-        SOCK_REVNAT_MAX, SOURCE_RANGES_MAX,
+        AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICE_RANGES_MAX,
+        SERVICES_MAX, SOCK_REVNAT_MAX, SOURCE_RANGES_MAX,
     },
     nat::stat,
 };
@@ -68,6 +68,13 @@ pub static SOURCE_RANGES4: LpmTrie<SourceRange4, u8> =
 #[map(name = "FP_SRC_RANGE6")]
 pub static SOURCE_RANGES6: LpmTrie<SourceRange6, u8> =
     LpmTrie::with_max_entries(SOURCE_RANGES_MAX, 0);
+
+/// The service ranges, network -> 1 (see `proxy_common::maps::SERVICE_RANGES4`).
+#[map(name = "FP_SVC_RANGE4")]
+pub static SERVICE_RANGES4: LpmTrie<u32, u8> = LpmTrie::with_max_entries(SERVICE_RANGES_MAX, 0);
+
+#[map(name = "FP_SVC_RANGE6")]
+pub static SERVICE_RANGES6: LpmTrie<Addr6, u8> = LpmTrie::with_max_entries(SERVICE_RANGES_MAX, 0);
 
 #[map(name = "FP_NODE_ADDR4")]
 pub static NODE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);

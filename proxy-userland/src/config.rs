@@ -136,6 +136,12 @@ pub struct Args {
     #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', action = clap::ArgAction::Set)]
     pub cluster_cidr: Vec<Cidr>,
 
+    /// The service ranges ClusterIPs come from, comma-separated, one per family at most
+    /// (kube-apiserver's flag). With the ServiceCIDR objects' ranges, new traffic to an
+    /// address inside them that no Service serves is refused instead of routed on.
+    #[arg(long, value_name = "CIDR[,CIDR]", value_delimiter = ',', action = clap::ArgAction::Set)]
+    pub service_cluster_ip_range: Vec<Cidr>,
+
     /// How pods' traffic is told apart (iptables mode: which traffic to a Service is
     /// masqueraded, and which skips externalTrafficPolicy Local): ClusterCIDR (sources in
     /// --cluster-cidr; default), NodeCIDR (sources in the Node's spec.podCIDRs),
@@ -611,6 +617,18 @@ impl Args {
                 }
                 self.pod_interfaces = v;
             }
+            if let (Some(s), false) = (
+                set(&fp.service_cluster_ip_range),
+                given("service_cluster_ip_range"),
+            ) {
+                let field = "fastpath.serviceClusterIPRange";
+                self.service_cluster_ip_range = s
+                    .split(',')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()
+                    .map_err(|m| invalid(field, m))?;
+                check_cidrs(&self.service_cluster_ip_range).map_err(|m| invalid(field, m))?;
+            }
             if let (Some(v), false) = (fp.node_setup, given("node_setup")) {
                 self.node_setup = v;
             }
@@ -644,6 +662,8 @@ impl Args {
             message,
         };
         check_cidrs(&self.cluster_cidr).map_err(|m| invalid("--cluster-cidr", m))?;
+        check_cidrs(&self.service_cluster_ip_range)
+            .map_err(|m| invalid("--service-cluster-ip-range", m))?;
         self.check_detect_local_mode()
             .map_err(|(field, m)| invalid(field.flag, m))?;
         check_oom(self.oom_score_adj).map_err(|m| invalid("--oom-score-adj", m))?;
@@ -958,9 +978,17 @@ mod tests {
              hostnameOverride: Node-B\noomScoreAdj: -500\nclusterCIDR: 198.18.0.0/15,2001:db8::/48\n\
              detectLocalMode: ClusterCIDR\nnodePortAddresses: [198.18.2.0/24]\n\
              clientConnection: {kubeconfig: /etc/kube/config}\nlogging: {format: json}\n\
-             fastpath: {nodeSetup: true, zone: z1, manifestPollPeriod: 1s}\n",
+             fastpath: {nodeSetup: true, zone: z1, manifestPollPeriod: 1s,\n\
+             \x20 serviceClusterIPRange: \"198.19.0.0/16,2001:db8:5::/112\"}\n",
         )
         .unwrap();
+        assert_eq!(
+            a.service_cluster_ip_range,
+            [
+                "198.19.0.0/16".parse().unwrap(),
+                "2001:db8:5::/112".parse().unwrap()
+            ]
+        );
         assert_eq!(a.healthz_bind_address.to_string(), "127.0.0.1:20256");
         assert_eq!(a.metrics_bind_address.to_string(), "[::1]:20249");
         assert_eq!(a.sync_period, Duration::from_secs(60));
@@ -1126,6 +1154,16 @@ mod tests {
                 "fastpath.podInterfaces",
                 "neither \"auto\" nor \"none\"",
             ),
+            (
+                "fastpath: {serviceClusterIPRange: 198.19.0.0/16/2}\n",
+                "fastpath.serviceClusterIPRange",
+                "not a CIDR",
+            ),
+            (
+                "fastpath: {serviceClusterIPRange: \"198.19.0.0/16,198.18.0.0/24\"}\n",
+                "fastpath.serviceClusterIPRange",
+                "one IPv4 and one IPv6",
+            ),
         ] {
             let e = error(&[], yaml);
             assert!(
@@ -1176,6 +1214,10 @@ mod tests {
             (
                 &["--cluster-cidr", "198.18.0.0/15,bad"][..],
                 "--cluster-cidr",
+            ),
+            (
+                &["--service-cluster-ip-range", "198.19.0.0/16,198.18.0.0/24"][..],
+                "--service-cluster-ip-range",
             ),
             (
                 &[

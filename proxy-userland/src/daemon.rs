@@ -120,8 +120,13 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
         max: args.sync_period,
         ..Default::default()
     };
-    let (engine, engine_events) = Engine::spawn(proxier, EngineConfig { periods, node }, events)
-        .context("cannot start the sync engine")?;
+    let cfg = EngineConfig {
+        periods,
+        node,
+        service_ranges: args.service_cluster_ip_range.clone(),
+    };
+    let (engine, engine_events) =
+        Engine::spawn(proxier, cfg, events).context("cannot start the sync engine")?;
     let reports = Reports {
         admin: admin.clone(),
         health_checks,

@@ -85,6 +85,7 @@ matrix!(
     service_proxy_name_and_headless_skipped,
     terminating_endpoints_fallback,
     prefer_same_node,
+    service_range_refused,
 );
 
 // ---- the world each behaviour runs in ------------------------------------------------------
@@ -566,5 +567,92 @@ fn prefer_same_node(mode: Mode) {
     elsewhere.until(
         "20 connections from node-d (no endpoint) spread over zone-a's pod-1 and pod-2",
         || served_by(&elsewhere.tcp(WEB, 20), &["pod-1", "pod-2"]),
+    );
+}
+
+/// Runs `probe` and returns its outcomes and how long the whole run took.
+fn timed(probe: impl FnOnce() -> Vec<Outcome>) -> (Vec<Outcome>, Duration) {
+    let started = Instant::now();
+    let out = probe();
+    (out, started.elapsed())
+}
+
+/// With `--service-cluster-ip-range 198.19.0.0/17` and a ServiceCIDR manifest for
+/// 198.19.128.0/24: a held address serves; an address of the ranges no Service holds, and
+/// a held address on a port or protocol it does not serve, are refused at once (TCP
+/// connect, and connected UDP), each attempt well within 100 ms (process start included),
+/// never a timeout; an address outside the ranges is left alone (here it is routed to a
+/// dead end, so it times out as before).
+fn service_range_refused(mode: Mode) {
+    let yaml = web(&[HTTP], &[1])
+        + "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: extra}\n\
+           spec: {cidrs: [198.19.128.0/24]}\n";
+    let w = World::with_args(
+        mode,
+        "svcrange",
+        1,
+        &yaml,
+        &["--service-cluster-ip-range", "198.19.0.0/17"],
+    );
+    w.until("the held address serves", || {
+        served_by(&w.tcp(WEB, 2), &["pod-1"])
+    });
+    let refused = |o: &[Outcome]| o.iter().all(|o| o.errno() == Some("ECONNREFUSED"));
+    let unheld = "198.19.0.99:80";
+    w.until("the unheld address is refused", || {
+        refused(&w.tcp(unheld, 1))
+    });
+    for target in [unheld, "198.19.0.10:81", "198.19.128.5:80"] {
+        let (out, took) = timed(|| w.tcp(target, 10));
+        assert!(refused(&out), "{} mode, {target}: {out:?}", mode.name());
+        assert!(
+            took < Duration::from_millis(1000),
+            "{} mode, {target}: 10 refusals took {took:?}, not at once",
+            mode.name()
+        );
+    }
+    let udp_connected = |target: &str| {
+        run_probe(
+            &w.bed,
+            &[
+                "udp",
+                target,
+                "--count",
+                "5",
+                "--timeout-ms",
+                "1000",
+                "--fresh-socket",
+                "--connected",
+            ],
+        )
+    };
+    // The socket hooks refuse with ECONNREFUSED. A rule-based mode rejects the datagram
+    // in OUTPUT, and the kernel fails a send its own OUTPUT chain rejected with EPERM (a
+    // pod's datagram, rejected on FORWARD, gets the ICMP error: ECONNREFUSED).
+    let udp_refusal = match mode {
+        Mode::Ebpf => "ECONNREFUSED",
+        Mode::Iptables | Mode::Userspace => "EPERM",
+    };
+    for target in ["198.19.0.99:53", "198.19.0.10:53"] {
+        let (out, took) = timed(|| udp_connected(target));
+        assert!(
+            out.iter().all(|o| o.errno() == Some(udp_refusal)),
+            "{} mode, UDP {target}: {out:?}",
+            mode.name()
+        );
+        assert!(
+            took < Duration::from_millis(1000),
+            "{} mode, UDP {target}: 5 refusals took {took:?}",
+            mode.name()
+        );
+    }
+    // The held port still works: the range's rule comes after the services'.
+    assert!(served_by(&w.tcp(WEB, 3), &["pod-1"]));
+    let outside = tcp_quick(&w.bed, "198.19.200.1:80");
+    assert_ne!(
+        outside.errno(),
+        Some("ECONNREFUSED"),
+        "{} mode: outside the range nothing is refused: {outside:?}",
+        mode.name()
     );
 }

@@ -168,6 +168,11 @@ fn rbac_is_read_only_except_events() {
             "endpointslices",
             &["get", "list", "watch"],
         ),
+        (
+            "networking.k8s.io",
+            "servicecidrs",
+            &["get", "list", "watch"],
+        ),
         ("events.k8s.io", "events", &["create", "patch"]),
         ("", "events", &["create", "patch"]),
     ] {

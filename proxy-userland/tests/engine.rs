@@ -135,6 +135,7 @@ async fn engine_coalesces_changes_retries_failures_resyncs_and_stops() {
         EngineConfig {
             periods,
             node: node(),
+            service_ranges: Vec::new(),
         },
         input,
     )
@@ -275,6 +276,7 @@ async fn a_slow_sync_does_not_block_health_checks_or_sources() {
         EngineConfig {
             periods: SyncPeriods::default(),
             node: node(),
+            service_ranges: Vec::new(),
         },
         input,
     )

@@ -172,6 +172,14 @@ fn hostile_flags_exit_2_naming_the_flag() {
             "--cluster-cidr",
         ),
         (
+            &["--service-cluster-ip-range", "198.19.0.0/33"],
+            "--service-cluster-ip-range",
+        ),
+        (
+            &["--service-cluster-ip-range", "198.19.0.0/16,198.18.0.0/24"],
+            "--service-cluster-ip-range",
+        ),
+        (
             &["--nodeport-addresses", "everything"],
             "--nodeport-addresses",
         ),

@@ -18,7 +18,7 @@ use proxy_userland::{
         Dataplane, Scope,
         iptables::{Family, IptablesConfig, IptablesDataplane},
     },
-    model::Endpoint,
+    model::{Endpoint, ServiceRanges},
 };
 use xtask::testbed::Testbed;
 
@@ -313,6 +313,97 @@ fn dual_stack_services_are_programmed_in_both_families() {
         v6.iter().all(|a| peer(a) == Some("[2001:db8:5::10]:80")),
         "{v6:?}"
     );
+}
+
+/// The service ranges in both families: REJECT, last in filter KUBE-SERVICES, for new
+/// traffic into a range that no rule translated (an address no Service holds, or a held
+/// one on a port it does not serve): refused at once, where it used to time out on the
+/// route. Outside the ranges nothing changes. Leaving takes the rules along.
+#[test]
+fn the_service_ranges_reject_what_no_service_serves_in_both_families() {
+    let mut bed = Testbed::new("iptrange").expect("test bed");
+    let pod = bed
+        .add_pod("pod-1", pod_ip(1), Some("2001:db8:1::11".parse().unwrap()))
+        .expect("pod");
+    bed.serve(
+        probe(),
+        &pod,
+        &["--tcp", "0.0.0.0:8080", "--tcp", "[::]:8080"],
+    )
+    .expect("server");
+    route_services(&bed);
+    xtask::cmd::ip([
+        "-n",
+        bed.node_netns(),
+        "-6",
+        "route",
+        "add",
+        "2001:db8:5::/64",
+        "dev",
+        "fpsvc0",
+    ])
+    .unwrap();
+    let mut dp = IptablesDataplane::new(IptablesConfig {
+        netns: Some(bed.node_netns().to_string()),
+        families: vec![Family::V4, Family::V6],
+        cleanup_on_exit: true,
+        ..Default::default()
+    })
+    .expect("proxier");
+    let mut svc = web_service("web", WEB_IP);
+    svc.cluster_ips.push("2001:db8:5::10".parse().unwrap());
+    let mut v6 = ready(pod_ip(1));
+    v6.ip = IpAddr::V6("2001:db8:1::11".parse().unwrap());
+    let mut state = state_of(vec![(svc, Some(web_endpoints(vec![ready(pod_ip(1)), v6])))]);
+    state.service_ranges = ServiceRanges::new(vec![
+        "198.19.0.0/17".parse().unwrap(),
+        "2001:db8:5::/112".parse().unwrap(),
+    ]);
+    let report = dp.sync(&state, &node(), Scope::Full);
+    assert!(report.failed.is_empty(), "{report:?}");
+
+    for held in [WEB, "[2001:db8:5::10]:80"] {
+        let ok = tcp(&bed, held, 3);
+        assert!(
+            ok.iter().all(|a| a.reply() == Some("pod-1")),
+            "{held}: {ok:?}"
+        );
+    }
+    for target in [
+        "198.19.0.99:80",
+        "198.19.0.10:81",
+        "[2001:db8:5::99]:80",
+        "[2001:db8:5::10]:81",
+    ] {
+        let started = Instant::now();
+        let out = tcp(&bed, target, 5);
+        assert!(
+            out.iter().all(|a| a.errno() == Some("ECONNREFUSED")),
+            "{target}: {out:?}"
+        );
+        assert!(
+            started.elapsed().as_millis() < 500,
+            "{target}: refused at once, not timed out ({:?})",
+            started.elapsed()
+        );
+    }
+    for outside in ["198.19.200.1:80", "[2001:db8:5::1:1]:80"] {
+        let out = run_probe(
+            &bed,
+            &["tcp", outside, "--count", "1", "--timeout-ms", "300"],
+        );
+        assert_eq!(
+            out[0].errno(),
+            Some("ETIMEDOUT"),
+            "{outside}: untouched: {out:?}"
+        );
+    }
+
+    dp.shutdown();
+    for tool in ["iptables-save", "ip6tables-save"] {
+        let after = saved(bed.node_netns(), tool);
+        assert!(!after.contains("service range"), "{tool}: {after}");
+    }
 }
 
 fn conntrack_udp(netns: &str) -> String {

@@ -95,8 +95,8 @@ fn daemon_follows_the_api_server_through_watch_drops_and_410() {
     // watcher's resume gets 410 Gone and must relist; changes made meanwhile must end up
     // programmed with no stale entries, whichever path delivers them.
     assert!(
-        api.wait_for_watches(3, Duration::from_secs(10)),
-        "three watches open"
+        api.wait_for_watches(4, Duration::from_secs(10)),
+        "four watches open (Services, EndpointSlices, the Node, ServiceCIDRs)"
     );
     api.set_bookmark_interval(Duration::ZERO);
     std::thread::sleep(Duration::from_millis(300));
@@ -448,6 +448,75 @@ fn prefer_same_node_hints_come_through_the_api_server() {
         "without an endpoint for node-a, zone-a's pod-1 and pod-2; log:\n{}",
         daemon.log()
     );
+}
+
+/// A ServiceCIDR object widens the service ranges beyond `--service-cluster-ip-range`:
+/// once the API server has it, an address of its range that no Service holds is refused
+/// at connect; when it is deleted, that address is left alone again. The flag's range is
+/// refused throughout.
+#[test]
+fn a_service_cidr_from_the_api_server_widens_the_service_ranges() {
+    let (bed, _pods) = bed_with_pods("kscidr", 1);
+    let api = ApiServer::start().expect("test API server");
+    api.create("nodes", node());
+    api.create("services", service("web", "198.19.0.10"));
+    api.create("endpointslices", slice("web-1", "web", &[POD1]));
+    let kubeconfig = Kubeconfig::new(&api, "kscidr");
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--kubeconfig",
+            kubeconfig.path(),
+            "--service-cluster-ip-range",
+            "198.19.0.0/24",
+        ],
+    );
+    let refused = |target: &str| {
+        let out = run_probe(
+            &bed,
+            &["tcp", target, "--count", "1", "--timeout-ms", "300"],
+        );
+        out[0].errno() == Some("ECONNREFUSED")
+    };
+    assert!(
+        eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].reply()
+            == Some("pod-1")),
+        "web never served; log:
+{}",
+        daemon.log()
+    );
+    assert!(refused("198.19.0.99:80"), "the flag's range is refused");
+    assert!(!refused("198.19.1.99:80"), "not in any range yet");
+
+    api.create(
+        "servicecidrs",
+        json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "ServiceCIDR",
+            "metadata": {"name": "extra"},
+            "spec": {"cidrs": ["198.19.1.0/24", "2001:db8:ff01::/112"]}
+        }),
+    );
+    assert!(
+        eventually(10, || refused("198.19.1.99:80")),
+        "the ServiceCIDR's range is refused; log:
+{}",
+        daemon.log()
+    );
+    assert!(refused("[2001:db8:ff01::99]:80"), "and its IPv6 range");
+    assert!(
+        daemon.log().contains("service ranges changed"),
+        "{}",
+        daemon.log()
+    );
+
+    api.delete("servicecidrs", None, "extra");
+    assert!(
+        eventually(10, || !refused("198.19.1.99:80")),
+        "a deleted ServiceCIDR's range is left alone; log:
+{}",
+        daemon.log()
+    );
+    assert!(refused("198.19.0.99:80"), "the flag's range stays");
 }
 
 /// `--detect-local-mode NodeCIDR` in the iptables mode: the Node's `spec.podCIDRs` are what

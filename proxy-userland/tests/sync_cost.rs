@@ -93,6 +93,7 @@ async fn an_endpoint_change_costs_the_same_with_the_kernel_filled_maps_full() {
     let cfg = EngineConfig {
         periods: SyncPeriods::default(),
         node: node(),
+        service_ranges: Vec::new(),
     };
     let (engine, mut out) = Engine::spawn(Proxier::Bpf(Box::new(dp)), cfg, input).unwrap();
     // svc-0 without affinity, svc-1 with.

@@ -4,12 +4,14 @@
 //!
 //! What it serves:
 //! - core v1 `services`, `endpoints` (namespaced), `nodes`, `namespaces` (cluster-scoped), and
-//!   discovery.k8s.io/v1 `endpointslices`, at the usual paths
+//!   discovery.k8s.io/v1 `endpointslices`, networking.k8s.io/v1 `servicecidrs`
+//!   (cluster-scoped), at the usual paths
 //!   (`/api/v1/services`, `/api/v1/namespaces/{ns}/services[/{name}]`, `/api/v1/nodes[/{name}]`,
-//!   `/apis/discovery.k8s.io/v1[/namespaces/{ns}]/endpointslices[/{name}]`);
+//!   `/apis/discovery.k8s.io/v1[/namespaces/{ns}]/endpointslices[/{name}]`,
+//!   `/apis/networking.k8s.io/v1/servicecidrs[/{name}]`);
 //! - GET (get, list, watch), POST (create), PUT (replace), DELETE, and PATCH with
 //!   `application/merge-patch+json` (other patch types answer 415);
-//! - `/api`, `/api/v1`, `/apis`, `/apis/discovery.k8s.io[/v1]`, `/version`, `/healthz`,
+//! - `/api`, `/api/v1`, `/apis`, `/apis/{group}[/v1]`, `/version`, `/healthz`,
 //!   `/livez`, `/readyz`.
 //!
 //! Semantics follow the API conventions: one global resourceVersion bumped by every change;

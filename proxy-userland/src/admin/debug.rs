@@ -78,6 +78,7 @@ impl ModelDump {
                 .iter()
                 .map(|e| (e.service.clone(), Arc::new(e.endpoints.clone())))
                 .collect(),
+            ..ProxyState::default()
         }
     }
 }

@@ -297,7 +297,8 @@ impl Metrics {
              devices with the pod path), by what became of them: \
              new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat, \
              icmp_translated (ICMP 'too big' errors about a flow, translated back), icmp_dropped; xdp \
-             counts those XDP translated itself",
+             counts those XDP translated itself; refused_service_range counts socket calls \
+             refused at connect/sendmsg (an address in a service range that no Service serves)",
             m.packets.clone(),
         );
         registry.register(
@@ -359,6 +360,7 @@ impl Metrics {
             ("xdp", s.xdp),
             ("icmp_translated", s.icmp_translated),
             ("icmp_dropped", s.icmp_dropped),
+            ("refused_service_range", s.refused_service_range),
         ];
         for (result, n) in all {
             Self::catch_up(&self.packets.get_or_create(&ResultLabel { result }), n);

@@ -4,9 +4,7 @@
 //! what was wrong and the caller (clap for flags, [`super::Args::merge_file`] for the file)
 //! puts the flag or field name in front of it. None of them panics, whatever the input.
 
-use std::{fmt, net::IpAddr, str::FromStr, time::Duration};
-
-use crate::model::convert::parse_cidr;
+use std::{fmt, str::FromStr, time::Duration};
 
 /// The longest duration any setting takes. Longer ones are typos (`30000s` for `30s`) or
 /// attacks; refusing them keeps every later `Instant + d` and `d * 2` from overflowing.
@@ -202,28 +200,7 @@ pub fn path(s: &str) -> Result<std::path::PathBuf, String> {
     Ok(s.into())
 }
 
-/// An address range: `ADDRESS/PREFIX`, host bits cleared.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub prefix: u8,
-}
-
-impl FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        parse_cidr(s)
-            .map(|(addr, prefix)| Cidr { addr, prefix })
-            .map_err(|why| format!("{s:?} is not a CIDR ({why})"))
-    }
-}
-
-impl fmt::Display for Cidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix)
-    }
-}
+pub use crate::model::Cidr;
 
 /// One `--nodeport-addresses` item: a CIDR, or `primary` (the node's primary addresses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -148,9 +148,8 @@ impl Dataplane for Proxier {
 
     fn packet_stats(&self) -> Option<PacketStats> {
         match self {
-            Proxier::Bpf(d) if d.node_devices().is_some() || d.pod_devices().is_some() => {
-                Some(d.programmer().maps().packet_stats())
-            }
+            // Every eBPF dataplane: the socket hooks count refusals too.
+            Proxier::Bpf(d) => Some(d.programmer().maps().packet_stats()),
             _ => None,
         }
     }

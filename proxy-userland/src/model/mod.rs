@@ -10,6 +10,7 @@ pub mod endpoint;
 pub mod intern;
 pub mod select;
 pub mod service;
+pub mod service_cidr;
 pub mod slices;
 pub mod sloppy_ip;
 pub mod tracker;
@@ -20,6 +21,7 @@ use std::sync::Arc;
 pub use endpoint::{Endpoint, EndpointSet, SliceInfo, SlicePort};
 use imbl::OrdMap;
 pub use service::{Protocol, Service, ServiceKey, ServicePort};
+pub use service_cidr::{Cidr, ServiceRanges};
 pub use slices::Slices;
 
 /// What this node must program: every service that is ours, and the endpoints of each.
@@ -33,6 +35,8 @@ pub use slices::Slices;
 pub struct ProxyState {
     pub services: OrdMap<ServiceKey, Arc<Service>>,
     pub endpoints: OrdMap<ServiceKey, Arc<EndpointSet>>,
+    /// Where ClusterIPs come from: an address inside them that no service serves is refused.
+    pub service_ranges: ServiceRanges,
 }
 
 /// Facts about the node the proxy runs on, used to pick endpoints (topology, Local

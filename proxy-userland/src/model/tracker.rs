@@ -20,7 +20,7 @@ use std::{
 
 use tracing::warn;
 
-use super::{EndpointSet, ProxyState, Service, ServiceKey, SliceInfo};
+use super::{EndpointSet, ProxyState, Service, ServiceKey, ServiceRanges, SliceInfo};
 
 /// A snapshot to program and the services that differ from the previous snapshot.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -84,6 +84,16 @@ impl ChangeTracker {
     /// How many endpoint set changes (of known services) were recorded in total.
     pub fn endpoints_changed_total(&self) -> u64 {
         self.endpoints_changed_total
+    }
+
+    /// Sets the service ranges; whether they changed. A change concerns no one service:
+    /// the caller asks for a full sync.
+    pub fn set_service_ranges(&mut self, ranges: ServiceRanges) -> bool {
+        if self.state.service_ranges == ranges {
+            return false;
+        }
+        self.state.service_ranges = ranges;
+        true
     }
 
     /// Sets or removes (`None`) one service. `None` is also what a source passes for a
@@ -257,6 +267,7 @@ impl ChangeTracker {
         self.state = ProxyState {
             services: new_services.into_iter().collect(),
             endpoints: new_endpoints.into_iter().collect(),
+            service_ranges: self.state.service_ranges.clone(),
         };
         for key in changed {
             self.record(key);

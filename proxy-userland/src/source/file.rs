@@ -3,9 +3,9 @@
 //!
 //! The path is one file or a folder of `*.yaml`, `*.yml` and `*.json` files (not recursive;
 //! dot files, such as editor swap files, are left out). Files hold what `kubectl apply -f`
-//! takes: multi-document YAML, JSON, and `List` objects with `items`. Only v1 Service and
-//! discovery.k8s.io/v1 EndpointSlice are read; other kinds are ignored, so a folder of
-//! ordinary application manifests works as is.
+//! takes: multi-document YAML, JSON, and `List` objects with `items`. Only v1 Service,
+//! discovery.k8s.io/v1 EndpointSlice and networking.k8s.io/v1 ServiceCIDR are read; other
+//! kinds are ignored, so a folder of ordinary application manifests works as is.
 //!
 //! Every Service and EndpointSlice is checked as the API server would check it
 //! ([`crate::model::validate`]): a manifest cannot do what a cluster would refuse, such as a
@@ -24,14 +24,16 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{core::v1::Service as K8sService, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{
+    core::v1::Service as K8sService, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR,
+};
 use serde_json::Value;
 use tracing::debug;
 
 use crate::model::{
-    Service, ServiceKey, SliceInfo,
+    Cidr, Service, ServiceKey, SliceInfo,
     convert::{self, ConvertError},
-    validate,
+    service_cidr, validate,
 };
 
 mod reuse;
@@ -51,6 +53,8 @@ pub type Slice = (ServiceKey, String, SliceInfo);
 pub struct Loaded {
     pub services: Vec<Arc<Service>>,
     pub slices: Vec<Arc<Slice>>,
+    /// ServiceCIDR objects: (name, ranges). Few, and converted on every read.
+    pub service_cidrs: Vec<(String, Vec<Cidr>)>,
     /// Problems found, each naming where; the objects listed above loaded regardless.
     pub errors: Vec<LoadError>,
     /// Services and EndpointSlices that are well formed but not proxied (headless,
@@ -490,6 +494,15 @@ impl Loaded {
                 match convert::endpoint_slice(&slice) {
                     Ok(Some(slice)) => self.slices.push(Arc::new(slice)),
                     Ok(None) => self.skipped += 1,
+                    Err(source) => self.errors.push(LoadError::Convert { at, source }),
+                }
+            }
+            ("networking.k8s.io/v1", "ServiceCIDR") => {
+                let Some(obj) = self.decode::<ServiceCIDR>(&at, "ServiceCIDR", &value) else {
+                    return;
+                };
+                match service_cidr::service_cidr(&obj) {
+                    Ok(c) => self.service_cidrs.push(c),
                     Err(source) => self.errors.push(LoadError::Convert { at, source }),
                 }
             }

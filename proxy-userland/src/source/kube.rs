@@ -1,5 +1,6 @@
 //! The Kubernetes source: kube-rs watchers on v1 Services, discovery.k8s.io/v1
-//! EndpointSlices and this node's Node, turned into [`SourceEvent`]s.
+//! EndpointSlices, networking.k8s.io/v1 ServiceCIDRs (where the API server has them) and
+//! this node's Node, turned into [`SourceEvent`]s.
 //!
 //! The watchers list, then watch from the list's resourceVersion, re-watch after a dropped
 //! connection and relist at once after 410 Gone; other errors wait as [`super::backoff`]
@@ -16,7 +17,7 @@
 use std::{future::Future, path::PathBuf, sync::Arc};
 
 use futures::StreamExt;
-use k8s_openapi::api::{core::v1, discovery::v1::EndpointSlice};
+use k8s_openapi::api::{core::v1, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
 use kube::{
     Api, Client, Config, Resource, ResourceExt,
     config::{KubeConfigOptions, Kubeconfig},
@@ -29,7 +30,7 @@ use super::{SourceEvent, backoff::with_backoff};
 use crate::{
     admin::AdminState,
     events::{self, EventRecorder},
-    model::{NodeInfo, ServiceKey, convert},
+    model::{NodeInfo, ServiceKey, convert, service_cidr},
 };
 
 /// The label kube-proxy uses to let another proxy own a service.
@@ -164,8 +165,12 @@ pub async fn run(
     ));
     let slices = with_backoff(watcher(Api::<EndpointSlice>::all(client.clone()), config));
     let nodes = with_backoff(watcher(
-        Api::<v1::Node>::all(client),
+        Api::<v1::Node>::all(client.clone()),
         watcher::Config::default().fields(&format!("metadata.name={node_name}")),
+    ));
+    let service_cidrs = with_backoff(watcher(
+        Api::<ServiceCIDR>::all(client),
+        watcher::Config::default(),
     ));
     let mut pump = Pump {
         tx,
@@ -180,14 +185,19 @@ pub async fn run(
         services_listed: false,
         slices_listed: false,
         synced_sent: false,
+        service_cidr_buf: None,
+        service_cidrs_served: true,
     };
-    tokio::pin!(services, slices, nodes, shutdown);
+    tokio::pin!(services, slices, nodes, service_cidrs, shutdown);
     loop {
         let more = tokio::select! {
             _ = &mut shutdown => return,
             Some(ev) = services.next() => pump.service(ev).await,
             Some(ev) = slices.next() => pump.slice(ev).await,
             Some(ev) = nodes.next() => pump.node(ev).await,
+            Some(ev) = service_cidrs.next(), if pump.service_cidrs_served => {
+                pump.service_cidr(ev).await
+            }
             else => return,
         };
         if !more {
@@ -211,6 +221,10 @@ struct Pump {
     services_listed: bool,
     slices_listed: bool,
     synced_sent: bool,
+    service_cidr_buf: Option<Vec<(String, Vec<crate::model::Cidr>)>>,
+    /// False once the API server said it has no ServiceCIDR resource (before 1.33, or the
+    /// API off): the configured ranges are all there is, and the watch stops.
+    service_cidrs_served: bool,
 }
 
 fn object_key<K: ResourceExt>(obj: &K) -> ServiceKey {
@@ -398,6 +412,64 @@ impl Pump {
                 true
             }
         }
+    }
+
+    /// A ServiceCIDR that cannot be used; `None` after logging it and an Event.
+    fn convert_service_cidr(&self, obj: &ServiceCIDR) -> Option<(String, Vec<crate::model::Cidr>)> {
+        match service_cidr::service_cidr(obj) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                error!("{e}; its ranges are not refused until it is fixed");
+                let note = format!("{e}; fastpath ignores its ranges until it is fixed");
+                self.events
+                    .warn(obj.object_ref(&()), events::REASON_INVALID, "Convert", note);
+                None
+            }
+        }
+    }
+
+    async fn service_cidr(
+        &mut self,
+        ev: Result<watcher::Event<ServiceCIDR>, watcher::Error>,
+    ) -> bool {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(watcher::Error::InitialListFailed(kube::Error::Api(s))) if s.code == 404 => {
+                info!(
+                    "the API server has no ServiceCIDR objects; the service ranges are --service-cluster-ip-range alone"
+                );
+                self.service_cidrs_served = false;
+                return true;
+            }
+            Err(e) => {
+                warn!("watching ServiceCIDRs: {e}; retrying with backoff");
+                return true;
+            }
+        };
+        match ev {
+            watcher::Event::Init => self.service_cidr_buf = Some(Vec::new()),
+            watcher::Event::InitApply(obj) => {
+                if let Some(c) = self.convert_service_cidr(&obj) {
+                    self.service_cidr_buf.get_or_insert_with(Vec::new).push(c);
+                }
+            }
+            watcher::Event::InitDone => {
+                let list = self.service_cidr_buf.take().unwrap_or_default();
+                return self.send(SourceEvent::ReplaceServiceCidrs(list)).await;
+            }
+            watcher::Event::Apply(obj) => {
+                let name = obj.name_any();
+                let cidrs = self.convert_service_cidr(&obj).map(|(_, c)| c);
+                return self.send(SourceEvent::ServiceCidr { name, cidrs }).await;
+            }
+            watcher::Event::Delete(obj) => {
+                let name = obj.name_any();
+                return self
+                    .send(SourceEvent::ServiceCidr { name, cidrs: None })
+                    .await;
+            }
+        }
+        true
     }
 
     fn set_eligible(&self, eligible: bool) {

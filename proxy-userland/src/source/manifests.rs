@@ -162,7 +162,7 @@ pub async fn run(
                 report(&p, &read);
                 let events = std::mem::take(&mut read.events);
                 let events: Vec<SourceEvent> = match full {
-                    true => Manifests::first_list(events).into(),
+                    true => Manifests::first_list(events),
                     false => events,
                 };
                 sent = Some(

@@ -537,3 +537,72 @@ fn the_poll_scans_at_most_two_percent_of_the_time_while_inotify_watches() {
     // Without inotify the poll is all there is: every tick.
     assert!(poll_due(ms(500), ms(50), false));
 }
+
+/// ServiceCIDR manifests: every file's, sent as one list when any changed (a bad one is
+/// reported, naming its field), and nothing when none did; the first list carries them
+/// before Synced.
+#[test]
+fn service_cidrs_are_sent_as_one_list_when_they_change() {
+    let cidr = |name: &str, cidrs: &str| {
+        format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\n\
+             spec: {{cidrs: [{cidrs}]}}\n"
+        )
+    };
+    let ranges = |events: &[SourceEvent]| -> Vec<Vec<String>> {
+        (events.iter())
+            .filter_map(|ev| match ev {
+                SourceEvent::ReplaceServiceCidrs(list) => Some(
+                    (list.iter().flat_map(|(_, c)| c))
+                        .map(ToString::to_string)
+                        .collect(),
+                ),
+                _ => None,
+            })
+            .collect()
+    };
+    let dir = TempDir::new();
+    dir.write(
+        "a.yaml",
+        &[
+            svc("web", "198.19.96.1"),
+            cidr("kubernetes", "198.19.0.0/16"),
+        ]
+        .join("---\n"),
+    );
+    dir.write("b.yaml", &cidr("extra", "198.18.128.0/24, 2001:db8::/112"));
+    let mut state = Manifests::default();
+    let first = state.refresh(&fingerprint(&dir.0), &[]);
+    let list = Manifests::first_list(first.events);
+    assert_eq!(
+        ranges(&list),
+        [["198.19.0.0/16", "198.18.128.0/24", "2001:db8::/112"]]
+    );
+    assert!(matches!(list.last(), Some(SourceEvent::Synced)));
+
+    // A service changes, the ranges do not: no list of them.
+    let tmp = dir.write(
+        "a.tmp",
+        &[
+            svc("web", "198.19.96.2"),
+            cidr("kubernetes", "198.19.0.0/16"),
+        ]
+        .join("---\n"),
+    );
+    fs::rename(tmp, dir.0.join("a.yaml")).unwrap();
+    let read = state.refresh(&fingerprint(&dir.0), &[]);
+    assert!(ranges(&read.events).is_empty(), "{:?}", read.events);
+
+    // One goes bad: reported, and its ranges leave.
+    let tmp = dir.write("b.tmp", &cidr("extra", "198.18.128.0/33"));
+    fs::rename(tmp, dir.0.join("b.yaml")).unwrap();
+    let read = state.refresh(&fingerprint(&dir.0), &[]);
+    assert_eq!(ranges(&read.events), [["198.19.0.0/16"]]);
+    let e = read
+        .errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(e.contains("ServiceCIDR extra: spec.cidrs[0]"), "{e}");
+}

@@ -13,7 +13,7 @@ mod inotify;
 pub mod kube;
 pub mod manifests;
 
-use crate::model::{NodeInfo, Service, ServiceKey, SliceInfo};
+use crate::model::{Cidr, NodeInfo, Service, ServiceKey, SliceInfo};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum SourceEvent {
@@ -41,6 +41,13 @@ pub enum SourceEvent {
     },
     /// What we learnt about this node (its zone).
     Node(NodeInfo),
+    /// Every ServiceCIDR object at once (a list or relist), as (name, its ranges).
+    ReplaceServiceCidrs(Vec<(String, Vec<Cidr>)>),
+    /// One ServiceCIDR object added or changed (`Some`), or removed (`None`).
+    ServiceCidr {
+        name: String,
+        cidrs: Option<Vec<Cidr>>,
+    },
     /// The initial lists are complete: programming may start.
     Synced,
 }

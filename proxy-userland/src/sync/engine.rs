@@ -30,7 +30,10 @@ use crate::{
         Dataplane, Scope,
         bpf::maps::{CensusThread, LruCounts, Occupancy},
     },
-    model::{NodeInfo, ProxyState, ServiceKey, tracker::ChangeTracker},
+    model::{
+        Cidr, NodeInfo, ProxyState, ServiceKey, service_cidr::ServiceRangeSources,
+        tracker::ChangeTracker,
+    },
     source::SourceEvent,
 };
 
@@ -43,6 +46,8 @@ pub struct EngineConfig {
     pub periods: SyncPeriods,
     /// The node as known at start; [`SourceEvent::Node`] updates it.
     pub node: NodeInfo,
+    /// `--service-cluster-ip-range`; ServiceCIDR objects add theirs.
+    pub service_ranges: Vec<Cidr>,
 }
 
 /// What the engine tells the async side.
@@ -188,6 +193,7 @@ struct Loop {
     /// kernel-filled maps as the census last counted them.
     occupancy: Arc<Mutex<Occupancy>>,
     local_policy: LocalPolicy,
+    service_ranges: ServiceRangeSources,
 }
 
 impl Loop {
@@ -196,8 +202,11 @@ impl Loop {
         out: mpsc::UnboundedSender<EngineEvent>,
         occupancy: Arc<Mutex<Occupancy>>,
     ) -> Self {
+        let service_ranges = ServiceRangeSources::new(cfg.service_ranges);
+        let mut tracker = ChangeTracker::new();
+        tracker.set_service_ranges(service_ranges.union());
         Loop {
-            tracker: ChangeTracker::new(),
+            tracker,
             runner: BoundedFrequency::new(cfg.periods, Instant::now()),
             node: cfg.node,
             out,
@@ -208,6 +217,7 @@ impl Loop {
             pending_since: None,
             occupancy,
             local_policy: LocalPolicy::default(),
+            service_ranges,
         }
     }
 
@@ -270,6 +280,14 @@ impl Loop {
                     self.full_pending = true;
                 }
             }
+            SourceEvent::ReplaceServiceCidrs(objects) => {
+                self.service_ranges.replace(objects);
+                self.ranges_changed();
+            }
+            SourceEvent::ServiceCidr { name, cidrs } => {
+                self.service_ranges.apply(name, cidrs);
+                self.ranges_changed();
+            }
             SourceEvent::ReplaceAll { services, slices } => t.replace_all(services, slices),
             SourceEvent::ReplaceServices(services) => t.replace_services(services),
             SourceEvent::ReplaceSlices(slices) => t.replace_slices(slices),
@@ -286,6 +304,16 @@ impl Loop {
                 name,
                 ..
             } => t.forget_slice(&namespace, &name),
+        }
+    }
+
+    /// The ranges concern no one service: a change is programmed by a full sync.
+    fn ranges_changed(&mut self) {
+        let ranges = self.service_ranges.union();
+        if self.tracker.set_service_ranges(ranges.clone()) {
+            let ranges: Vec<String> = ranges.cidrs().iter().map(ToString::to_string).collect();
+            info!(?ranges, "service ranges changed; resyncing everything");
+            self.full_pending = true;
         }
     }
 

@@ -90,6 +90,15 @@ pub(super) const RESOURCES: &[ResourceDef] = &[
         namespaced: true,
         fields: &["addressType"],
     },
+    ResourceDef {
+        plural: "servicecidrs",
+        singular: "servicecidr",
+        kind: "ServiceCIDR",
+        group: "networking.k8s.io",
+        version: "v1",
+        namespaced: false,
+        fields: &[],
+    },
 ];
 
 /// The index in [`RESOURCES`] of a resource named by plural, singular or kind (any case), or

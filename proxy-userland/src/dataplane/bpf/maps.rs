@@ -34,6 +34,7 @@ use crate::{
 
 mod batch;
 mod census;
+mod ranges;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
 
@@ -59,6 +60,9 @@ pub struct ServiceMaps {
     node_addrs6: HashMap<MapData, Addr6, u32>,
     device_addrs4: HashMap<MapData, u32, u32>,
     device_addrs6: HashMap<MapData, u32, Addr6>,
+    // The service ranges (see `ranges`).
+    service_ranges4: LpmTrie<MapData, u32, u8>,
+    service_ranges6: LpmTrie<MapData, Addr6, u8>,
     stats: PerCpuArray<MapData, u64>,
 }
 
@@ -123,6 +127,8 @@ pub struct PacketStats {
     pub icmp_translated: u64,
     /// ICMP errors translated back that could not be sent on.
     pub icmp_dropped: u64,
+    /// Socket calls refused: inside a service range, and no frontend serves the address.
+    pub refused_service_range: u64,
 }
 
 fn take<K: aya::Pod, V: aya::Pod>(
@@ -230,6 +236,8 @@ impl ServiceMaps {
             node_addrs6: take(ebpf, names::NODE_ADDRS6)?,
             device_addrs4: take(ebpf, names::DEVICE_ADDRS4)?,
             device_addrs6: take(ebpf, names::DEVICE_ADDRS6)?,
+            service_ranges4: take_trie(ebpf, names::SERVICE_RANGES4)?,
+            service_ranges6: take_trie(ebpf, names::SERVICE_RANGES6)?,
             stats: {
                 let name = names::STATS;
                 let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
@@ -487,6 +495,7 @@ impl ServiceMaps {
             xdp: get(nat::stat::XDP),
             icmp_translated: get(nat::stat::ICMP_TRANSLATED),
             icmp_dropped: get(nat::stat::ICMP_DROPPED),
+            refused_service_range: get(nat::stat::REFUSED_SERVICE_RANGE),
         }
     }
 

@@ -25,7 +25,7 @@ pub use pods::PodPathConfig;
 
 use self::{loader::Attached, maps::ServiceMaps, program::Programmer};
 use super::{Dataplane, Scope, SyncReport};
-use crate::model::{NodeInfo, ProxyState};
+use crate::model::{NodeInfo, ProxyState, ServiceRanges};
 
 /// How to load and attach the programs.
 #[derive(Clone, Debug, Default)]
@@ -45,6 +45,9 @@ pub struct BpfDataplane {
     programmer: Programmer,
     /// What the packet path was asked to cover, to re-read the node's addresses.
     packet: Option<PacketPathConfig>,
+    /// The service ranges the tries hold (`None`: not written yet, or a write failed:
+    /// pinned tries may hold a previous daemon's).
+    service_ranges: Option<ServiceRanges>,
     // Held for its links: dropping it detaches the programs and frees the maps.
     _attached: Attached,
 }
@@ -104,6 +107,7 @@ impl BpfDataplane {
         Ok(Self {
             programmer,
             packet: opts.packet.clone(),
+            service_ranges: None,
             _attached: attached,
         })
     }
@@ -159,6 +163,25 @@ impl BpfDataplane {
         }
     }
 
+    /// Before the services of the same sync: a new range's held addresses are written in
+    /// this sync too, so at worst an address is refused a moment before its service exists.
+    fn write_service_ranges(&mut self, ranges: &ServiceRanges) {
+        match self
+            .programmer
+            .maps_mut()
+            .set_service_ranges(ranges.cidrs())
+        {
+            Ok(()) => {
+                tracing::info!(ranges = ?ranges.cidrs(), "service ranges programmed");
+                self.service_ranges = Some(ranges.clone());
+            }
+            Err(e) => {
+                tracing::error!("cannot program the service ranges: {e}; retried at the next sync");
+                self.service_ranges = None;
+            }
+        }
+    }
+
     /// The watcher of the pods' devices, when per-packet translation for pods is on.
     pub fn pod_devices(&self) -> Option<&pods::PodDevices> {
         self._attached.pod_devices.as_ref()
@@ -178,6 +201,9 @@ impl Dataplane for BpfDataplane {
     fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
         if matches!(scope, Scope::Full) {
             self.refresh_addresses();
+        }
+        if self.service_ranges.as_ref() != Some(&state.service_ranges) {
+            self.write_service_ranges(&state.service_ranges);
         }
         self.programmer.sync(state, node, scope)
     }

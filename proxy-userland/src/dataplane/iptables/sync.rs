@@ -247,8 +247,13 @@ pub(super) fn sync_family(
                     .unwrap_or_default()
             }
         };
+        render.service_ranges = (state.service_ranges.cidrs().iter())
+            .filter(|c| render::Family::of(&c.addr) == family)
+            .map(|c| (c.addr, c.prefix))
+            .collect();
         if f.render.as_ref() != Some(&render) {
-            // The rules depend on the node's addresses: write them all again.
+            // The rules depend on the node's addresses and the service ranges: write them
+            // all again.
             force = true;
             f.render = Some(render);
         }

@@ -222,7 +222,7 @@ impl Dataplane for UserspaceDataplane {
                 has_endpoints: !o.desired.backends.is_empty(),
             })
             .collect();
-        let text = portals::render(&portals);
+        let text = portals::render(&portals, state.service_ranges.cidrs());
         let mut write = self.last_text.as_deref() != Some(text.as_str());
         let mut saved = None;
         if matches!(scope, Scope::Full) || self.last_text.is_none() {

@@ -3,6 +3,9 @@
 //! hosts) and KUBE-PORTALS-HOST (from OUTPUT: the node's own processes), each REDIRECTing a
 //! frontend to its relay's port.
 //!
+//! Traffic into the service ranges that no portal redirected is rejected in the same chain,
+//! last (no Service holds the address, or not on that port).
+//!
 //! A frontend without endpoints gets no portal but a REJECT in the filter table chain
 //! KUBE-PORTALS-FILTER (from INPUT, FORWARD and OUTPUT, as kube-proxy's filter
 //! KUBE-SERVICES), so a connect is refused at once instead of being accepted by a relay
@@ -17,9 +20,12 @@
 
 use std::fmt::Write as _;
 
-use crate::dataplane::{
-    frontends::Frontend,
-    iptables::{Table, apply::Jump, names::proto_lower},
+use crate::{
+    dataplane::{
+        frontends::Frontend,
+        iptables::{Table, apply::Jump, names::proto_lower},
+    },
+    model::Cidr,
 };
 
 pub const PORTALS_CONTAINER: &str = "KUBE-PORTALS-CONTAINER";
@@ -93,8 +99,9 @@ pub struct Portal {
     pub has_endpoints: bool,
 }
 
-/// `iptables-restore --noflush` input that replaces the portal chains with `portals`.
-pub fn render(portals: &[Portal]) -> String {
+/// `iptables-restore --noflush` input that replaces the portal chains with `portals`, and
+/// rejects (last) new traffic into the IPv4 `service_ranges` that no portal redirected.
+pub fn render(portals: &[Portal], service_ranges: &[Cidr]) -> String {
     let mut out = String::from("*nat\n");
     let _ = writeln!(out, ":{PORTALS_CONTAINER} - [0:0]");
     let _ = writeln!(out, ":{PORTALS_HOST} - [0:0]");
@@ -135,6 +142,14 @@ pub fn render(portals: &[Portal]) -> String {
             p.relay_port,
         );
     }
+    // Redirected traffic is addressed to this node by now: what is still addressed into a
+    // range has no service at that address and port.
+    for r in service_ranges.iter().filter(|r| r.addr.is_ipv4()) {
+        let _ = writeln!(
+            out,
+            "-A {PORTALS_FILTER} -m comment --comment \"no service at this address and port in the service range\" -d {r} -j REJECT",
+        );
+    }
     out.push_str("COMMIT\n");
     out
 }
@@ -151,12 +166,15 @@ mod tests {
     #[test]
     fn each_frontend_is_redirected_in_both_chains() {
         let fe = Frontend::socket("198.19.0.10".parse().unwrap(), 53, Protocol::Udp);
-        let text = render(&[Portal {
-            service: "demo/web".into(),
-            frontend: fe,
-            relay_port: 40001,
-            has_endpoints: true,
-        }]);
+        let text = render(
+            &[Portal {
+                service: "demo/web".into(),
+                frontend: fe,
+                relay_port: 40001,
+                has_endpoints: true,
+            }],
+            &[],
+        );
         for chain in [PORTALS_CONTAINER, PORTALS_HOST] {
             assert!(text.contains(&format!(
                 "-A {chain} -m comment --comment \"demo/web 198.19.0.10:53/UDP\" -m udp -p udp -d 198.19.0.10 --dport 53 -j REDIRECT --to-ports 40001\n"
@@ -172,21 +190,57 @@ mod tests {
         assert!(!text.contains("REJECT"), "{text}");
         assert!(text.ends_with("COMMIT\n"));
         // No portals still declares (and so empties) every chain.
-        assert_eq!(render(&[]).lines().count(), 7);
+        assert_eq!(render(&[], &[]).lines().count(), 7);
     }
 
     #[test]
     fn a_frontend_without_endpoints_is_rejected_not_redirected() {
         let fe = Frontend::socket("198.19.0.11".parse().unwrap(), 80, Protocol::Tcp);
-        let text = render(&[Portal {
-            service: "demo/empty".into(),
-            frontend: fe,
-            relay_port: 40002,
-            has_endpoints: false,
-        }]);
+        let text = render(
+            &[Portal {
+                service: "demo/empty".into(),
+                frontend: fe,
+                relay_port: 40002,
+                has_endpoints: false,
+            }],
+            &[],
+        );
         assert!(!text.contains("REDIRECT"), "{text}");
         assert!(text.contains(
             "-A KUBE-PORTALS-FILTER -m comment --comment \"demo/empty 198.19.0.11:80/TCP has no endpoints\" -m tcp -p tcp -d 198.19.0.11 --dport 80 -j REJECT\n"
         ), "{text}");
+    }
+
+    #[test]
+    fn the_service_ranges_are_rejected_last_ipv4_only() {
+        let fe = Frontend::socket("198.19.0.10".parse().unwrap(), 80, Protocol::Tcp);
+        let ranges = [
+            "198.19.0.0/16".parse().unwrap(),
+            "2001:db8::/112".parse().unwrap(),
+        ];
+        let text = render(
+            &[Portal {
+                service: "demo/web".into(),
+                frontend: fe,
+                relay_port: 40001,
+                has_endpoints: true,
+            }],
+            &ranges,
+        );
+        let filter: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("-A KUBE-PORTALS-FILTER"))
+            .collect();
+        assert_eq!(
+            filter.last(),
+            Some(
+                &"-A KUBE-PORTALS-FILTER -m comment --comment \"no service at this address and port in the service range\" -d 198.19.0.0/16 -j REJECT"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("2001:db8"),
+            "the relays are IPv4 only: {text}"
+        );
     }
 }

@@ -390,13 +390,20 @@ struct Reader<'a> {
     pieces: Pieces,
 }
 
-/// How far the lists were: services, slices, skipped, errors.
-type Mark = (usize, usize, usize, usize);
+/// How far the lists were: services, slices, skipped, errors, ServiceCIDRs.
+type Mark = (usize, usize, usize, usize, usize);
 
 impl Reader<'_> {
     fn mark(&self) -> Mark {
         let l = &self.loaded;
-        (l.services.len(), l.slices.len(), l.skipped, l.errors.len())
+        let cidrs = l.service_cidrs.len();
+        (
+            l.services.len(),
+            l.slices.len(),
+            l.skipped,
+            l.errors.len(),
+            cidrs,
+        )
     }
 
     /// Adds what the previous read made of the piece `key`; false when it holds none.
@@ -412,10 +419,11 @@ impl Reader<'_> {
         true
     }
 
-    /// Remembers what the piece `key` made since `start`, unless it had a problem.
+    /// Remembers what the piece `key` made since `start`, unless it had a problem or made
+    /// a ServiceCIDR (a handful per cluster: converted again on every read instead).
     fn record(&mut self, key: u64, start: Mark) {
         let now = self.mark();
-        if now.3 == start.3 {
+        if now.3 == start.3 && now.4 == start.4 {
             let made = Made {
                 services: start.0..now.0,
                 slices: start.1..now.1,

@@ -10,7 +10,7 @@ use std::{
 
 use super::fingerprint::{Fingerprint, Named, Stamp};
 use crate::{
-    model::{Service, ServiceKey},
+    model::{Cidr, Service, ServiceKey},
     source::{
         SourceEvent,
         file::{self, LoadError, Pieces, Previous, Slice},
@@ -23,6 +23,7 @@ pub(super) struct FileObjects {
     pub(super) stamp: Option<Stamp>,
     services: Vec<Arc<Service>>,
     slices: Vec<Arc<Slice>>,
+    service_cidrs: Vec<(String, Vec<Cidr>)>,
     skipped: usize,
     /// What each piece of its text made, so that the next read converts only what changed.
     pieces: Pieces,
@@ -39,6 +40,8 @@ pub(super) struct Manifests {
     pub(super) files: HashMap<Arc<Path>, FileObjects>,
     pub(super) services: HashMap<ServiceKey, Holders>,
     pub(super) slices: HashMap<(Arc<str>, String), Holders>,
+    /// Every file's ServiceCIDRs as last sent (none before the first).
+    service_cidrs: Vec<(String, Vec<Cidr>)>,
 }
 
 /// What one look at the path found.
@@ -137,13 +140,16 @@ impl Manifests {
                 stamp: stamp.cloned(),
                 services: loaded.services,
                 slices: loaded.slices,
+                service_cidrs: loaded.service_cidrs,
                 skipped: loaded.skipped,
                 pieces,
             };
             self.apply(name, Some(objects), &mut touched);
         }
+        let mut events = self.events(touched);
+        events.extend(self.service_cidr_event());
         Read {
-            events: self.events(touched),
+            events,
             errors,
             services: self.services.len(),
             slices: self.slices.len(),
@@ -158,6 +164,7 @@ impl Manifests {
             files,
             services,
             slices,
+            ..
         } = self;
         let old = files.remove(&file).unwrap_or_default();
         let kept = new.is_some();
@@ -226,11 +233,32 @@ impl Manifests {
         events
     }
 
-    /// Every object's copy in force, for the first full list.
-    pub(super) fn first_list(events: Vec<SourceEvent>) -> [SourceEvent; 2] {
+    /// Every file's ServiceCIDRs, when they differ from what was sent last: a few objects,
+    /// replaced as a whole. The same name in two files counts once per file; the ranges
+    /// are a union, so that changes nothing.
+    fn service_cidr_event(&mut self) -> Option<SourceEvent> {
+        let mut files: Vec<(&Arc<Path>, &FileObjects)> = self.files.iter().collect();
+        files.sort_by(|a, b| a.0.cmp(b.0));
+        let now: Vec<(String, Vec<Cidr>)> = (files.into_iter())
+            .flat_map(|(f, o)| {
+                (o.service_cidrs.iter())
+                    .map(move |(n, c)| (format!("{n}@{}", f.display()), c.clone()))
+            })
+            .collect();
+        if self.service_cidrs == now {
+            return None;
+        }
+        self.service_cidrs = now.clone();
+        Some(SourceEvent::ReplaceServiceCidrs(now))
+    }
+
+    /// Every object's copy in force, for the first full list, then the ServiceCIDRs.
+    pub(super) fn first_list(events: Vec<SourceEvent>) -> Vec<SourceEvent> {
         let (mut services, mut slices) = (Vec::new(), Vec::new());
+        let mut cidrs = None;
         for ev in events {
             match ev {
+                ev @ SourceEvent::ReplaceServiceCidrs(_) => cidrs = Some(ev),
                 SourceEvent::Service {
                     service: Some(svc), ..
                 } => services.push(svc),
@@ -244,10 +272,11 @@ impl Manifests {
                 _ => {}
             }
         }
-        [
-            SourceEvent::ReplaceAll { services, slices },
-            SourceEvent::Synced,
-        ]
+        let mut out = vec![SourceEvent::ReplaceAll { services, slices }];
+        // Before Synced, so the first sync programs the ranges too.
+        out.extend(cidrs);
+        out.push(SourceEvent::Synced);
+        out
     }
 }
 

@@ -236,6 +236,88 @@ fn test_cluster_ip_general() {
     );
 }
 
+/// The nftables proxier's TestClusterIPGeneral, whose last three cases need the service
+/// ranges (kube-proxy's ServiceCIDRs; here also --service-cluster-ip-range): a cluster IP
+/// on a port or protocol it does not serve is rejected, as upstream; an address of the
+/// range no service holds is rejected too, where upstream drops it (a deliberate
+/// difference, see docs/modes.md). Outside the range nothing changes.
+#[test]
+fn test_cluster_ip_general_with_service_ranges() {
+    let svc1 = make_test_service("ns1", "svc1", "198.19.0.41", |s| {
+        s.ports = vec![port("http", 80, Tcp, None)]
+    });
+    let svc2 = make_test_service("ns2", "svc2", "198.19.0.42", |s| {
+        s.ports = vec![port("http", 80, Tcp, None), port("dns-udp", 53, Udp, None)]
+    });
+    let eps1 = slice(
+        vec![ep("198.18.180.1", Some(TEST_NODE_NAME))],
+        &[("http", 80, Tcp)],
+    );
+    let eps2 = slice(
+        vec![ep("198.18.182.1", Some("node2"))],
+        &[("http", 80, Tcp), ("dns-udp", 53, Udp)],
+    );
+    let cfg = RenderConfig {
+        service_ranges: vec![(ip("198.19.0.0"), 16), (ip("2001:db8:5::"), 112)],
+        ..fake_config(Family::V4)
+    };
+    let st = state(vec![(svc1, Some(eps1)), (svc2, Some(eps2))]);
+    let dump = synced(&st, Family::V4, &cfg);
+    run_packet_flow_tests(
+        "TestClusterIPGeneral (nftables, service ranges)",
+        &dump,
+        TEST_NODE_IPS,
+        &[
+            flow(
+                "simple clusterIP",
+                "198.18.180.2",
+                "198.19.0.41",
+                80,
+                "198.18.180.1:80",
+                false,
+            ),
+            Flow {
+                protocol: "udp",
+                ..flow(
+                    "TCP-only port does not match UDP traffic",
+                    "198.18.180.2",
+                    "198.19.0.42",
+                    80,
+                    "REJECT",
+                    false,
+                )
+            },
+            flow(
+                "svc1 does not accept svc2's ports",
+                "198.18.180.2",
+                "198.19.0.41",
+                53,
+                "REJECT",
+                false,
+            ),
+            flow(
+                "packet to unallocated cluster ip",
+                "198.18.180.2",
+                "198.19.0.50",
+                80,
+                "REJECT",
+                false,
+            ),
+            flow(
+                "packet outside the service range",
+                "198.18.180.2",
+                "198.18.9.9",
+                80,
+                "",
+                false,
+            ),
+        ],
+    );
+    // Each family writes its own ranges only.
+    let text = sync_text(&st, Family::V4, &cfg);
+    assert!(!text.contains("2001:db8:5::"), "{text}");
+}
+
 #[test]
 fn test_load_balancer() {
     let svc = make_test_service("ns1", "svc1", "198.19.0.41", |s| {

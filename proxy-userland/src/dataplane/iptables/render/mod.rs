@@ -12,7 +12,8 @@
 //!        KUBE-SVC-x  -> affinity (-m recent) then -m statistic 1/n, 1/(n-1), ... -> KUBE-SEP-y
 //!        KUBE-SEP-y  -> hairpin masquerade, DNAT to the endpoint
 //!        POSTROUTING -> KUBE-POSTROUTING: MASQUERADE what KUBE-MARK-MASQ marked
-//! filter OUTPUT/FORWARD -> KUBE-SERVICES: REJECT cluster IPs without endpoints
+//! filter OUTPUT/FORWARD -> KUBE-SERVICES: REJECT cluster IPs without endpoints, and
+//!                          (last) anything else into the service ranges
 //!        INPUT/FORWARD  -> KUBE-EXTERNAL-SERVICES: REJECT/DROP node ports and external IPs
 //!                          without (local) endpoints
 //!        FORWARD -> KUBE-FORWARD: accept marked and established traffic
@@ -135,6 +136,9 @@ pub struct RenderConfig {
     /// Found on the node, not configured: its addresses of the family being rendered, for
     /// `nodeport_addresses` and for letting the node through loadBalancerSourceRanges.
     pub node_ips: Vec<IpAddr>,
+    /// From the model: the service ranges (`--service-cluster-ip-range`, ServiceCIDRs); new
+    /// traffic into them that the nat table did not translate is rejected.
+    pub service_ranges: Vec<(IpAddr, u8)>,
 }
 
 impl Default for RenderConfig {
@@ -147,6 +151,7 @@ impl Default for RenderConfig {
             conntrack_tcp_liberal: false,
             random_fully: false,
             node_ips: Vec::new(),
+            service_ranges: Vec::new(),
         }
     }
 }
@@ -511,6 +516,34 @@ fn tail(family: Family, cfg: &RenderConfig) -> Vec<String> {
     ips.dedup();
     ips.into_iter()
         .map(|ip| rule().arg(format!("-d {ip}")).jump(KUBE_NODEPORTS))
+        .collect()
+}
+
+/// The last rules of filter KUBE-SERVICES: new traffic (from the node, or forwarded)
+/// still addressed into a service range here was not translated by the nat table: no
+/// Service holds the address, or not on that port. Rejected, so the client learns at once
+/// instead of the packet leaving by the default route. After the services' own filter
+/// rules, so a Local policy's DROP stays a drop. kube-proxy's nftables mode rejects the
+/// second case and drops the first (see docs/modes.md).
+///
+/// TCP is answered with a reset: a connecting socket takes an ICMPv6 error only at its
+/// first SYN retransmit (1 s later, measured), a reset at once, in both families.
+fn filter_tail(family: Family, cfg: &RenderConfig) -> Vec<String> {
+    let rule = |net, len| {
+        Rule::new(KUBE_SERVICES)
+            .comment("no service at this address and port in the service range")
+            .arg(format!("-d {}", cidr(net, len)))
+    };
+    (cfg.service_ranges.iter())
+        .filter(|(net, _)| Family::of(net) == family)
+        .flat_map(|&(net, len)| {
+            [
+                rule(net, len)
+                    .arg("-p tcp")
+                    .jump("REJECT --reject-with tcp-reset"),
+                rule(net, len).jump("REJECT"),
+            ]
+        })
         .collect()
 }
 

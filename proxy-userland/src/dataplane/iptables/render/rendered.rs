@@ -8,7 +8,7 @@ use std::{
 
 use super::{
     FILTER_CHAINS, Family, LARGE_CLUSTER_ENDPOINTS, LIST_FIRST, NAT_CHAINS, RenderConfig, Ruleset,
-    ServiceRules, Table, endpoint_count, head, render_service, rule_chain, tail,
+    ServiceRules, Table, endpoint_count, filter_tail, head, render_service, rule_chain, tail,
 };
 use crate::model::{NodeInfo, ProxyState, ServiceKey};
 
@@ -20,6 +20,8 @@ use crate::model::{NodeInfo, ProxyState, ServiceKey};
 pub struct Rendered {
     head: Ruleset,
     tail: Vec<String>,
+    /// The last rules of filter KUBE-SERVICES (the service ranges').
+    filter_tail: Vec<String>,
     services: BTreeMap<ServiceKey, Arc<ServiceRules>>,
     /// Each service's endpoints of the family ([`endpoint_count`]), and their sum: over
     /// [`LARGE_CLUSTER_ENDPOINTS`] the services rendered go without endpoint comments.
@@ -59,6 +61,7 @@ impl Rendered {
         Rendered {
             head: head(cfg),
             tail: tail(family, cfg),
+            filter_tail: filter_tail(family, cfg),
             services,
             endpoints,
             endpoints_total,
@@ -140,7 +143,8 @@ impl Rendered {
                 self.head
                     .filter_rules
                     .iter()
-                    .chain(self.services.values().flat_map(|s| &s.rules.filter_rules)),
+                    .chain(self.services.values().flat_map(|s| &s.rules.filter_rules))
+                    .chain(&self.filter_tail),
             ),
             Table::Nat => Box::new(
                 self.head
