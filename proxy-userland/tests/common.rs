@@ -652,6 +652,100 @@ pub fn shipped_config(dir: &Path) -> PathBuf {
     out
 }
 
+/// `resources.limits.memory` of the DaemonSet's daemon container, in bytes, as
+/// deploy/daemonset.yaml says (a Kubernetes quantity: `512Mi`, `1G`, `536870912`).
+pub fn daemonset_memory_limit() -> u64 {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/daemonset.yaml");
+    let ds: serde_json::Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let limit = &ds["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"];
+    let text = match limit {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Number(n) => n.to_string(),
+        other => panic!("the daemon container has no memory limit: {other}"),
+    };
+    quantity_bytes(&text).unwrap_or_else(|| panic!("not a memory quantity: {text:?}"))
+}
+
+/// A Kubernetes memory quantity in bytes (the binary and decimal suffixes; no fractions).
+fn quantity_bytes(text: &str) -> Option<u64> {
+    let digits = text.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let unit: u64 = match &text[digits.len()..] {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        _ => return None,
+    };
+    digits.parse::<u64>().ok()?.checked_mul(unit)
+}
+
+/// A daemon started as deploy/ runs it, and the private bpffs its pins live on (fields drop
+/// in order: the daemon goes before its bpffs is unmounted).
+pub struct Shipped {
+    pub daemon: Daemon,
+    pub pins: Bpffs,
+}
+
+/// The daemon as deploy/ runs it, inside the bed's node namespace (hostNetwork): the
+/// ConfigMap's config file, the DaemonSet's capabilities (setpriv) and its
+/// `--skip-node-setup`, maps pinned on a private bpffs; given only what a test must
+/// override: cgroup, node name, pin dir, admin servers on the namespace's loopback
+/// (ports the kernel picks). `extra` follows: the source (`--manifests=...`,
+/// `--kubeconfig=...`) and anything a test sets deliberately (later flags win).
+pub fn start_as_shipped(bed: &Testbed, extra: &[&str]) -> Shipped {
+    start_as_shipped_wrapped(&[], bed, extra)
+}
+
+/// As [`start_as_shipped`], run through `outer` first when it is not empty (e.g. a shell
+/// that joins a cgroup and execs the rest).
+pub fn start_as_shipped_wrapped(outer: &[&str], bed: &Testbed, extra: &[&str]) -> Shipped {
+    let config = shipped_config(bed.dir());
+    // The DaemonSet pins under /sys/fs/bpf; a private bpffs goes with the test.
+    let pins = Bpffs::mount(bed.dir());
+    let mut wrapper: Vec<String> = outer.iter().map(|s| s.to_string()).collect();
+    wrapper.extend([
+        "nsenter".to_string(),
+        format!("--net=/run/netns/{}", bed.node_netns()),
+        "--".into(),
+    ]);
+    wrapper.extend(daemonset_setpriv());
+    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
+    let mut args = vec![
+        format!("--config={}", config.display()),
+        "--hostname-override=node-a".into(),
+        format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
+        "--skip-node-setup".into(),
+        format!("--cgroup-path={}", bed.cgroup_path().display()),
+        "--healthz-bind-address=127.0.0.1:0".into(),
+        "--metrics-bind-address=127.0.0.1:0".into(),
+        "--healthcheck-bind-address=127.0.0.1".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let daemon = Daemon::start_as_deployed(&wrapper, &args);
+    Shipped { daemon, pins }
+}
+
+/// The answer to `GET path` on 127.0.0.1:`port` in network namespace `netns`, where a
+/// daemon run as shipped listens (bash's /dev/tcp: no HTTP client in the image), or "".
+pub fn http_get(netns: &str, port: u16, path: &str) -> String {
+    let script = format!(
+        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 5 cat <&3"
+    );
+    Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{netns}"))
+        .args(["--", "bash", "-c", &script])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
 /// The daemon in `mode` for the bed's node namespace (`--netns`), serving the manifest file
 /// `manifests`, without admin servers, plus `extra` flags.
 pub fn start_in_node(bed: &Testbed, mode: &str, manifests: &Path, extra: &[&str]) -> Daemon {

@@ -86,33 +86,20 @@ fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
         .replace("name: web-abc", "name: web2-abc")
         .replace("service-name: web}", "service-name: web2}");
     std::fs::write(dir.0.join("services.yaml"), format!("{web}---\n{web2}")).unwrap();
-    let config = shipped_config(bed.dir());
-    let pins = Bpffs::mount(bed.dir());
     let metrics_port = free_port();
-    let net = format!("--net=/run/netns/{}", bed.node_netns());
-    let mut wrapper = vec!["nsenter".to_string(), net, "--".into()];
-    wrapper.extend(daemonset_setpriv());
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let daemon = Daemon::start_as_deployed(
-        &wrapper,
+    let shipped = start_as_shipped(
+        &bed,
         &[
-            &format!("--config={}", config.display()),
-            "--hostname-override=node-a",
-            &format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
-            "--skip-node-setup",
-            &format!("--cgroup-path={}", bed.cgroup_path().display()),
             &format!("--manifests={}", dir.0.display()),
             "--bpf-lb-map-max=9",
-            "--healthz-bind-address=127.0.0.1:0",
             &format!("--metrics-bind-address=127.0.0.1:{metrics_port}"),
-            "--healthcheck-bind-address=127.0.0.1",
         ],
     );
 
     assert!(
         eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
         "web never answered; log:\n{}",
-        daemon.log()
+        shipped.daemon.log()
     );
     let failures = || {
         let text = http_get(bed.node_netns(), metrics_port, "/metrics");
@@ -126,7 +113,7 @@ fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
         "no failure counted; metrics:\n{}",
         http_get(bed.node_netns(), metrics_port, "/metrics")
     );
-    let log = daemon.log();
+    let log = shipped.daemon.log();
     let refused: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("cannot program service"))
@@ -147,19 +134,5 @@ fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
         tcp(&bed, WEB, 10).iter().all(|a| a.is_ok()),
         "web keeps working"
     );
-    drop(daemon);
-}
-
-/// The answer to `GET path` on 127.0.0.1:`port` in network namespace `netns`, where the
-/// daemon listens (bash's /dev/tcp: no HTTP client in the image).
-fn http_get(netns: &str, port: u16, path: &str) -> String {
-    let script = format!(
-        "exec 3<>/dev/tcp/127.0.0.1/{port} && printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 5 cat <&3"
-    );
-    std::process::Command::new("nsenter")
-        .arg(format!("--net=/run/netns/{netns}"))
-        .args(["--", "bash", "-c", &script])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default()
+    drop(shipped);
 }

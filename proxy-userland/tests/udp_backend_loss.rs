@@ -240,27 +240,8 @@ fn with_prefix(bed: &xtask::testbed::Testbed, manifests: &std::path::Path) -> St
 
 /// The daemon as deploy/ runs it, inside the bed's node namespace (see the test above).
 fn as_shipped(bed: &xtask::testbed::Testbed, manifests: &std::path::Path) -> Started {
-    let config = shipped_config(bed.dir());
-    // The DaemonSet pins under /sys/fs/bpf; a private bpffs goes with the test.
-    let pins = Bpffs::mount(bed.dir());
-    let net = format!("--net=/run/netns/{}", bed.node_netns());
-    let mut wrapper = vec!["nsenter".to_string(), net, "--".into()];
-    wrapper.extend(daemonset_setpriv());
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let daemon = Daemon::start_as_deployed(
-        &wrapper,
-        &[
-            &format!("--config={}", config.display()),
-            "--hostname-override=node-a",
-            &format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
-            "--skip-node-setup",
-            &format!("--cgroup-path={}", bed.cgroup_path().display()),
-            &format!("--manifests={}", manifests.display()),
-            "--healthz-bind-address=127.0.0.1:0",
-            "--metrics-bind-address=127.0.0.1:0",
-            "--healthcheck-bind-address=127.0.0.1",
-        ],
-    );
+    let Shipped { daemon, pins } =
+        start_as_shipped(bed, &[&format!("--manifests={}", manifests.display())]);
     (Some(pins), daemon)
 }
 

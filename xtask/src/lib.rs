@@ -12,6 +12,7 @@ pub mod cmd;
 pub mod demo;
 pub mod fuzz;
 pub mod image;
+pub mod memcg;
 pub mod netns;
 pub mod probe;
 pub mod run;

@@ -11,7 +11,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{
-        HashMap, MapData, MapError, PerCpuArray,
+        HashMap, IterableMap, MapData, MapError, PerCpuArray,
         lpm_trie::{Key as LpmKey, LpmTrie},
     },
 };
@@ -64,6 +64,9 @@ pub struct ServiceMaps {
     service_ranges4: LpmTrie<MapData, u32, u8>,
     service_ranges6: LpmTrie<MapData, Addr6, u8>,
     stats: PerCpuArray<MapData, u64>,
+    /// Backends both backend maps hold at most, as the kernel sized them (--bpf-lb-map-max,
+    /// the default, or a pinned map's own size).
+    backend_capacity: u32,
 }
 
 /// An address as the maps hold it (network byte order): `u32` or `[u8; 16]`.
@@ -137,6 +140,16 @@ fn take<K: aya::Pod, V: aya::Pod>(
 ) -> Result<HashMap<MapData, K, V>, LoadError> {
     let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
     HashMap::try_from(map).map_err(|source| LoadError::Map { name, source })
+}
+
+/// The size the kernel gave map `name`.
+fn max_entries<V: aya::Pod>(
+    map: &impl IterableMap<BackendId, V>,
+    name: &'static str,
+) -> Result<u32, LoadError> {
+    (map.map().info())
+        .map(|info| info.max_entries())
+        .map_err(|source| LoadError::Map { name, source })
 }
 
 fn take_trie<K: aya::Pod>(
@@ -219,11 +232,16 @@ where
 
 impl ServiceMaps {
     pub fn take(ebpf: &mut Ebpf) -> Result<Self, LoadError> {
+        let backends4 = take(ebpf, names::BACKENDS4)?;
+        let backends6 = take(ebpf, names::BACKENDS6)?;
+        let backend_capacity = max_entries(&backends4, names::BACKENDS4)?
+            .saturating_add(max_entries(&backends6, names::BACKENDS6)?);
         Ok(Self {
+            backend_capacity,
+            backends4,
+            backends6,
             services4: take(ebpf, names::SERVICES4)?,
-            backends4: take(ebpf, names::BACKENDS4)?,
             services6: take(ebpf, names::SERVICES6)?,
-            backends6: take(ebpf, names::BACKENDS6)?,
             sock_revnat4: take(ebpf, names::SOCK_REVNAT4)?,
             sock_revnat6: take(ebpf, names::SOCK_REVNAT6)?,
             affinity: take(ebpf, names::AFFINITY)?,
@@ -503,6 +521,11 @@ impl ServiceMaps {
     /// checks only, never per sync (a full reverse-NAT map takes 200-500 ms). The daemon's
     /// metrics use [`Programmer::occupancy`](super::program::Programmer::occupancy) and
     /// [`LruCensus`].
+    /// How many backends (both families) the maps hold at most.
+    pub fn backend_capacity(&self) -> u32 {
+        self.backend_capacity
+    }
+
     pub fn occupancy(&self) -> Occupancy {
         Occupancy {
             services: self.services4.keys().count() + self.services6.keys().count(),

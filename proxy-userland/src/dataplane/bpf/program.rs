@@ -166,6 +166,9 @@ pub struct Programmer {
 impl Programmer {
     /// `cgroup`: where the programs are attached; None skips resetting UDP sockets.
     pub fn new(maps: ServiceMaps, cgroup: Option<PathBuf>) -> Self {
+        // Ids are shared by both families' backend maps: as many as both hold, so the maps
+        // (sized by --bpf-lb-map-max) are the limit and refuse what does not fit.
+        let backend_ids = IdPool::new(maps.backend_capacity());
         Self {
             cgroup,
             departed_udp: BTreeMap::new(),
@@ -175,7 +178,7 @@ impl Programmer {
             frontends: HashMap::new(),
             owners: HashMap::new(),
             backends: HashMap::new(),
-            backend_ids: IdPool::new(proxy_common::maps::BACKENDS_MAX),
+            backend_ids,
             rev_nat_ids: IdPool::new(u32::from(u16::MAX)),
         }
     }
@@ -499,8 +502,8 @@ impl Programmer {
                 }
                 None => {
                     acquired = Err(MapError::OutOfBounds {
-                        index: proxy_common::maps::BACKENDS_MAX,
-                        max_entries: proxy_common::maps::BACKENDS_MAX,
+                        index: self.backend_ids.max,
+                        max_entries: self.backend_ids.max,
                     });
                     break;
                 }
