@@ -42,18 +42,17 @@ const CONTAINER_SOFT_NOFILE: u64 = 1024;
 
 const HC_PORT: u16 = 32001;
 
-/// The shipped config's admin addresses, as reached from inside the node namespace.
-fn shipped_ports(config: &std::path::Path) -> (u16, u16) {
+/// The shipped config's health and metrics addresses.
+fn shipped_admin_addresses(config: &std::path::Path) -> (SocketAddr, SocketAddr) {
     let text = std::fs::read_to_string(config).unwrap();
-    let port = |key: &str| -> u16 {
-        let line = text
+    let addr = |key: &str| -> SocketAddr {
+        let value = text
             .lines()
             .find_map(|l| l.trim().strip_prefix(key))
             .unwrap_or_else(|| panic!("{key} in the shipped config"));
-        let addr: SocketAddr = line.trim().parse().expect("an address with a port");
-        addr.port()
+        value.trim().parse().expect("an address with a port")
     };
-    (port("healthzBindAddress:"), port("metricsBindAddress:"))
+    (addr("healthzBindAddress:"), addr("metricsBindAddress:"))
 }
 
 /// Lifts this process's soft open-file limit to `want` (the attack's connections), or
@@ -209,30 +208,22 @@ fn probes_are_answered_within_100ms_while_slow_oversized_and_idle_clients_attack
         .replace("HCPORT", &HC_PORT.to_string())
         .replace("NODE1", "node-a");
     std::fs::write(manifests.0.join("lb.yaml"), lb).unwrap();
-    let config = shipped_config(bed.dir());
-    let (health, metrics) = shipped_ports(&config);
-    let pins = Bpffs::mount(bed.dir());
-    let mut wrapper = vec![
-        "nsenter".to_string(),
-        format!("--net=/run/netns/{ns}"),
-        "--".into(),
-        "prlimit".into(),
-        format!("--nofile={CONTAINER_SOFT_NOFILE}:{}", 4 * 4096),
-        "--".into(),
-    ];
-    wrapper.extend(daemonset_setpriv());
-    let wrapper: Vec<&str> = wrapper.iter().map(String::as_str).collect();
-    let mut daemon = Daemon::start_as_deployed(
-        &wrapper,
+    let (health_addr, metrics_addr) = shipped_admin_addresses(&shipped_config(bed.dir()));
+    let (health, metrics) = (health_addr.port(), metrics_addr.port());
+    // containerd's soft limit on open files, inherited through nsenter and setpriv; the
+    // health and metrics servers where the shipped config puts them (the helper moves them
+    // to ports the kernel picks).
+    let nofile = format!("--nofile={CONTAINER_SOFT_NOFILE}:{}", 4 * 4096);
+    let shipped = start_as_shipped_wrapped(
+        &["prlimit", &nofile, "--"],
+        &bed,
         &[
-            &format!("--config={}", config.display()),
-            "--hostname-override=node-a",
-            &format!("--bpf-pin-dir={}", pins.0.join("fastpath").display()),
-            "--skip-node-setup",
-            &format!("--cgroup-path={}", bed.cgroup_path().display()),
             &format!("--manifests={}", manifests.0.display()),
+            &format!("--healthz-bind-address={health_addr}"),
+            &format!("--metrics-bind-address={metrics_addr}"),
         ],
     );
+    let mut daemon = shipped.daemon;
     let probes = [
         format!("http://127.0.0.1:{health}/healthz"),
         format!("http://127.0.0.1:{metrics}/metrics"),
