@@ -883,7 +883,7 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
     let rvm = req.param("resourceVersionMatch").filter(|s| !s.is_empty());
     let cont = req.param("continue").filter(|s| !s.is_empty());
 
-    let (at, start, limit) = if let Some(token) = cont {
+    let (at, cont, limit) = if let Some(token) = cont {
         if rvm.is_some() {
             return Err(Status::bad_request(
                 "resourceVersionMatch is forbidden when continue is provided",
@@ -894,12 +894,12 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
                 "specifying resource version is not allowed when using continue",
             ));
         }
-        let Some((at, start)) = store::decode_continue(token) else {
+        let Some(cont) = store::decode_continue(token) else {
             return Err(Status::bad_request(
                 "continue key is not valid: illegal base64 data or bad version",
             ));
         };
-        (ListAt::Exact(at), Some(start), limit)
+        (ListAt::Exact(cont.rv), Some(cont), limit)
     } else {
         match (rvm, rv) {
             (None, None) => (ListAt::Current, None, limit),
@@ -929,28 +929,16 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
     };
 
     let mut state = inner.state();
-    let (list_rv, (items, next, remaining)) = match at {
-        ListAt::Current => (
-            state.rv,
-            store::page(
-                state.stores[res].iter().map(|(k, v)| (k.as_str(), v)),
-                &filter,
-                start.as_deref(),
-                limit,
-            ),
-        ),
+    let (list_rv, page) = match at {
+        ListAt::Current => (state.rv, state.page(res, None, &filter, None, limit)?),
         ListAt::NotOlderThan(n) => {
             state = wait_for_rv(inner, state, n)?;
-            let objects = state.stores[res].iter().map(|(k, v)| (k.as_str(), v));
-            (
-                state.rv,
-                store::page(objects, &filter, start.as_deref(), limit),
-            )
+            (state.rv, state.page(res, None, &filter, None, limit)?)
         }
         ListAt::Exact(n) => {
             state = wait_for_rv(inner, state, n)?;
             if n < state.floor {
-                return Err(if start.is_some() {
+                return Err(if cont.is_some() {
                     Status::expired(
                         "The provided continue parameter is too old to display a consistent list result. \
                          You can start a new list without the continue parameter, or use the continue token \
@@ -963,18 +951,24 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
                     Status::too_old(n, state.floor)
                 });
             }
-            (n, state.page_at(res, n, &filter, start.as_deref(), limit)?)
+            (n, state.page(res, Some(n), &filter, cont.as_ref(), limit)?)
         }
     };
     drop(state);
 
     let mut metadata = json!({"resourceVersion": list_rv.to_string()});
-    if let Some(last) = next {
-        metadata["continue"] = store::encode_continue(list_rv, &last).into();
-        if !filter.has_selectors() {
+    if let Some(last) = page.next {
+        metadata["continue"] = store::encode_continue(&store::Continue {
+            rv: list_rv,
+            start: last,
+            remaining: page.remaining,
+        })
+        .into();
+        if let Some(remaining) = page.remaining.filter(|_| !filter.has_selectors()) {
             metadata["remainingItemCount"] = remaining.into();
         }
     }
+    let items = page.items;
     Ok(json!({
         "kind": format!("{}List", def.kind),
         "apiVersion": def.api_version(),
