@@ -18,6 +18,7 @@ use std::{
     sync::Arc,
 };
 
+use imbl::OrdMap;
 use tracing::warn;
 
 use super::{EndpointSet, ProxyState, Service, ServiceKey, ServiceRanges, SliceInfo};
@@ -201,7 +202,16 @@ impl ChangeTracker {
         services: Vec<Service>,
         slices: Vec<(ServiceKey, String, SliceInfo)>,
     ) {
-        let mut new_services: BTreeMap<ServiceKey, Arc<Service>> = BTreeMap::new();
+        self.replace_services(services);
+        self.replace_slices(slices);
+    }
+
+    /// Replaces every service with a full list (a relist of Services alone), keeping the
+    /// slices as they are. Each key whose decision [`record`](Self::record) makes is
+    /// decided again by the later step that touches it, so the two halves of
+    /// [`replace_all`](Self::replace_all) record what one pass over both would.
+    pub fn replace_services(&mut self, services: Vec<Service>) {
+        let mut new_services: OrdMap<ServiceKey, Arc<Service>> = OrdMap::new();
         for svc in services {
             let arc = match self.state.services.get(&svc.key) {
                 Some(current) if **current == svc => Arc::clone(current),
@@ -209,7 +219,17 @@ impl ChangeTracker {
             };
             new_services.insert(arc.key.clone(), arc);
         }
+        let changed = changed_keys(&self.state.services, &new_services);
+        self.services_changed_total += changed.len() as u64;
+        self.state.services = new_services;
+        for key in changed {
+            self.record(key);
+        }
+    }
 
+    /// Replaces every slice with a full list (a relist of EndpointSlices alone), keeping
+    /// the services as they are.
+    pub fn replace_slices(&mut self, slices: Vec<(ServiceKey, String, SliceInfo)>) {
         let mut slice_owner = BTreeMap::new();
         let mut new_sets: BTreeMap<ServiceKey, EndpointSet> = BTreeMap::new();
         for (owner, name, slice) in slices {
@@ -227,7 +247,7 @@ impl ChangeTracker {
                 .slices
                 .insert(name, slice);
         }
-        let new_endpoints: BTreeMap<ServiceKey, Arc<EndpointSet>> = new_sets
+        let new_endpoints: OrdMap<ServiceKey, Arc<EndpointSet>> = new_sets
             .into_iter()
             .filter(|(_, set)| !set.slices.is_empty())
             .map(|(key, set)| {
@@ -238,60 +258,15 @@ impl ChangeTracker {
                 (key, arc)
             })
             .collect();
-
-        let keys: BTreeSet<&ServiceKey> = self
-            .state
-            .services
-            .keys()
-            .chain(new_services.keys())
-            .chain(self.state.endpoints.keys())
-            .chain(new_endpoints.keys())
-            .collect();
-        let mut changed = Vec::new();
-        for key in keys {
-            let service_changed = self.state.services.get(key) != new_services.get(key);
-            let endpoints_changed = self.state.endpoints.get(key) != new_endpoints.get(key);
-            if service_changed {
-                self.services_changed_total += 1;
-            }
-            if endpoints_changed && new_services.contains_key(key) {
-                self.endpoints_changed_total += 1;
-            }
-            // Removing a service is recorded by service_changed; endpoints of services we
-            // do not know are not worth a sync (see the module docs).
-            if service_changed || (endpoints_changed && new_services.contains_key(key)) {
-                changed.push(key.clone());
-            }
-        }
-
-        self.state = ProxyState {
-            services: new_services.into_iter().collect(),
-            endpoints: new_endpoints.into_iter().collect(),
-            service_ranges: self.state.service_ranges.clone(),
-        };
+        let mut changed = changed_keys(&self.state.endpoints, &new_endpoints);
+        // Endpoints of services we do not know are not worth a sync (see the module docs).
+        changed.retain(|key| self.state.services.contains_key(key));
+        self.endpoints_changed_total += changed.len() as u64;
+        self.state.endpoints = new_endpoints;
         for key in changed {
             self.record(key);
         }
         self.slice_owner = slice_owner;
-    }
-
-    /// Replaces every service with a full list (a relist of Services alone), keeping the
-    /// slices as they are.
-    pub fn replace_services(&mut self, services: Vec<Service>) {
-        let slices = self.current_slices();
-        self.replace_all(services, slices);
-    }
-
-    /// Replaces every slice with a full list (a relist of EndpointSlices alone), keeping
-    /// the services as they are.
-    pub fn replace_slices(&mut self, slices: Vec<(ServiceKey, String, SliceInfo)>) {
-        let services = self
-            .state
-            .services
-            .values()
-            .map(|s| (**s).clone())
-            .collect();
-        self.replace_all(services, slices);
     }
 
     /// Removes a slice known only by namespace and name (deleted, or no longer usable),
@@ -302,17 +277,45 @@ impl ChangeTracker {
             self.remove_slice(owner, slice_name);
         }
     }
+}
 
-    fn current_slices(&self) -> Vec<(ServiceKey, String, SliceInfo)> {
-        self.state
-            .endpoints
-            .iter()
-            .flat_map(|(owner, set)| {
-                set.slices
-                    .iter()
-                    .map(|(name, info)| (owner.clone(), name.clone(), info.clone()))
-            })
-            .collect()
+/// The keys whose entries differ between `old` and `new` (added, removed or changed), in
+/// one merge of the two sorted maps.
+fn changed_keys<V: PartialEq>(
+    old: &OrdMap<ServiceKey, Arc<V>>,
+    new: &OrdMap<ServiceKey, Arc<V>>,
+) -> Vec<ServiceKey> {
+    let mut changed = Vec::new();
+    let (mut a, mut b) = (old.iter().peekable(), new.iter().peekable());
+    loop {
+        match (a.peek(), b.peek()) {
+            (Some((ka, va)), Some((kb, vb))) => match ka.cmp(kb) {
+                std::cmp::Ordering::Less => {
+                    changed.push((*ka).clone());
+                    a.next();
+                }
+                std::cmp::Ordering::Greater => {
+                    changed.push((*kb).clone());
+                    b.next();
+                }
+                std::cmp::Ordering::Equal => {
+                    if !Arc::ptr_eq(va, vb) && va != vb {
+                        changed.push((*ka).clone());
+                    }
+                    a.next();
+                    b.next();
+                }
+            },
+            (Some((k, _)), None) => {
+                changed.push((*k).clone());
+                a.next();
+            }
+            (None, Some((k, _))) => {
+                changed.push((*k).clone());
+                b.next();
+            }
+            (None, None) => return changed,
+        }
     }
 }
 
