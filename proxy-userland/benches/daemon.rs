@@ -25,8 +25,9 @@
 //! FASTPATH_BENCH_MODES (ebpf,iptables); sources: FASTPATH_BENCH_SOURCES (kube,manifests);
 //! FASTPATH_BENCH_MANIFEST_MAX (default 10000): no manifest rows above that size;
 //! FASTPATH_BENCH_MANIFEST_CHUNK (default 500): objects per manifest file (1: a file each);
-//! FASTPATH_BENCH_IPTABLES_MAX: no iptables rows above that size. Writes
-//! target/bench/daemon.md.
+//! FASTPATH_BENCH_IPTABLES_MAX: no iptables rows above that size;
+//! FASTPATH_BENCH_DAEMON_LOG_LEVEL: the daemon's --log-level (`debug` logs where a first
+//! sync's time goes; the bench prints those lines). Writes target/bench/daemon.md.
 
 use std::{
     fmt::Write as _,
@@ -349,6 +350,9 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
     } else {
         args.extend(["--netns".into(), bed.node_netns().to_string()]);
     }
+    if let Ok(level) = std::env::var("FASTPATH_BENCH_DAEMON_LOG_LEVEL") {
+        args.extend(["--log-level".into(), level]);
+    }
     let argv: Vec<&str> = args.iter().map(String::as_str).collect();
     let started = Instant::now();
     let mut daemon = common::Daemon::start(bed.cgroup_path(), &argv);
@@ -397,6 +401,19 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         rss_kib / 1024,
         hwm_kib / 1024
     );
+    // Where the first sync's time went, as the daemon logs it.
+    for line in daemon.log().lines().filter(|l| {
+        [
+            "listed",
+            "the model took",
+            "full sync of",
+            "initial sync done",
+        ]
+        .iter()
+        .any(|p| l.contains(p))
+    }) {
+        eprintln!("bench:   daemon: {line}");
+    }
     let revnat_filled = match &dp {
         Dataplane::Ebpf(maps) => maps.fill_reverse_nat()?,
         Dataplane::Iptables { .. } => 0,

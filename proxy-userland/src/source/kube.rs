@@ -14,7 +14,7 @@
 //! The Node watch also decides whether this node should still get load-balancer traffic
 //! (kube-proxy's node eligibility, [`node_eligible`]), which /healthz reports.
 
-use std::{future::Future, path::PathBuf, sync::Arc};
+use std::{future::Future, path::PathBuf, sync::Arc, time::Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::{core::v1, discovery::v1::EndpointSlice, networking::v1::ServiceCIDR};
@@ -187,6 +187,8 @@ pub async fn run(
         synced_sent: false,
         service_cidr_buf: None,
         service_cidrs_served: true,
+        service_list_began: None,
+        slice_list_began: None,
     };
     tokio::pin!(services, slices, nodes, service_cidrs, shutdown);
     loop {
@@ -225,6 +227,9 @@ struct Pump {
     /// False once the API server said it has no ServiceCIDR resource (before 1.33, or the
     /// API off): the configured ranges are all there is, and the watch stops.
     service_cidrs_served: bool,
+    /// When the list under way began (for the log line that says how long it took).
+    service_list_began: Option<Instant>,
+    slice_list_began: Option<Instant>,
 }
 
 fn object_key<K: ResourceExt>(obj: &K) -> ServiceKey {
@@ -291,7 +296,10 @@ impl Pump {
             }
         };
         match ev {
-            watcher::Event::Init => self.service_buf = Some(Vec::new()),
+            watcher::Event::Init => {
+                self.service_buf = Some(Vec::new());
+                self.service_list_began = Some(Instant::now());
+            }
             watcher::Event::InitApply(svc) => {
                 if let Some(s) = self.convert_service(&svc) {
                     self.service_buf.get_or_insert_with(Vec::new).push(s);
@@ -299,6 +307,9 @@ impl Pump {
             }
             watcher::Event::InitDone => {
                 let list = self.service_buf.take().unwrap_or_default();
+                if let Some(began) = self.service_list_began.take() {
+                    info!(services = list.len(), took = ?began.elapsed(), "Services listed");
+                }
                 if !self.send(SourceEvent::ReplaceServices(list)).await {
                     return false;
                 }
@@ -327,7 +338,10 @@ impl Pump {
             }
         };
         match ev {
-            watcher::Event::Init => self.slice_buf = Some(Vec::new()),
+            watcher::Event::Init => {
+                self.slice_buf = Some(Vec::new());
+                self.slice_list_began = Some(Instant::now());
+            }
             watcher::Event::InitApply(slice) => {
                 if let Some(s) = self.convert_slice(&slice) {
                     self.slice_buf.get_or_insert_with(Vec::new).push(s);
@@ -335,6 +349,9 @@ impl Pump {
             }
             watcher::Event::InitDone => {
                 let list = self.slice_buf.take().unwrap_or_default();
+                if let Some(began) = self.slice_list_began.take() {
+                    info!(slices = list.len(), took = ?began.elapsed(), "EndpointSlices listed");
+                }
                 if !self.send(SourceEvent::ReplaceSlices(list)).await {
                     return false;
                 }

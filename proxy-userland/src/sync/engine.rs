@@ -288,9 +288,21 @@ impl Loop {
                 self.service_ranges.apply(name, cidrs);
                 self.ranges_changed();
             }
-            SourceEvent::ReplaceAll { services, slices } => t.replace_all(services, slices),
-            SourceEvent::ReplaceServices(services) => t.replace_services(services),
-            SourceEvent::ReplaceSlices(slices) => t.replace_slices(slices),
+            SourceEvent::ReplaceAll { services, slices } => {
+                let began = Instant::now();
+                t.replace_all(services, slices);
+                debug!(took = ?began.elapsed(), "the model took a full list");
+            }
+            SourceEvent::ReplaceServices(services) => {
+                let began = Instant::now();
+                t.replace_services(services);
+                debug!(took = ?began.elapsed(), "the model took a list of Services");
+            }
+            SourceEvent::ReplaceSlices(slices) => {
+                let began = Instant::now();
+                t.replace_slices(slices);
+                debug!(took = ?began.elapsed(), "the model took a list of EndpointSlices");
+            }
             SourceEvent::Service { key, service } => t.apply_service(key, service),
             SourceEvent::Slice {
                 owner: Some(owner),

@@ -11,6 +11,7 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::SocketAddr,
     path::PathBuf,
+    time::{Duration, Instant},
 };
 
 use aya::maps::MapError;
@@ -236,7 +237,11 @@ impl Programmer {
             Scope::Changed(set) => set.iter().cloned().collect(),
         };
         let mut report = SyncReport::default();
+        // Where a full sync's time goes, for the debug log: deriving what each service
+        // wants, and writing it.
+        let (mut deriving, mut writing) = (Duration::ZERO, Duration::ZERO);
         for key in keys {
+            let began = Instant::now();
             let (desired, serving) = state
                 .services
                 .get(&key)
@@ -254,9 +259,20 @@ impl Programmer {
             report.services_synced += 1;
             // Before the writes, whose departures it filters.
             self.track_lingering(&key, &desired, serving);
+            let derived = Instant::now();
             if let Err(e) = self.sync_service(&key, &desired, &mut report) {
                 report.failed.push((key, e.to_string()));
             }
+            deriving += derived - began;
+            writing += derived.elapsed();
+        }
+        if matches!(scope, Scope::Full) {
+            tracing::debug!(
+                services = report.services_synced,
+                ?deriving,
+                ?writing,
+                "full sync of the service maps"
+            );
         }
         if matches!(scope, Scope::Full) {
             // Adopted frontends no service claimed belong to services deleted while no
