@@ -752,8 +752,17 @@ fn handle(inner: &Inner, stream: &mut TcpStream, conn: u64, req: &Request) -> Af
             if is_true(req.param("watch")) {
                 watch(inner, stream, conn, req, res, ns, None)
             } else {
-                let result = list(inner, req, res, ns);
-                respond(stream, req, result.map(|v| (200, v)))
+                match list(inner, req, res, ns) {
+                    Ok(mut text) => {
+                        text.push(b'\n');
+                        let bytes = http::response(200, "application/json", &text, req.keep_alive);
+                        match stream.write_all(&bytes) {
+                            Ok(()) => After::KeepAlive,
+                            Err(_) => After::Close,
+                        }
+                    }
+                    Err(status) => respond(stream, req, Err(status)),
+                }
             }
         }
         ("POST", Route::Collection { res, ns }) => {
@@ -861,7 +870,9 @@ enum ListAt {
     Exact(u64),
 }
 
-fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<Value, Status> {
+/// A list's response body, serialized while the store is locked (the page borrows its
+/// objects).
+fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<Vec<u8>, Status> {
     let def = &RESOURCES[res];
     let filter = filter_of(req, res, ns)?;
     if is_true(req.param("sendInitialEvents")) {
@@ -954,7 +965,6 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
             (n, state.page(res, Some(n), &filter, cont.as_ref(), limit)?)
         }
     };
-    drop(state);
 
     let mut metadata = json!({"resourceVersion": list_rv.to_string()});
     if let Some(last) = page.next {
@@ -968,13 +978,38 @@ fn list(inner: &Inner, req: &Request, res: usize, ns: Option<String>) -> Result<
             metadata["remainingItemCount"] = remaining.into();
         }
     }
-    let items = page.items;
-    Ok(json!({
+    let body = json!({
         "kind": format!("{}List", def.kind),
         "apiVersion": def.api_version(),
         "metadata": metadata,
-        "items": items,
-    }))
+    });
+    let items: Vec<store::ListItem> = page.items.iter().map(|o| store::ListItem(o)).collect();
+    let text = serde_json::to_vec(&ListBody {
+        head: &body,
+        items: &items,
+    });
+    drop(state);
+    text.map_err(|e| Status::new(500, "InternalError", e.to_string()))
+}
+
+/// `{kind, apiVersion, metadata, items}`: the head's fields, then the items.
+struct ListBody<'a> {
+    head: &'a Value,
+    items: &'a [store::ListItem<'a>],
+}
+
+impl serde::Serialize for ListBody<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let mut out = s.serialize_map(None)?;
+        if let Value::Object(head) = self.head {
+            for (k, v) in head {
+                out.serialize_entry(k, v)?;
+            }
+        }
+        out.serialize_entry("items", self.items)?;
+        out.end()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
