@@ -242,8 +242,8 @@ pub fn ready(ip: Ipv4Addr) -> Endpoint {
         terminating: false,
         node_name: None,
         zone: None,
-        zone_hints: vec![],
-        node_hints: vec![],
+        zone_hints: Default::default(),
+        node_hints: Default::default(),
     }
 }
 

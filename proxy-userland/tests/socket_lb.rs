@@ -458,7 +458,7 @@ fn on_node(
 ) -> proxy_userland::model::Endpoint {
     e.node_name = Some(node.into());
     e.zone = Some(zone.into());
-    e.zone_hints = vec![zone.into()];
+    e.zone_hints = std::iter::once(zone.into()).collect();
     e
 }
 

@@ -294,8 +294,8 @@ mod tests {
             terminating: !ready,
             node_name: Some(node.into()),
             zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
+            zone_hints: Default::default(),
+            node_hints: Default::default(),
         }
     }
 

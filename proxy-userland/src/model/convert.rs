@@ -1114,8 +1114,8 @@ endpoints:
             terminating,
             node_name: None,
             zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
+            zone_hints: Default::default(),
+            node_hints: Default::default(),
         };
         assert_eq!(
             info.endpoints,
@@ -1123,8 +1123,8 @@ endpoints:
                 Endpoint {
                     node_name: Some("node-a".into()),
                     zone: Some("zone-a".into()),
-                    zone_hints: vec!["zone-a".into(), "zone-b".into()],
-                    node_hints: vec!["node-a".into()],
+                    zone_hints: ["zone-a", "zone-b"].into_iter().map(Into::into).collect(),
+                    node_hints: std::iter::once("node-a".into()).collect(),
                     ..ep("198.18.1.1", true, true, false)
                 },
                 ep("198.18.1.2", false, false, false),

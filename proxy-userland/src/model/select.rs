@@ -317,8 +317,8 @@ mod tests {
             terminating: false,
             node_name: None,
             zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
+            zone_hints: Default::default(),
+            node_hints: Default::default(),
         }
     }
 

@@ -463,8 +463,8 @@ fn generated(
                     node_name: (!hosts.is_empty())
                         .then(|| hosts[usize::from(i) % hosts.len()].into()),
                     zone: None,
-                    zone_hints: vec![],
-                    node_hints: vec![],
+                    zone_hints: Default::default(),
+                    node_hints: Default::default(),
                 }
             })
             .collect(),

@@ -674,8 +674,8 @@ mod tests {
             terminating,
             node_name: Some("node-a".into()),
             zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
+            zone_hints: Default::default(),
+            node_hints: Default::default(),
         }
     }
 

@@ -110,8 +110,8 @@ pub fn ep(addr: &str, node: Option<&str>) -> Endpoint {
         terminating: false,
         node_name: node.map(Into::into),
         zone: None,
-        zone_hints: vec![],
-        node_hints: vec![],
+        zone_hints: Default::default(),
+        node_hints: Default::default(),
     }
 }
 

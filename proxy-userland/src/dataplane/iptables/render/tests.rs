@@ -15,8 +15,8 @@ fn ep(ip: &str, node: &str) -> Endpoint {
         terminating: false,
         node_name: Some(node.into()),
         zone: None,
-        zone_hints: vec![],
-        node_hints: vec![],
+        zone_hints: Default::default(),
+        node_hints: Default::default(),
     }
 }
 
