@@ -128,7 +128,8 @@ impl ServiceMaps {
         insert_all(&mut self.backends6, &ids6, &values6)
     }
 
-    /// Slots `(slot, value)` of one frontend, in order; see [`insert_all`].
+    /// Slots `(slot, value)` of one frontend, in order (slot 0, the master, may come last);
+    /// see [`insert_all`].
     pub fn put_slots(
         &mut self,
         fe: &Frontend,
