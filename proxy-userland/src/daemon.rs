@@ -6,7 +6,7 @@
 use std::future::Future;
 
 use anyhow::Context as _;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
 use crate::{
@@ -106,27 +106,33 @@ pub async fn run(args: Args, shutdown: impl Future<Output = ()>) -> anyhow::Resu
     if args.detect_local_mode.as_deref() == Some(crate::config::LOCAL_MODE_NODE) {
         start.render.local_traffic = node_pod_cidrs(node_client.as_ref(), &node.name).await?;
     }
+    // The engine starts first and builds the model from the source's lists while the
+    // programs load (over a second at 50,000 services): the first sync starts as soon as
+    // the dataplane is up. Its spacing depends on the mode, known only then.
+    let cfg = EngineConfig {
+        periods: SyncPeriods::default(),
+        node,
+        service_ranges: args.service_cluster_ip_range.clone(),
+    };
+    let (loaded, loading) = oneshot::channel();
+    let (engine, engine_events) =
+        Engine::spawn_loading(loading, cfg, events).context("cannot start the sync engine")?;
     let requested = args.proxy_mode.or(args.file_mode);
     let (proxier, decision) =
         tokio::task::spawn_blocking(move || dataplane::select_and_start(requested, &start))
             .await
             .context("starting the dataplane")??;
     admin.set_proxy_mode(proxier.name());
-
-    // The sync loop runs on a thread of its own; we only pass it the source's events and
-    // apply what it reports. Its spacing depends on the mode only now known.
     let periods = SyncPeriods {
         min: args.min_sync_period_for(decision.mode),
         max: args.sync_period,
         ..Default::default()
     };
-    let cfg = EngineConfig {
-        periods,
-        node,
-        service_ranges: args.service_cluster_ip_range.clone(),
-    };
-    let (engine, engine_events) =
-        Engine::spawn(proxier, cfg, events).context("cannot start the sync engine")?;
+    if let Err((unused, _)) = loaded.send((proxier, periods)) {
+        // The engine stopped while it loaded (the source ended): take it down as the
+        // engine would have; what follows reports why.
+        let _ = tokio::task::spawn_blocking(move || unused.teardown()).await;
+    }
     let reports = Reports {
         admin: admin.clone(),
         health_checks,

@@ -263,9 +263,10 @@ fn unchanged_syncs_skip_the_restore_and_removed_services_leave_nothing() {
     assert!(!after.contains("-j KUBE-"), "{after}");
 }
 
-#[test]
-fn dual_stack_services_are_programmed_in_both_families() {
-    let mut bed = Testbed::new("iptv6").expect("test bed");
+/// A bed whose pod-1 serves TCP 8080 in both families, with both families' service
+/// ranges (198.19.0.0/16, 2001:db8:5::/64) routed into the node.
+fn dual_stack_bed(tag: &str) -> Testbed {
+    let mut bed = Testbed::new(tag).expect("test bed");
     let pod = bed
         .add_pod("pod-1", pod_ip(1), Some("2001:db8:1::11".parse().unwrap()))
         .expect("pod");
@@ -287,6 +288,12 @@ fn dual_stack_services_are_programmed_in_both_families() {
         "fpsvc0",
     ])
     .unwrap();
+    bed
+}
+
+#[test]
+fn dual_stack_services_are_programmed_in_both_families() {
+    let bed = dual_stack_bed("iptv6");
     let mut dp = IptablesDataplane::new(IptablesConfig {
         netns: Some(bed.node_netns().to_string()),
         families: vec![Family::V4, Family::V6],
@@ -321,28 +328,7 @@ fn dual_stack_services_are_programmed_in_both_families() {
 /// route. Outside the ranges nothing changes. Leaving takes the rules along.
 #[test]
 fn the_service_ranges_reject_what_no_service_serves_in_both_families() {
-    let mut bed = Testbed::new("iptrange").expect("test bed");
-    let pod = bed
-        .add_pod("pod-1", pod_ip(1), Some("2001:db8:1::11".parse().unwrap()))
-        .expect("pod");
-    bed.serve(
-        probe(),
-        &pod,
-        &["--tcp", "0.0.0.0:8080", "--tcp", "[::]:8080"],
-    )
-    .expect("server");
-    route_services(&bed);
-    xtask::cmd::ip([
-        "-n",
-        bed.node_netns(),
-        "-6",
-        "route",
-        "add",
-        "2001:db8:5::/64",
-        "dev",
-        "fpsvc0",
-    ])
-    .unwrap();
+    let bed = dual_stack_bed("iptrange");
     let mut dp = IptablesDataplane::new(IptablesConfig {
         netns: Some(bed.node_netns().to_string()),
         families: vec![Family::V4, Family::V6],

@@ -103,7 +103,25 @@ impl Engine {
     where
         D: Dataplane + Send + 'static,
     {
-        let (stop_tx, stop_rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
+        let periods = cfg.periods;
+        let _ = tx.send((dataplane, periods));
+        Self::spawn_loading(rx, cfg, input)
+    }
+
+    /// As [`spawn`](Self::spawn), with the dataplane (and the sync periods its mode calls
+    /// for) still loading: until it arrives the engine takes the source's events, so the
+    /// model is built while the programs load and the first sync can start at once. If the
+    /// sender is dropped instead, the engine stops.
+    pub fn spawn_loading<D>(
+        dataplane: oneshot::Receiver<(D, SyncPeriods)>,
+        cfg: EngineConfig,
+        mut input: mpsc::Receiver<SourceEvent>,
+    ) -> io::Result<(Engine, mpsc::UnboundedReceiver<EngineEvent>)>
+    where
+        D: Dataplane + Send + 'static,
+    {
+        let (stop_tx, mut stop_rx) = oneshot::channel();
         let (out_tx, out_rx) = mpsc::unbounded_channel();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_time()
@@ -113,10 +131,16 @@ impl Engine {
             .spawn(move || {
                 // Held until the dataplane is down: the channel closing says it is.
                 let out = out_tx.clone();
-                let mut dataplane = dataplane;
                 let occupancy = Arc::new(Mutex::new(Occupancy::default()));
+                let mut lp = Loop::new(cfg, out_tx.clone(), occupancy.clone());
+                let Some((mut dataplane, periods)) =
+                    lp.wait_for_dataplane(&rt, dataplane, &mut input, &mut stop_rx)
+                else {
+                    return;
+                };
+                lp.set_periods(periods);
                 let census = start_census(&dataplane, &occupancy, &out_tx);
-                Loop::new(cfg, out_tx, occupancy).run(&rt, &mut dataplane, input, stop_rx);
+                lp.run(&rt, &mut dataplane, input, stop_rx);
                 // Its map handles go before the dataplane does.
                 drop(census);
                 let mode = dataplane.name();
@@ -221,6 +245,66 @@ impl Loop {
         }
     }
 
+    /// Applies the source's events until the dataplane has loaded; `None` if told to stop,
+    /// or if the source or the loader went away first.
+    fn wait_for_dataplane<D>(
+        &mut self,
+        rt: &tokio::runtime::Runtime,
+        mut dataplane: oneshot::Receiver<(D, SyncPeriods)>,
+        input: &mut mpsc::Receiver<SourceEvent>,
+        stop: &mut oneshot::Receiver<()>,
+    ) -> Option<(D, SyncPeriods)> {
+        let began = Instant::now();
+        loop {
+            let wake = rt.block_on(async {
+                tokio::select! {
+                    biased;
+                    _ = &mut *stop => None,
+                    loaded = &mut dataplane => Some(Err(loaded.ok())),
+                    ev = input.recv() => Some(Ok(ev)),
+                }
+            });
+            match wake? {
+                Err(loaded) => {
+                    debug!(waited = ?began.elapsed(), "the dataplane is up");
+                    return loaded;
+                }
+                Ok(None) => {
+                    warn!("the source stopped");
+                    return None;
+                }
+                Ok(Some(ev)) => {
+                    self.apply(ev);
+                    self.drain(input);
+                    self.after_events();
+                }
+            }
+        }
+    }
+
+    /// The sync spacing of the mode the dataplane turned out to be; what the events taken
+    /// meanwhile asked for is due at once.
+    fn set_periods(&mut self, periods: SyncPeriods) {
+        self.runner = BoundedFrequency::new(periods, Instant::now());
+        if self.wants_sync() {
+            self.runner.trigger();
+        }
+    }
+
+    /// Whatever else is queued joins the same sync.
+    fn drain(&mut self, input: &mut mpsc::Receiver<SourceEvent>) {
+        for _ in 0..DRAIN_MAX {
+            match input.try_recv() {
+                Ok(ev) => self.apply(ev),
+                Err(_) => break,
+            }
+        }
+    }
+
+    fn wants_sync(&self) -> bool {
+        self.tracker.has_changes() || self.full_pending || (self.listed && !self.synced_once)
+    }
+
     fn run<D: Dataplane>(
         mut self,
         rt: &tokio::runtime::Runtime,
@@ -255,13 +339,7 @@ impl Loop {
                 }
                 Wake::Event(ev) => {
                     self.apply(ev);
-                    // Whatever else is queued joins the same sync.
-                    for _ in 0..DRAIN_MAX {
-                        match input.try_recv() {
-                            Ok(ev) => self.apply(ev),
-                            Err(_) => break,
-                        }
-                    }
+                    self.drain(&mut input);
                     self.after_events();
                 }
                 Wake::Due(due) => self.sync(dp, due),
@@ -331,7 +409,7 @@ impl Loop {
 
     fn after_events(&mut self) {
         let changed = self.tracker.has_changes() || self.full_pending;
-        if changed || (self.listed && !self.synced_once) {
+        if self.wants_sync() {
             self.runner.trigger();
         }
         if changed {
