@@ -577,3 +577,49 @@ fn detect_local_mode_node_cidr_uses_the_nodes_pod_cidrs() {
         daemon.log()
     );
 }
+
+/// An EndpointSlice the API server serves in a shape no Kubernetes version writes (an
+/// address that is not a list) is reported on its own: it is logged with its name, and the
+/// rest of the list is programmed. Decoded as part of its list page, it failed the whole
+/// page, so the first list never finished and nothing was programmed. Fixed through the
+/// watch, it is programmed.
+#[test]
+fn a_malformed_slice_from_the_api_server_fails_alone() {
+    let (bed, _pods) = bed_with_pods("kbad", 2);
+    let api = ApiServer::start().expect("test API server");
+    api.create("nodes", node());
+    api.create("services", service("web", "198.19.0.10"));
+    api.create("endpointslices", slice("web-1", "web", &[POD1]));
+    api.create("services", service("other", "198.19.0.20"));
+    let mut bad = slice("other-1", "other", &[POD2]);
+    bad["endpoints"][0]["addresses"] = json!(POD2);
+    api.create("endpointslices", bad);
+
+    let kubeconfig = Kubeconfig::new(&api, "kbad");
+    let mut daemon = Daemon::start(bed.cgroup_path(), &["--kubeconfig", kubeconfig.path()]);
+    assert!(
+        eventually(20, || answer(&bed, "198.19.0.10:80").as_deref()
+            == Some("pod-1")),
+        "web should be served beside the malformed slice; log:\n{}",
+        daemon.log()
+    );
+    let log = daemon.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("EndpointSlice demo/other-1 cannot be decoded")),
+        "the malformed slice is named in the log:\n{log}"
+    );
+    assert_eq!(
+        answer(&bed, "198.19.0.20:80"),
+        None,
+        "other has no usable endpoint yet"
+    );
+    api.update("endpointslices", slice("other-1", "other", &[POD2]));
+    assert!(
+        eventually(20, || answer(&bed, "198.19.0.20:80").as_deref()
+            == Some("pod-2")),
+        "the fixed slice is programmed; log:\n{}",
+        daemon.log()
+    );
+    assert!(daemon.stop().success(), "{}", daemon.log());
+}

@@ -2,7 +2,8 @@
 //!
 //! - [`manifests`]: a YAML/JSON file or folder of manifests ([`file`] reads them), followed
 //!   object by object as its files change (no cluster needed).
-//! - [`kube`]: kube-rs watchers on the API server.
+//! - [`kube`]: kube-rs watchers on the API server ([`lazy`]: their objects decoded beside
+//!   the next list page's fetch).
 //!
 //! Both convert objects with [`crate::model::convert`]; the daemon applies the events to the
 //! [`ChangeTracker`](crate::model::tracker::ChangeTracker).
@@ -11,6 +12,7 @@ pub mod backoff;
 pub mod file;
 mod inotify;
 pub mod kube;
+pub mod lazy;
 pub mod manifests;
 
 use crate::model::{Cidr, NodeInfo, Service, ServiceKey, SliceInfo};
