@@ -126,6 +126,12 @@ fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
         refused.iter().all(|l| l.contains("map full")),
         "the error says why: {refused:?}"
     );
+    // The first sync writes in bulk (dataplane/bpf/maps/deferred.rs); refused, it starts
+    // over service by service, which is what isolated web2 above.
+    assert!(
+        log.contains("programming the services one by one"),
+        "the bulk write was refused and redone service by service; log:\n{log}"
+    );
     assert!(
         tcp(&bed, "198.19.0.20:80", 3).iter().all(|a| !a.is_ok()),
         "web2 is not half-programmed"

@@ -34,9 +34,11 @@ use crate::{
 
 mod batch;
 mod census;
+mod deferred;
 mod ranges;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
+pub use deferred::Writer as DeferredWriter;
 
 pub struct ServiceMaps {
     services4: HashMap<MapData, Service4Key, ServiceValue>,
@@ -67,6 +69,8 @@ pub struct ServiceMaps {
     /// Backends both backend maps hold at most, as the kernel sized them (--bpf-lb-map-max,
     /// the default, or a pinned map's own size).
     backend_capacity: u32,
+    /// While a first sync's writes trail behind it (see [`deferred`]): where they go.
+    deferred: Option<deferred::Queue>,
 }
 
 /// An address as the maps hold it (network byte order): `u32` or `[u8; 16]`.
@@ -237,6 +241,7 @@ impl ServiceMaps {
         let backend_capacity = max_entries(&backends4, names::BACKENDS4)?
             .saturating_add(max_entries(&backends6, names::BACKENDS6)?);
         Ok(Self {
+            deferred: None,
             backend_capacity,
             backends4,
             backends6,
@@ -277,6 +282,16 @@ impl ServiceMaps {
         slot: u16,
         value: ServiceValue,
     ) -> Result<(), MapError> {
+        if let Some(q) = &mut self.deferred {
+            match fe.ip {
+                IpAddr::V4(ip) => q.service4(key4(fe, ip, slot), value),
+                IpAddr::V6(ip) => q.service6(key6(fe, ip, slot), value),
+            }
+            if slot == 0 {
+                q.frontend_done();
+            }
+            return Ok(());
+        }
         match fe.ip {
             IpAddr::V4(ip) => self.services4.insert(key4(fe, ip, slot), value, 0),
             IpAddr::V6(ip) => self.services6.insert(key6(fe, ip, slot), value, 0),

@@ -36,6 +36,7 @@ use crate::{
 
 mod adopt;
 mod departed;
+mod first;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
@@ -227,6 +228,18 @@ impl Programmer {
     }
 
     pub fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        // The first sync into maps that hold nothing of ours lets its writes trail behind.
+        if matches!(scope, Scope::Full)
+            && self.frontends.is_empty()
+            && self.backends.is_empty()
+            && let Some(report) = self.sync_deferred(state, node)
+        {
+            return report;
+        }
+        self.sync_now(state, node, scope)
+    }
+
+    fn sync_now(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
         let keys: Vec<ServiceKey> = match scope {
             Scope::Full => {
                 let mut all: BTreeSet<ServiceKey> = state.services.keys().cloned().collect();

@@ -10,7 +10,7 @@
 use std::{
     io,
     net::IpAddr,
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, RawFd},
     sync::atomic::{AtomicBool, Ordering},
 };
 
@@ -78,15 +78,30 @@ pub fn insert_all<K: Pod, V: Pod>(
         .try_for_each(|(k, v)| map.insert(k, v, 0))
 }
 
+/// Whether batch updates may be tried (none has been refused as unknown).
+pub fn supported() -> bool {
+    !UNSUPPORTED.load(Ordering::Relaxed)
+}
+
 /// One `BPF_MAP_UPDATE_BATCH`.
 fn update_batch<K: Pod, V: Pod>(map: &MapData, keys: &[K], values: &[V]) -> io::Result<()> {
+    update_batch_fd(map.fd().as_fd().as_raw_fd(), keys, values)
+}
+
+/// One `BPF_MAP_UPDATE_BATCH` on the map behind `fd`, which must be open for the call and
+/// whose key and value types are `K` and `V`; nothing for no entries. An unknown command
+/// (an old kernel) is remembered, so that [`supported`] says so.
+pub fn update_batch_fd<K: Pod, V: Pod>(fd: RawFd, keys: &[K], values: &[V]) -> io::Result<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
     let count = u32::try_from(keys.len().min(values.len()))
         .map_err(|_| io::Error::from_raw_os_error(libc::E2BIG))?;
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.as_ptr() as u64,
         count,
-        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        map_fd: fd as u32,
         ..BatchAttr::default()
     };
     // SAFETY: `attr` is the kernel's `bpf_attr.batch` layout (a prefix of the union, whose
@@ -102,15 +117,30 @@ fn update_batch<K: Pod, V: Pod>(map: &MapData, keys: &[K], values: &[V]) -> io::
         )
     };
     if ret == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+        return Ok(());
     }
+    let e = io::Error::last_os_error();
+    if matches!(
+        e.raw_os_error(),
+        Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
+    ) {
+        UNSUPPORTED.store(true, Ordering::Relaxed);
+    }
+    Err(e)
 }
 
 impl ServiceMaps {
     /// Backend entries; see [`insert_all`]. On failure, some of them may be written.
     pub fn put_backends(&mut self, entries: &[(BackendId, BackendAddr)]) -> Result<(), MapError> {
+        if let Some(q) = &mut self.deferred {
+            for (id, b) in entries {
+                match b.ip {
+                    IpAddr::V4(ip) => q.backend4(*id, super::backend4(ip, b)),
+                    IpAddr::V6(ip) => q.backend6(*id, super::backend6(ip, b)),
+                }
+            }
+            return Ok(());
+        }
         let (mut ids4, mut values4, mut ids6, mut values6) = (vec![], vec![], vec![], vec![]);
         for (id, b) in entries {
             match b.ip {
@@ -135,6 +165,18 @@ impl ServiceMaps {
         fe: &Frontend,
         slots: &[(u16, ServiceValue)],
     ) -> Result<(), MapError> {
+        if let Some(q) = &mut self.deferred {
+            for &(slot, value) in slots {
+                match fe.ip {
+                    IpAddr::V4(ip) => q.service4(super::key4(fe, ip, slot), value),
+                    IpAddr::V6(ip) => q.service6(super::key6(fe, ip, slot), value),
+                }
+                if slot == 0 {
+                    q.frontend_done();
+                }
+            }
+            return Ok(());
+        }
         let values: Vec<_> = slots.iter().map(|(_, v)| *v).collect();
         match fe.ip {
             IpAddr::V4(ip) => {
