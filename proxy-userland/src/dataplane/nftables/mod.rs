@@ -1,0 +1,4 @@
+//! kube-proxy's nftables mode.
+
+#[cfg(test)]
+mod kube_tests;
