@@ -337,3 +337,118 @@ impl Dump {
             .unwrap_or_default()
     }
 }
+
+impl Dump {
+    /// Reads `nft list table FAMILY NAME` output (nft's nested form) into the same model
+    /// as [`Dump::parse`], by turning each block into the `add` statements it stands for.
+    pub fn from_listing(text: &str) -> Result<Dump, ParseError> {
+        let err = |line: usize, message: String| ParseError { line, message };
+        let mut statements = String::new();
+        let mut table = String::new();
+        // (kind, name, header: `{ type ... ; }` parts, elements text, first line)
+        let mut block: Option<(String, String, Vec<String>, String, usize)> = None;
+        let mut in_elements = false;
+        let mut rules: Vec<(String, String)> = Vec::new();
+        for (i, raw) in text.lines().enumerate() {
+            let n = i + 1;
+            let line = raw.trim();
+            if line.is_empty() {
+                continue;
+            }
+            if table.is_empty() {
+                let rest = line
+                    .strip_prefix("table ")
+                    .and_then(|r| r.strip_suffix(" {"))
+                    .ok_or_else(|| err(n, format!("expected `table FAMILY NAME {{`: {line:?}")))?;
+                table = rest.to_string();
+                statements.push_str(&format!("add table {table}\n"));
+                continue;
+            }
+            if let Some((kind, name, header, elements, _)) = block.as_mut() {
+                if in_elements {
+                    elements.push(' ');
+                    elements.push_str(line);
+                    in_elements = !line.ends_with('}');
+                    continue;
+                }
+                if line == "}" {
+                    let (kind, name, header, elements, _) = block.take().unwrap_or_default();
+                    let spec = if header.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" {{ {} ; }}", header.join(" ; "))
+                    };
+                    statements.push_str(&format!("add {kind} {table} {name}{spec}\n"));
+                    if !elements.is_empty() {
+                        statements.push_str(&format!("add element {table} {name} {elements}\n"));
+                    }
+                    continue;
+                }
+                if let Some(e) = line.strip_prefix("elements = ") {
+                    elements.push_str(e);
+                    in_elements = !e.ends_with('}');
+                    continue;
+                }
+                if *kind == "chain" {
+                    if line.starts_with("type ") {
+                        // `type filter hook input priority filter; policy accept;`
+                        let hook = line.split(';').next().unwrap_or_default().trim();
+                        header.push(hook.to_string());
+                    } else if line.starts_with("comment \"") {
+                        header.push(line.to_string());
+                    } else {
+                        rules.push((name.clone(), line.to_string()));
+                    }
+                } else {
+                    header.push(line.to_string());
+                }
+                continue;
+            }
+            if line == "}" {
+                table.push_str(" (closed)");
+                continue;
+            }
+            if table.ends_with(" (closed)") {
+                return Err(err(n, format!("text after the table: {line:?}")));
+            }
+            if line.starts_with("comment \"") || line.starts_with("flags ") {
+                continue;
+            }
+            let Some((kind, rest)) = line.split_once(' ') else {
+                return Err(err(n, format!("unexpected {line:?}")));
+            };
+            let Some(name) = rest.strip_suffix(" {") else {
+                return Err(err(n, format!("unexpected {line:?}")));
+            };
+            if !matches!(kind, "chain" | "set" | "map") {
+                return Err(err(n, format!("unknown block {kind}")));
+            }
+            block = Some((
+                kind.to_string(),
+                name.to_string(),
+                Vec::new(),
+                String::new(),
+                n,
+            ));
+        }
+        if let Some((kind, name, .., first)) = block {
+            return Err(err(first, format!("{kind} {name} is not closed")));
+        }
+        let table = table.trim_end_matches(" (closed)").to_string();
+        for (chain, rule) in rules {
+            statements.push_str(&format!("add rule {table} {chain} {rule}\n"));
+        }
+        // Line numbers of the statements are not the listing's: report the statement.
+        Dump::parse(&statements).map_err(|e| ParseError {
+            line: 0,
+            message: format!(
+                "{}: {:?}",
+                e.message,
+                statements
+                    .lines()
+                    .nth(e.line.saturating_sub(1))
+                    .unwrap_or_default()
+            ),
+        })
+    }
+}

@@ -14,224 +14,229 @@ fn overall() -> Dump {
     Dump::parse(&format!("{BASE_RULES}\n{OVERALL}")).expect("upstream's dump parses")
 }
 
+/// Packet expectations for TestOverallNFTablesRules' services, from upstream's tests of
+/// the same kinds of service (named in the comments).
+pub fn overall_flows() -> Vec<Flow<'static>> {
+    let svc4 = "198.18.180.4:80, 198.18.180.5:80";
+    vec![
+        // TestClusterIPGeneral's cases, on svc1.
+        flow(
+            "simple clusterIP",
+            "198.18.180.2",
+            "198.19.0.41",
+            80,
+            "198.18.180.1:80",
+            false,
+        ),
+        flow(
+            "hairpin to cluster IP",
+            "198.18.180.1",
+            "198.19.0.41",
+            80,
+            "198.18.180.1:80",
+            true,
+        ),
+        flow(
+            "svc1 does not accept other ports",
+            "198.18.180.2",
+            "198.19.0.41",
+            443,
+            "REJECT",
+            false,
+        ),
+        flow(
+            "packet to unallocated cluster ip",
+            "198.18.180.2",
+            "198.19.0.50",
+            80,
+            "DROP",
+            false,
+        ),
+        // TestInternalExternalMasquerade's "external to ClusterIP", "node to ClusterIP".
+        flow(
+            "external to ClusterIP",
+            TEST_EXTERNAL_CLIENT,
+            "198.19.0.41",
+            80,
+            "198.18.180.1:80",
+            true,
+        ),
+        flow(
+            "node to ClusterIP",
+            TEST_NODE_IP,
+            "198.19.0.41",
+            80,
+            "198.18.180.1:80",
+            true,
+        ),
+        // svc2: eTP Local, its one endpoint not local (TestExternalTrafficPolicyLocal,
+        // TestTerminatingEndpointsTrafficPolicyLocal "no locally-usable endpoints").
+        flow(
+            "pod to LB with eTP:Local",
+            "198.18.0.2",
+            "198.19.250.4",
+            80,
+            "198.18.180.2:80",
+            false,
+        ),
+        flow(
+            "external to LB, no local endpoints",
+            TEST_EXTERNAL_CLIENT,
+            "198.19.250.4",
+            80,
+            "DROP",
+            false,
+        ),
+        flow(
+            "external to external IP, no local endpoints",
+            TEST_EXTERNAL_CLIENT,
+            "198.19.227.22",
+            80,
+            "DROP",
+            false,
+        ),
+        flow(
+            "external to NodePort, no local endpoints",
+            TEST_EXTERNAL_CLIENT,
+            TEST_NODE_IP,
+            3001,
+            "DROP",
+            false,
+        ),
+        flow(
+            "node to external IP with eTP:Local",
+            TEST_NODE_IP,
+            "198.19.227.22",
+            80,
+            "198.18.180.2:80",
+            true,
+        ),
+        flow(
+            "pod to NodePort with eTP:Local",
+            "198.18.0.2",
+            TEST_NODE_IP,
+            3001,
+            "198.18.180.2:80",
+            false,
+        ),
+        // svc3: NodePort (TestNodePorts).
+        flow(
+            "external to nodePort",
+            TEST_EXTERNAL_CLIENT,
+            TEST_NODE_IP,
+            3003,
+            "198.18.180.3:80",
+            true,
+        ),
+        flow(
+            "node to nodePort",
+            TEST_NODE_IP,
+            TEST_NODE_IP,
+            3003,
+            "198.18.180.3:80",
+            true,
+        ),
+        flow(
+            "secondary nodeIP ignores NodePorts",
+            TEST_EXTERNAL_CLIENT,
+            TEST_NODE_IP_ALT,
+            3003,
+            "",
+            false,
+        ),
+        // svc4: external IP, eTP Cluster (TestExternalTrafficPolicyCluster).
+        flow(
+            "pod to external IP",
+            "198.18.0.2",
+            "198.19.227.33",
+            80,
+            svc4,
+            true,
+        ),
+        flow(
+            "external to external IP",
+            TEST_EXTERNAL_CLIENT,
+            "198.19.227.33",
+            80,
+            svc4,
+            true,
+        ),
+        flow(
+            "pod to cluster IP, two endpoints",
+            "198.18.0.2",
+            "198.19.0.44",
+            80,
+            svc4,
+            false,
+        ),
+        // svc5: source ranges and affinity (TestLoadBalancer).
+        flow(
+            "accepted external to LB",
+            TEST_EXTERNAL_CLIENT,
+            "198.19.250.8",
+            80,
+            "198.18.180.3:80",
+            true,
+        ),
+        flow(
+            "blocked external to LB",
+            TEST_EXTERNAL_CLIENT_BLOCKED,
+            "198.19.250.8",
+            80,
+            "DROP",
+            false,
+        ),
+        flow(
+            "pod to LB (blocked by LoadBalancerSourceRanges)",
+            "198.18.0.2",
+            "198.19.250.8",
+            80,
+            "DROP",
+            false,
+        ),
+        flow(
+            "nodePort bypasses LoadBalancerSourceRanges",
+            TEST_EXTERNAL_CLIENT_BLOCKED,
+            TEST_NODE_IP,
+            3002,
+            "198.18.180.3:80",
+            true,
+        ),
+        flow(
+            "pod to cluster IP with affinity",
+            "198.18.0.2",
+            "198.19.0.45",
+            80,
+            "198.18.180.3:80",
+            false,
+        ),
+        // svc6: no endpoints (TestNoEndpointsReject).
+        flow(
+            "pod to cluster IP with no endpoints",
+            "198.18.0.2",
+            "198.19.0.46",
+            80,
+            "REJECT",
+            false,
+        ),
+        flow(
+            "external to cluster IP with no endpoints",
+            TEST_EXTERNAL_CLIENT,
+            "198.19.0.46",
+            80,
+            "REJECT",
+            false,
+        ),
+    ]
+}
+
 #[test]
 fn test_overall_nftables_rules_dump_traces() {
-    let dump = overall();
-    let svc4 = "198.18.180.4:80, 198.18.180.5:80";
     run_packet_flow_tests(
         "TestOverallNFTablesRules (upstream dump)",
-        &dump,
+        &overall(),
         TEST_NODE_IPS,
-        &[
-            // TestClusterIPGeneral's cases, on svc1.
-            flow(
-                "simple clusterIP",
-                "198.18.180.2",
-                "198.19.0.41",
-                80,
-                "198.18.180.1:80",
-                false,
-            ),
-            flow(
-                "hairpin to cluster IP",
-                "198.18.180.1",
-                "198.19.0.41",
-                80,
-                "198.18.180.1:80",
-                true,
-            ),
-            flow(
-                "svc1 does not accept other ports",
-                "198.18.180.2",
-                "198.19.0.41",
-                443,
-                "REJECT",
-                false,
-            ),
-            flow(
-                "packet to unallocated cluster ip",
-                "198.18.180.2",
-                "198.19.0.50",
-                80,
-                "DROP",
-                false,
-            ),
-            // TestInternalExternalMasquerade's "external to ClusterIP", "node to ClusterIP".
-            flow(
-                "external to ClusterIP",
-                TEST_EXTERNAL_CLIENT,
-                "198.19.0.41",
-                80,
-                "198.18.180.1:80",
-                true,
-            ),
-            flow(
-                "node to ClusterIP",
-                TEST_NODE_IP,
-                "198.19.0.41",
-                80,
-                "198.18.180.1:80",
-                true,
-            ),
-            // svc2: eTP Local, its one endpoint not local (TestExternalTrafficPolicyLocal,
-            // TestTerminatingEndpointsTrafficPolicyLocal "no locally-usable endpoints").
-            flow(
-                "pod to LB with eTP:Local",
-                "198.18.0.2",
-                "198.19.250.4",
-                80,
-                "198.18.180.2:80",
-                false,
-            ),
-            flow(
-                "external to LB, no local endpoints",
-                TEST_EXTERNAL_CLIENT,
-                "198.19.250.4",
-                80,
-                "DROP",
-                false,
-            ),
-            flow(
-                "external to external IP, no local endpoints",
-                TEST_EXTERNAL_CLIENT,
-                "198.19.227.22",
-                80,
-                "DROP",
-                false,
-            ),
-            flow(
-                "external to NodePort, no local endpoints",
-                TEST_EXTERNAL_CLIENT,
-                TEST_NODE_IP,
-                3001,
-                "DROP",
-                false,
-            ),
-            flow(
-                "node to external IP with eTP:Local",
-                TEST_NODE_IP,
-                "198.19.227.22",
-                80,
-                "198.18.180.2:80",
-                true,
-            ),
-            flow(
-                "pod to NodePort with eTP:Local",
-                "198.18.0.2",
-                TEST_NODE_IP,
-                3001,
-                "198.18.180.2:80",
-                false,
-            ),
-            // svc3: NodePort (TestNodePorts).
-            flow(
-                "external to nodePort",
-                TEST_EXTERNAL_CLIENT,
-                TEST_NODE_IP,
-                3003,
-                "198.18.180.3:80",
-                true,
-            ),
-            flow(
-                "node to nodePort",
-                TEST_NODE_IP,
-                TEST_NODE_IP,
-                3003,
-                "198.18.180.3:80",
-                true,
-            ),
-            flow(
-                "secondary nodeIP ignores NodePorts",
-                TEST_EXTERNAL_CLIENT,
-                TEST_NODE_IP_ALT,
-                3003,
-                "",
-                false,
-            ),
-            // svc4: external IP, eTP Cluster (TestExternalTrafficPolicyCluster).
-            flow(
-                "pod to external IP",
-                "198.18.0.2",
-                "198.19.227.33",
-                80,
-                svc4,
-                true,
-            ),
-            flow(
-                "external to external IP",
-                TEST_EXTERNAL_CLIENT,
-                "198.19.227.33",
-                80,
-                svc4,
-                true,
-            ),
-            flow(
-                "pod to cluster IP, two endpoints",
-                "198.18.0.2",
-                "198.19.0.44",
-                80,
-                svc4,
-                false,
-            ),
-            // svc5: source ranges and affinity (TestLoadBalancer).
-            flow(
-                "accepted external to LB",
-                TEST_EXTERNAL_CLIENT,
-                "198.19.250.8",
-                80,
-                "198.18.180.3:80",
-                true,
-            ),
-            flow(
-                "blocked external to LB",
-                TEST_EXTERNAL_CLIENT_BLOCKED,
-                "198.19.250.8",
-                80,
-                "DROP",
-                false,
-            ),
-            flow(
-                "pod to LB (blocked by LoadBalancerSourceRanges)",
-                "198.18.0.2",
-                "198.19.250.8",
-                80,
-                "DROP",
-                false,
-            ),
-            flow(
-                "nodePort bypasses LoadBalancerSourceRanges",
-                TEST_EXTERNAL_CLIENT_BLOCKED,
-                TEST_NODE_IP,
-                3002,
-                "198.18.180.3:80",
-                true,
-            ),
-            flow(
-                "pod to cluster IP with affinity",
-                "198.18.0.2",
-                "198.19.0.45",
-                80,
-                "198.18.180.3:80",
-                false,
-            ),
-            // svc6: no endpoints (TestNoEndpointsReject).
-            flow(
-                "pod to cluster IP with no endpoints",
-                "198.18.0.2",
-                "198.19.0.46",
-                80,
-                "REJECT",
-                false,
-            ),
-            flow(
-                "external to cluster IP with no endpoints",
-                TEST_EXTERNAL_CLIENT,
-                "198.19.0.46",
-                80,
-                "REJECT",
-                false,
-            ),
-        ],
+        &overall_flows(),
     );
 }
 
@@ -566,4 +571,46 @@ add rule ip fastpath masquerade-chain masquerade fully-random",
     );
     assert_eq!(diff_chain(&dump, "empty-chain", ""), None);
     assert_eq!(diff_chain(&dump, "empty-chain", "\n"), None);
+}
+
+/// What `nft list table ip fastpath` (nft 1.0.6) printed after `nft -f` of upstream's
+/// TestOverallNFTablesRules dump: the same packets meet the same fate when the tables are
+/// read back in nft's own form (named priorities, merged elements, simplified sets).
+#[test]
+fn test_overall_nftables_rules_listing_traces() {
+    let listing = include_str!("fixtures/overall_listing_nft_1.0.6.txt");
+    let dump = Dump::from_listing(listing).expect("nft's listing parses");
+    assert_eq!(dump.hooked("prerouting")[0].1.priority, -110);
+    assert_eq!(
+        dump.sets["service-ips"].elements.len(),
+        overall().sets["service-ips"].elements.len()
+    );
+    run_packet_flow_tests(
+        "TestOverallNFTablesRules (nft listing)",
+        &dump,
+        TEST_NODE_IPS,
+        &overall_flows(),
+    );
+}
+
+#[test]
+fn test_listing_parse_errors() {
+    for (text, want) in [
+        ("chain x {\n}", "expected `table FAMILY NAME {`"),
+        (
+            "table ip fastpath {\n\tchain c {\n\t\tjump d\n",
+            "chain c is not closed",
+        ),
+        (
+            "table ip fastpath {\n\tflowtable f {\n\t}\n}",
+            "unknown block flowtable",
+        ),
+        (
+            "table ip fastpath {\n\tchain c {\n\t\tjump d\n\t}\n}\ntable ip other {",
+            "text after the table",
+        ),
+    ] {
+        let e = Dump::from_listing(text).expect_err(text);
+        assert!(e.to_string().contains(want), "{text:?}: {e}");
+    }
 }
