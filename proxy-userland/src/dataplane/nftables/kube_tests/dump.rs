@@ -452,3 +452,40 @@ impl Dump {
         })
     }
 }
+
+impl Dump {
+    /// The dump as `add` statements (chains with their hooks, rules, sets, elements), for
+    /// comparing two dumps' contents whatever order they were built in.
+    pub fn to_statements(&self) -> String {
+        let t = format!("{} {}", self.family, self.table);
+        let mut out = format!("add table {t}\n");
+        for (name, c) in &self.chains {
+            match &c.hook {
+                Some(h) => out.push_str(&format!(
+                    "add chain {t} {name} {{ type {} hook {} priority {} ; }}\n",
+                    h.kind, h.hook, h.priority
+                )),
+                None => out.push_str(&format!("add chain {t} {name}\n")),
+            }
+            for r in &c.rules {
+                out.push_str(&format!("add rule {t} {name} {r}\n"));
+            }
+        }
+        for (name, s) in &self.sets {
+            let kind = if s.is_map { "map" } else { "set" };
+            out.push_str(&format!("add {kind} {t} {name}\n"));
+            for e in &s.elements {
+                let value = e
+                    .value
+                    .as_ref()
+                    .map(|v| format!(" : {v}"))
+                    .unwrap_or_default();
+                out.push_str(&format!(
+                    "add element {t} {name} {{ {}{value} }}\n",
+                    e.key.join(" . ")
+                ));
+            }
+        }
+        out
+    }
+}

@@ -25,12 +25,16 @@
 //! upstream's hashes: to the tracer a name is only a name.
 
 mod dump;
+mod fake;
+mod proxier_test;
+mod sync_test;
 mod tracer;
 mod upstream_test;
 
 use std::net::IpAddr;
 
 pub use self::{dump::Dump, tracer::trace_packet};
+pub use crate::dataplane::iptables::kube_tests::TEST_NODE_NAME;
 
 pub const TEST_NODE_IP: &str = "198.19.128.2";
 pub const TEST_NODE_IP_ALT: &str = "198.19.129.2";

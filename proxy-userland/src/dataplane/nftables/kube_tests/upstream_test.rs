@@ -8,7 +8,7 @@ use super::*;
 /// proxier_test.go's baseRules.
 pub const BASE_RULES: &str = include_str!("fixtures/base_rules.nft");
 /// TestOverallNFTablesRules' services, after baseRules.
-const OVERALL: &str = include_str!("fixtures/overall_nftables_rules.nft");
+pub const OVERALL: &str = include_str!("fixtures/overall_nftables_rules.nft");
 
 fn overall() -> Dump {
     Dump::parse(&format!("{BASE_RULES}\n{OVERALL}")).expect("upstream's dump parses")
