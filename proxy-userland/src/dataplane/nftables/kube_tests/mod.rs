@@ -26,6 +26,8 @@
 
 mod dump;
 mod fake;
+mod names_test;
+mod policy_test;
 mod proxier_test;
 mod sync_test;
 mod tracer;
