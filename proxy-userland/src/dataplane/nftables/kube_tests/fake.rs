@@ -22,6 +22,9 @@ pub struct FakeProxier {
     /// false: kube-proxy's no-op local detector (nothing counts as a pod).
     pub local_detector: bool,
     pub nodeport_addresses: Vec<(IpAddr, u8)>,
+    /// The service range in the settings (the proxier's own sync takes it from the model
+    /// instead).
+    pub service_range: bool,
 }
 
 impl FakeProxier {
@@ -39,6 +42,7 @@ impl FakeProxier {
             masquerade_all: false,
             local_detector: true,
             nodeport_addresses: vec![(ip(TEST_NODE_IP), 32), (ip(TEST_NODE_IPV6), 128)],
+            service_range: true,
         }
     }
 
@@ -68,7 +72,11 @@ impl FakeProxier {
                 .into_iter()
                 .filter(|a| Family::of(a) == self.family)
                 .collect(),
-            service_ranges: vec![(ip(range.0), range.1)],
+            service_ranges: if self.service_range {
+                vec![(ip(range.0), range.1)]
+            } else {
+                Vec::new()
+            },
             ..RenderConfig::default()
         }
     }
