@@ -26,6 +26,7 @@
 
 mod dump;
 mod fake;
+mod listing_test;
 mod names_test;
 mod policy_test;
 mod proxier_test;

@@ -510,7 +510,7 @@ fn mask_hashes(text: &str) -> String {
 }
 
 /// TestOverallNFTablesRules' services and slices.
-fn overall_state() -> crate::model::ProxyState {
+pub(super) fn overall_state() -> crate::model::ProxyState {
     let p80 = |node_port| vec![port("p80", 80, Tcp, node_port)];
     let svc1 = make_test_service("ns1", "svc1", "198.19.0.41", |s| s.ports = p80(None));
     let svc2 = make_test_service("ns2", "svc2", "198.19.0.42", |s| {
