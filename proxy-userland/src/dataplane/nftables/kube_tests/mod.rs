@@ -27,6 +27,7 @@
 mod dump;
 mod fake;
 mod listing_test;
+mod metrics_test;
 mod names_test;
 mod policy_test;
 mod proxier_test;
