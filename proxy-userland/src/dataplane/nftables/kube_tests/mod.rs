@@ -24,6 +24,7 @@
 //! Upstream's table `kube-proxy` is our `fastpath`. Chain names in the fixtures keep
 //! upstream's hashes: to the tracer a name is only a name.
 
+mod convert_test;
 mod dump;
 mod fake;
 mod listing_test;

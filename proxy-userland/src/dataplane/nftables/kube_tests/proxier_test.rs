@@ -488,7 +488,7 @@ fn test_overall_nftables_rules() {
 
 /// `endpoint-5OJB2KTY-ns1/...` -> `endpoint-HASH-ns1/...`, for every chain or set kind
 /// whose hash covers an endpoint address.
-fn mask_hashes(text: &str) -> String {
+pub(super) fn mask_hashes(text: &str) -> String {
     let mut out = text.to_string();
     for kind in ["endpoint-", "affinity-"] {
         let mut from = 0;
