@@ -83,7 +83,10 @@ fn parse_priority(text: &str) -> Option<i32> {
             if let Some(v) = base(one) {
                 return Some(v);
             }
-            let at = one[1..].find(['+', '-'])? + 1;
+            let (at, _) = one
+                .char_indices()
+                .skip(1)
+                .find(|&(_, c)| c == '+' || c == '-')?;
             let (name, off) = one.split_at(at);
             Some(base(name)? + off.parse::<i32>().ok()?)
         }
@@ -127,7 +130,7 @@ pub fn split_top(text: &str, sep: &str) -> Vec<String> {
             b'"' => quoted = !quoted,
             b'{' if !quoted => depth += 1,
             b'}' if !quoted => depth = depth.saturating_sub(1),
-            _ if !quoted && depth == 0 && text[i..].starts_with(sep) => {
+            _ if !quoted && depth == 0 && bytes[i..].starts_with(sep.as_bytes()) => {
                 parts.push(text[last..i].trim().to_string());
                 i += sep.len();
                 last = i;

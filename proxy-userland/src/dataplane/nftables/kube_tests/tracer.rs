@@ -47,6 +47,9 @@ enum End {
 }
 
 const MAX_DEPTH: usize = 64;
+/// Chains run for one packet at most: numgen maps that jump back would otherwise make the
+/// work grow with the number of endpoints to the power of the depth.
+const MAX_CHAIN_RUNS: usize = 10_000;
 
 struct Tracer<'a> {
     dump: &'a Dump,
@@ -54,6 +57,7 @@ struct Tracer<'a> {
     trace: Trace,
     outputs: Vec<String>,
     dropped: bool,
+    chain_runs: usize,
 }
 
 /// One packet field, as a selector names it.
@@ -302,6 +306,15 @@ impl Tracer<'_> {
 
     /// Runs the packet through `chain`; upstream's runChain.
     fn run_chain(&mut self, chain: &str, p: &mut Packet<'_>, depth: usize) -> End {
+        self.chain_runs += 1;
+        if self.chain_runs > MAX_CHAIN_RUNS {
+            if self.chain_runs == MAX_CHAIN_RUNS + 1 {
+                self.trace
+                    .errors
+                    .push(format!("more than {MAX_CHAIN_RUNS} chains run"));
+            }
+            return End::Terminal;
+        }
         if depth > MAX_DEPTH {
             self.trace
                 .errors
@@ -473,6 +486,7 @@ pub fn trace_packet(
         trace: Trace::default(),
         outputs: Vec::new(),
         dropped: false,
+        chain_runs: 0,
     };
     let mut p = Packet {
         src,

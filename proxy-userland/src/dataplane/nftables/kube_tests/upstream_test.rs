@@ -360,6 +360,17 @@ fn test_trace_reports_unknown_statements() {
     let t = trace_packet(&dump, ip("198.18.0.2"), "tcp", ip("198.19.0.41"), 80, &[]);
     assert!(t.errors.iter().any(|e| e.contains("ip dscp")), "{t:?}");
 
+    // A numgen map that jumps back to its own chain: bounded work, and an error.
+    let dump = Dump::parse(&format!(
+        "{BASE_RULES}
+add chain ip fastpath loop
+add rule ip fastpath loop numgen random mod 2 vmap {{ 0 : goto loop , 1 : goto loop }}
+add element ip fastpath service-ips {{ 198.19.0.8 . tcp . 80 : goto loop }}"
+    ))
+    .unwrap();
+    let t = trace_packet(&dump, ip("198.18.0.2"), "tcp", ip("198.19.0.8"), 80, &[]);
+    assert!(!t.errors.is_empty(), "{t:?}");
+
     let dump = Dump::parse(&format!(
         "{BASE_RULES}\nadd element ip fastpath service-ips {{ 198.19.0.9 . tcp . 80 : goto nowhere }}"
     ))
@@ -612,5 +623,38 @@ fn test_listing_parse_errors() {
     ] {
         let e = Dump::from_listing(text).expect_err(text);
         assert!(e.to_string().contains(want), "{text:?}: {e}");
+    }
+}
+
+/// Bad input gets an error or a trace with errors, never a panic: every prefix of the
+/// fixtures (cut anywhere, also inside a multi-byte character's neighbourhood), and the
+/// fixtures with odd characters put in, parsed and traced.
+#[test]
+fn test_dump_and_listing_never_panic() {
+    let listing = include_str!("fixtures/overall_listing_nft_1.0.6.txt");
+    let dump_text = format!("{BASE_RULES}\n{OVERALL}");
+    let local = [ip(TEST_NODE_IP)];
+    let mut inputs: Vec<String> = Vec::new();
+    for text in [listing, dump_text.as_str()] {
+        let cuts: Vec<usize> = text.char_indices().map(|(i, _)| i).step_by(7).collect();
+        inputs.extend(cuts.iter().map(|&i| text[..i].to_string()));
+        for odd in ["é", "{", "}", "\"", " : ", " . ", "-", "priority é-1", "@"] {
+            inputs.push(text.replacen(' ', odd, 40));
+            inputs.push(text.replace("tcp", odd));
+        }
+    }
+    for input in &inputs {
+        for dump in [Dump::parse(input), Dump::from_listing(input)]
+            .into_iter()
+            .flatten()
+        {
+            for (dst, port) in [
+                ("198.19.0.41", 80),
+                (TEST_NODE_IP, 3001),
+                ("198.19.250.8", 80),
+            ] {
+                let _ = trace_packet(&dump, ip("198.19.240.2"), "tcp", ip(dst), port, &local);
+            }
+        }
     }
 }
