@@ -20,6 +20,7 @@ pub mod leftovers;
 pub mod mode;
 pub mod netlink;
 pub mod netns;
+pub mod nftables;
 pub mod primary;
 pub mod start;
 pub mod userspace;

@@ -28,7 +28,7 @@ pub mod render;
 mod sync;
 
 #[cfg(test)]
-mod kube_tests;
+pub(crate) mod kube_tests;
 
 use tracing::{info, warn};
 

@@ -1,0 +1,316 @@
+//! The renderer's unit tests: statements checked as text, and (where `nft` runs) the whole
+//! transaction checked by `nft -c`, which parses and validates without committing.
+
+use std::sync::Arc;
+
+use super::*;
+use crate::model::{
+    Endpoint, EndpointSet, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort,
+};
+
+fn ep(ip: &str, node: &str) -> Endpoint {
+    Endpoint {
+        ip: ip.parse().unwrap(),
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: Some(node.into()),
+        zone: None,
+        zone_hints: Default::default(),
+        node_hints: Default::default(),
+    }
+}
+
+fn svc(ns: &str, name: &str, ip: &str) -> Service {
+    Service::cluster_ip(
+        ServiceKey::new(ns, name),
+        vec![ip.parse().unwrap()],
+        vec![ServicePort {
+            name: "p80".into(),
+            port: 80,
+            protocol: Protocol::Tcp,
+            node_port: None,
+        }],
+    )
+}
+
+fn eps(list: Vec<Endpoint>) -> EndpointSet {
+    let ports = vec![SlicePort {
+        name: "p80".into(),
+        port: 80,
+        protocol: Protocol::Tcp,
+    }];
+    EndpointSet {
+        slices: crate::model::Slices::from([(
+            "s".into(),
+            SliceInfo {
+                ports,
+                endpoints: list,
+            },
+        )]),
+    }
+}
+
+fn state(entries: Vec<(Service, Option<EndpointSet>)>) -> ProxyState {
+    let mut st = ProxyState::default();
+    for (s, e) in entries {
+        if let Some(e) = e {
+            st.endpoints.insert(s.key.clone(), Arc::new(e));
+        }
+        st.services.insert(s.key.clone(), Arc::new(s));
+    }
+    st
+}
+
+fn node() -> NodeInfo {
+    NodeInfo {
+        name: "node-a".into(),
+        zone: None,
+    }
+}
+
+fn cfg() -> RenderConfig {
+    RenderConfig {
+        local_traffic: LocalTraffic::Cidrs(vec![("198.18.0.0".parse().unwrap(), 16)]),
+        service_ranges: vec![("198.19.0.0".parse().unwrap(), 17)],
+        ..RenderConfig::default()
+    }
+}
+
+fn lines(text: &str) -> Vec<&str> {
+    text.lines().collect()
+}
+
+/// `nft -c -f -` of `text`: None where nft cannot run here (not installed, not root).
+fn nft_check(text: &str) -> Option<Result<(), String>> {
+    use std::{io::Write as _, process::Stdio};
+    let mut child = std::process::Command::new("nft")
+        .args(["-c", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .ok()?;
+    child.stdin.take()?.write_all(text.as_bytes()).ok()?;
+    let out = child.wait_with_output().ok()?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if stderr.contains("Operation not permitted") {
+        return None;
+    }
+    Some(if out.status.success() {
+        Ok(())
+    } else {
+        Err(stderr)
+    })
+}
+
+#[test]
+fn names_are_kube_proxys() {
+    // From kube-proxy's TestOverallNFTablesRules: the addresses are hashed into the names,
+    // so upstream's stay here, as data.
+    let s1 = svc("ns1", "svc1", "198.19.0.41");
+    let p = &s1.ports[0];
+    assert_eq!(
+        PortNames::new(&s1, p).cluster,
+        "service-ULMVA6XW-ns1/svc1/tcp/p80"
+    );
+    assert_eq!(
+        endpoint_names(&s1, p, "10.180.0.1:80".parse().unwrap()).0,
+        "endpoint-5OJB2KTY-ns1/svc1/tcp/p80__10.180.0.1/80"
+    );
+    let s5 = svc("ns5", "svc5", "198.19.0.45");
+    assert_eq!(
+        PortNames::new(&s5, &s5.ports[0]).firewall,
+        "firewall-HVFWP5L3-ns5/svc5/tcp/p80"
+    );
+    assert_eq!(
+        endpoint_names(&s5, &s5.ports[0], "10.180.0.3:80".parse().unwrap()).1,
+        "affinity-GTK6MW7G-ns5/svc5/tcp/p80__10.180.0.3/80"
+    );
+}
+
+#[test]
+fn a_cluster_ip_service_is_kube_proxys_svc1() {
+    let st = state(vec![(
+        svc("ns1", "svc1", "198.19.0.41"),
+        Some(eps(vec![ep("198.18.180.1", "node-a")])),
+    )]);
+    let text = render_full(&st, &node(), Family::V4, &cfg());
+    let got = lines(&text);
+    let sc = "service-ULMVA6XW-ns1/svc1/tcp/p80";
+    let ec = endpoint_names(
+        &st.services.values().next().unwrap(),
+        &st.services.values().next().unwrap().ports[0],
+        "198.18.180.1:80".parse().unwrap(),
+    )
+    .0;
+    for want in [
+        "add table ip fastpath { comment \"rules for kube-proxy\" ; }".to_string(),
+        "add rule ip fastpath services ip daddr . meta l4proto . th dport vmap @service-ips"
+            .to_string(),
+        format!("add chain ip fastpath {sc}"),
+        format!(
+            "add rule ip fastpath {sc} ip daddr 198.19.0.41 ip saddr != 198.18.0.0/16 jump mark-for-masquerade"
+        ),
+        format!("add rule ip fastpath {sc} numgen random mod 1 vmap {{ 0 : goto {ec} }}"),
+        format!("add rule ip fastpath {ec} ip saddr 198.18.180.1 jump mark-for-masquerade"),
+        format!("add rule ip fastpath {ec} meta l4proto tcp dnat to 198.18.180.1:80"),
+        "add element ip fastpath cluster-ips { 198.19.0.41 }".to_string(),
+        format!("add element ip fastpath service-ips {{ 198.19.0.41 . tcp . 80 : goto {sc} }}"),
+        "add rule ip fastpath cluster-ips-check ip daddr { 198.19.0.0/17 } reject comment \"Reject traffic to unallocated ClusterIPs\"".to_string(),
+        "add rule ip fastpath services fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports".to_string(),
+    ] {
+        assert!(got.contains(&want.as_str()), "missing {want}\n{text}");
+    }
+}
+
+#[test]
+fn no_endpoints_reject_and_local_policy_drops() {
+    let mut lb = svc("ns2", "svc2", "198.19.0.42");
+    lb.ports[0].node_port = Some(3001);
+    lb.load_balancer_ips = vec!["198.19.250.4".parse().unwrap()];
+    lb.external_ips = vec!["198.19.227.22".parse().unwrap()];
+    lb.external_policy_local = true;
+    let st = state(vec![
+        (svc("ns6", "svc6", "198.19.0.46"), None),
+        (lb, Some(eps(vec![ep("198.18.180.2", "node-b")]))),
+    ]);
+    let text = render_full(&st, &node(), Family::V4, &cfg());
+    let got = lines(&text);
+    for want in [
+        "add element ip fastpath no-endpoint-services { 198.19.0.46 . tcp . 80 comment \"ns6/svc6:p80\" : goto reject-chain }",
+        "add element ip fastpath no-endpoint-nodeports { tcp . 3001 comment \"ns2/svc2:p80\" : drop }",
+        "add element ip fastpath no-endpoint-services { 198.19.250.4 . tcp . 80 comment \"ns2/svc2:p80\" : drop }",
+        "add element ip fastpath no-endpoint-services { 198.19.227.22 . tcp . 80 comment \"ns2/svc2:p80\" : drop }",
+        "add rule ip fastpath external-42NFTM6N-ns2/svc2/tcp/p80 ip saddr 198.18.0.0/16 goto service-42NFTM6N-ns2/svc2/tcp/p80 comment \"short-circuit pod traffic\"",
+        "add rule ip fastpath external-42NFTM6N-ns2/svc2/tcp/p80 fib saddr type local jump mark-for-masquerade comment \"masquerade local traffic\"",
+        "add element ip fastpath service-nodeports { tcp . 3001 : goto external-42NFTM6N-ns2/svc2/tcp/p80 }",
+    ] {
+        assert!(got.contains(&want), "missing {want}\n{text}");
+    }
+    // No local endpoint: nothing falls through to the (absent) local chain.
+    assert!(!text.contains("goto local-"), "{text}");
+}
+
+/// A service with everything: node port, LB IP with source ranges, affinity, two
+/// endpoints; in both families.
+fn everything(family: Family) -> (ProxyState, RenderConfig) {
+    let (cip, lbip, e1, e2, range, pods, svcs) = if family.is_v4() {
+        (
+            "198.19.0.45",
+            "198.19.250.8",
+            "198.18.180.3",
+            "198.18.180.4",
+            ("198.19.113.0", 25),
+            ("198.18.0.0", 16),
+            ("198.19.0.0", 17),
+        )
+    } else {
+        (
+            "2001:db8:96::45",
+            "2001:db8:250::8",
+            "2001:db8:180::3",
+            "2001:db8:180::4",
+            ("2001:db8:113::", 64),
+            ("2001:db8:10::", 64),
+            ("2001:db8:96::", 112),
+        )
+    };
+    let mut s = svc("ns5", "svc5", cip);
+    s.ports[0].node_port = Some(3002);
+    s.load_balancer_ips = vec![lbip.parse().unwrap()];
+    s.load_balancer_source_ranges = vec![(range.0.parse().unwrap(), range.1)];
+    s.affinity_timeout = Some(10800);
+    let st = state(vec![(
+        s,
+        Some(eps(vec![ep(e1, "node-a"), ep(e2, "node-b")])),
+    )]);
+    let cfg = RenderConfig {
+        local_traffic: LocalTraffic::Cidrs(vec![(pods.0.parse().unwrap(), pods.1)]),
+        service_ranges: vec![(svcs.0.parse().unwrap(), svcs.1)],
+        nodeport_addresses: vec![(range.0.parse().unwrap(), range.1)],
+        node_ips: vec![if family.is_v4() {
+            "198.19.113.2".parse().unwrap()
+        } else {
+            "2001:db8:113::2".parse().unwrap()
+        }],
+        ..RenderConfig::default()
+    };
+    (st, cfg)
+}
+
+#[test]
+fn affinity_firewall_and_node_addresses_are_written() {
+    let (st, cfg) = everything(Family::V4);
+    let text = render_full(&st, &node(), Family::V4, &cfg);
+    let got = lines(&text);
+    let aff = "affinity-";
+    assert!(
+        got.iter()
+            .any(|l| l.starts_with(&format!("add set ip fastpath {aff}"))
+                && l.ends_with("{ type ipv4_addr ; flags dynamic,timeout ; timeout 10800s ; }")),
+        "{text}"
+    );
+    for want in [
+        "add rule ip fastpath firewall-HVFWP5L3-ns5/svc5/tcp/p80 ip saddr != { 198.19.113.0/25 , 198.19.250.8 } drop",
+        "add element ip fastpath firewall-ips { 198.19.250.8 . tcp . 80 : goto firewall-HVFWP5L3-ns5/svc5/tcp/p80 }",
+        "add element ip fastpath nodeport-ips { 198.19.113.2 }",
+        "add rule ip fastpath services ip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports",
+    ] {
+        assert!(got.contains(&want), "missing {want}\n{text}");
+    }
+    assert!(
+        got.iter()
+            .any(|l| l.contains(" ip saddr @affinity-") && l.contains(" goto endpoint-")),
+        "{text}"
+    );
+    assert!(
+        got.iter().any(|l| l.contains("update @affinity-")),
+        "{text}"
+    );
+}
+
+#[test]
+fn nft_accepts_full_and_partial_transactions_in_both_families() {
+    for family in [Family::V4, Family::V6] {
+        let (st, cfg) = everything(family);
+        let mut rendered = Rendered::new(&st, &node(), family, &cfg);
+        let full = rendered.full_transaction();
+        // Change: one endpoint goes, the service loses its affinity; then it goes away.
+        let key = st.services.keys().next().unwrap().clone();
+        let mut st2 = st.clone();
+        let mut s = (*st2.services[&key]).clone();
+        s.affinity_timeout = None;
+        st2.services.insert(key.clone(), Arc::new(s));
+        let (e1, _) = if family.is_v4() {
+            ("198.18.180.3", "")
+        } else {
+            ("2001:db8:180::3", "")
+        };
+        st2.endpoints
+            .insert(key.clone(), Arc::new(eps(vec![ep(e1, "node-a")])));
+        let (changed, stale) = rendered
+            .rerender(&st2, &node(), &cfg, [&key])
+            .expect("a change");
+        assert_eq!(stale.len(), 1, "one endpoint chain goes: {changed}");
+        assert!(changed.contains("delete set"), "{changed}");
+        assert!(
+            rendered.rerender(&st2, &node(), &cfg, [&key]).is_none(),
+            "nothing changed the second time"
+        );
+        let gone = ProxyState::default();
+        let (removed, stale2) = rendered.rerender(&gone, &node(), &cfg, [&key]).unwrap();
+        assert!(removed.contains("delete element"), "{removed}");
+        assert!(!stale2.is_empty());
+        let f = family_name(family);
+        let deletes: String = stale
+            .iter()
+            .chain(&stale2)
+            .map(|c| format!("delete chain {f} fastpath {c}\n"))
+            .collect();
+        match nft_check(&format!("{full}{changed}{removed}{deletes}")) {
+            None => eprintln!("nft cannot run here: transactions not checked"),
+            Some(r) => r.unwrap_or_else(|e| panic!("{family:?}: {e}\n{full}{changed}{removed}")),
+        }
+    }
+}
