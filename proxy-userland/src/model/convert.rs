@@ -324,6 +324,8 @@ pub fn service(
         });
     }
 
+    // Pushed one at a time: a Vec grown that way holds four, and the model keeps it.
+    ports.shrink_to_fit();
     let external_ips = spec
         .external_ips
         .iter()
@@ -351,6 +353,7 @@ pub fn service(
         load_balancer_ips.push(ctx.ip(format_args!("status.loadBalancer.ingress[{i}].ip"), ip)?);
     }
 
+    load_balancer_ips.shrink_to_fit();
     let load_balancer_source_ranges = source_ranges(&ctx, svc)?;
 
     let affinity_timeout = match spec.session_affinity.as_deref() {
@@ -534,6 +537,8 @@ pub fn endpoint_slice(
         });
     }
 
+    // See service(): the model keeps what a push left spare.
+    ports.shrink_to_fit();
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     for (i, ep) in slice.endpoints.iter().enumerate() {
         match endpoint(&ctx, i, ep, want_v4) {
@@ -544,6 +549,7 @@ pub fn endpoint_slice(
         }
     }
 
+    endpoints.shrink_to_fit();
     debug!(slice = %ctx.object, managed_by, ports = ports.len(), endpoints = endpoints.len(), "converted EndpointSlice");
     Ok(Some((
         ServiceKey::new(namespace, service_name),
