@@ -19,7 +19,10 @@ use k8s_openapi::{
 };
 use tracing::{debug, warn};
 
-use super::{Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort, intern::intern};
+use super::{
+    Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort,
+    intern::{Name, intern},
+};
 
 /// Services that carry this label belong to the proxy it names.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -593,8 +596,8 @@ fn endpoint(
         ready,
         serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
         terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-        node_name: ep.node_name.as_deref().map(intern),
-        zone: ep.zone.as_deref().map(intern),
+        node_name: ep.node_name.as_deref().map(Name::new),
+        zone: ep.zone.as_deref().map(Name::new),
         zone_hints: ep
             .hints
             .as_ref()
