@@ -19,7 +19,10 @@ use k8s_openapi::{
 };
 use tracing::{debug, warn};
 
-use super::{Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort, intern::intern};
+use super::{
+    Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort,
+    intern::{Name, intern},
+};
 
 /// Services that carry this label belong to the proxy it names.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
@@ -324,6 +327,8 @@ pub fn service(
         });
     }
 
+    // Pushed one at a time: a Vec grown that way holds four, and the model keeps it.
+    ports.shrink_to_fit();
     let external_ips = spec
         .external_ips
         .iter()
@@ -351,6 +356,7 @@ pub fn service(
         load_balancer_ips.push(ctx.ip(format_args!("status.loadBalancer.ingress[{i}].ip"), ip)?);
     }
 
+    load_balancer_ips.shrink_to_fit();
     let load_balancer_source_ranges = source_ranges(&ctx, svc)?;
 
     let affinity_timeout = match spec.session_affinity.as_deref() {
@@ -534,6 +540,8 @@ pub fn endpoint_slice(
         });
     }
 
+    // See service(): the model keeps what a push left spare.
+    ports.shrink_to_fit();
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
     for (i, ep) in slice.endpoints.iter().enumerate() {
         match endpoint(&ctx, i, ep, want_v4) {
@@ -544,6 +552,7 @@ pub fn endpoint_slice(
         }
     }
 
+    endpoints.shrink_to_fit();
     debug!(slice = %ctx.object, managed_by, ports = ports.len(), endpoints = endpoints.len(), "converted EndpointSlice");
     Ok(Some((
         ServiceKey::new(namespace, service_name),
@@ -587,8 +596,8 @@ fn endpoint(
         ready,
         serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
         terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-        node_name: ep.node_name.as_deref().map(intern),
-        zone: ep.zone.as_deref().map(intern),
+        node_name: ep.node_name.as_deref().map(Name::new),
+        zone: ep.zone.as_deref().map(Name::new),
         zone_hints: ep
             .hints
             .as_ref()

@@ -7,58 +7,137 @@
 //! looked, so node names that come and go do not pile up.
 
 use std::{
+    borrow::Borrow,
     collections::HashSet,
+    fmt,
+    hash::Hash,
+    ops::Deref,
     sync::{Arc, Mutex},
 };
 
-struct Pool {
-    strings: HashSet<Arc<str>>,
+struct Pool<T> {
+    strings: HashSet<T>,
     /// The pool's size that triggers the next sweep.
     sweep_at: usize,
 }
 
 const FIRST_SWEEP: usize = 1024;
 
-static POOL: Mutex<Option<Pool>> = Mutex::new(None);
+static POOL: Mutex<Option<Pool<Arc<str>>>> = Mutex::new(None);
+static NAMES: Mutex<Option<Pool<Name>>> = Mutex::new(None);
 
-/// The shared copy of `s`.
-pub fn intern(s: &str) -> Arc<str> {
+/// The shared copy of `s` in `pool`; `held` tells how many hold a copy (the pool's own
+/// included).
+fn shared<T: Borrow<str> + Hash + Eq + Clone>(
+    pool: &Mutex<Option<Pool<T>>>,
+    s: &str,
+    make: impl FnOnce(&str) -> T,
+    held: impl Fn(&T) -> usize,
+) -> T {
     // A panic while the lock was held cannot leave the set half-changed in a way that
     // matters: at worst a string is missing and gets a copy of its own.
-    let mut guard = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut guard = pool.lock().unwrap_or_else(|p| p.into_inner());
     let pool = guard.get_or_insert_with(|| Pool {
         strings: HashSet::new(),
         sweep_at: FIRST_SWEEP,
     });
     if let Some(shared) = pool.strings.get(s) {
-        return Arc::clone(shared);
+        return shared.clone();
     }
     if pool.strings.len() >= pool.sweep_at {
-        pool.strings.retain(|k| Arc::strong_count(k) > 1);
+        pool.strings.retain(|k| held(k) > 1);
         pool.sweep_at = (pool.strings.len() * 2).max(FIRST_SWEEP);
     }
-    let shared: Arc<str> = Arc::from(s);
-    pool.strings.insert(Arc::clone(&shared));
+    let shared = make(s);
+    pool.strings.insert(shared.clone());
     shared
+}
+
+/// The shared copy of `s`.
+pub fn intern(s: &str) -> Arc<str> {
+    shared(&POOL, s, |s| Arc::from(s), Arc::strong_count)
+}
+
+/// A node or zone name: a shared copy ([`intern`]) behind a thin pointer. Every endpoint
+/// holds two; as `Option<Arc<str>>` (a pointer and a length) they were 32 of an endpoint's
+/// 72 bytes, ~7.6 MiB of the model at 50,000 services of ten endpoints.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Name(Arc<String>);
+
+impl Name {
+    pub fn new(s: &str) -> Self {
+        shared(
+            &NAMES,
+            s,
+            |s| Name(Arc::new(s.to_owned())),
+            |n| Arc::strong_count(&n.0),
+        )
+    }
+}
+
+impl Deref for Name {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// As a `str`: the pool looks names up by their text (`Hash` and `Eq` agree, both are the
+/// `String`'s).
+impl Borrow<str> for Name {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for Name {
+    fn from(s: &str) -> Self {
+        Name::new(s)
+    }
+}
+
+impl From<String> for Name {
+    fn from(s: String) -> Self {
+        Name::new(&s)
+    }
+}
+
+impl PartialEq<str> for Name {
+    fn eq(&self, other: &str) -> bool {
+        **self.0 == *other
+    }
+}
+
+impl fmt::Debug for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self.0, f)
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 /// Serde for `Option<Arc<str>>` fields, interning what it reads (`#[serde(with)]`); the
 /// workspace's serde has no `rc` feature, and turning it on would rebuild every crate that
 /// uses serde.
 pub mod opt {
-    use std::sync::Arc;
-
     use serde::{Deserialize as _, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(v: &Option<Arc<str>>, s: S) -> Result<S::Ok, S::Error> {
+    use super::Name;
+
+    pub fn serialize<S: Serializer>(v: &Option<Name>, s: S) -> Result<S::Ok, S::Error> {
         match v {
             Some(v) => s.serialize_some(&**v),
             None => s.serialize_none(),
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Arc<str>>, D::Error> {
-        Ok(Option::<String>::deserialize(d)?.map(|v| super::intern(&v)))
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Name>, D::Error> {
+        Ok(Option::<String>::deserialize(d)?.map(|v| Name::new(&v)))
     }
 }
 
@@ -120,7 +199,7 @@ mod tests {
         #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
         struct T {
             #[serde(with = "opt")]
-            a: Option<Arc<str>>,
+            a: Option<Name>,
             #[serde(with = "list")]
             b: Vec<Arc<str>>,
         }

@@ -5,12 +5,14 @@
 //! of the model at 10,000 services. A sorted vector holds what is there and keeps the map's
 //! order and lookups (binary search over a handful of names).
 
-use std::{collections::BTreeMap, ops::Index};
+use std::{collections::BTreeMap, ops::Index, sync::Arc};
 
 /// Generic over the slice type so that this container needs nothing from the model's
 /// endpoint types, which hold it (`Slices<SliceInfo>`).
+///
+/// Names are shared strings: the change tracker's slice index holds the same copy.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Slices<T>(Vec<(String, T)>);
+pub struct Slices<T>(Vec<(Arc<str>, T)>);
 
 impl<T> Default for Slices<T> {
     fn default() -> Self {
@@ -20,14 +22,18 @@ impl<T> Default for Slices<T> {
 
 impl<T> Slices<T> {
     fn find(&self, name: &str) -> Result<usize, usize> {
-        self.0.binary_search_by(|(n, _)| n.as_str().cmp(name))
+        self.0.binary_search_by(|(n, _)| (**n).cmp(name))
     }
 
     /// Sets slice `name`; returns the slice it replaced.
-    pub fn insert(&mut self, name: String, slice: T) -> Option<T> {
+    pub fn insert(&mut self, name: impl Into<Arc<str>>, slice: T) -> Option<T> {
+        let name = name.into();
         match self.find(&name) {
             Ok(i) => Some(std::mem::replace(&mut self.0[i].1, slice)),
             Err(i) => {
+                // Exactly one more: a Vec grown by a push holds four (~200 spare bytes for
+                // the one slice almost every service has), and the model keeps it.
+                self.0.reserve_exact(1);
                 self.0.insert(i, (name, slice));
                 None
             }
@@ -55,7 +61,7 @@ impl<T> Slices<T> {
     }
 
     /// Slice names, in order.
-    pub fn keys(&self) -> impl Iterator<Item = &String> {
+    pub fn keys(&self) -> impl Iterator<Item = &Arc<str>> {
         self.0.iter().map(|(n, _)| n)
     }
 
@@ -65,14 +71,14 @@ impl<T> Slices<T> {
     }
 
     /// (name, slice), in order.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &T)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&Arc<str>, &T)> {
         self.0.iter().map(|(n, s)| (n, s))
     }
 }
 
-impl<T> FromIterator<(String, T)> for Slices<T> {
+impl<T, N: Into<Arc<str>>> FromIterator<(N, T)> for Slices<T> {
     /// A name given twice keeps its last slice, as collecting into a map would.
-    fn from_iter<I: IntoIterator<Item = (String, T)>>(iter: I) -> Self {
+    fn from_iter<I: IntoIterator<Item = (N, T)>>(iter: I) -> Self {
         let mut slices = Slices::default();
         for (name, slice) in iter {
             slices.insert(name, slice);
@@ -100,7 +106,7 @@ impl<T> Index<&str> for Slices<T> {
 /// As a map of name to slice (what /debug/model has always shown).
 impl<T: serde::Serialize> serde::Serialize for Slices<T> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_map(self.iter())
+        s.collect_map(self.iter().map(|(n, s)| (&**n, s)))
     }
 }
 
@@ -129,11 +135,11 @@ mod tests {
     #[test]
     fn behaves_as_a_sorted_map() {
         let mut s = Slices::default();
-        assert_eq!(s.insert("b".into(), slice(2)), None);
-        assert_eq!(s.insert("a".into(), slice(1)), None);
-        assert_eq!(s.insert("c".into(), slice(3)), None);
-        assert_eq!(s.insert("b".into(), slice(20)), Some(slice(2)));
-        assert_eq!(s.keys().cloned().collect::<Vec<_>>(), ["a", "b", "c"]);
+        assert_eq!(s.insert("b", slice(2)), None);
+        assert_eq!(s.insert("a", slice(1)), None);
+        assert_eq!(s.insert("c", slice(3)), None);
+        assert_eq!(s.insert("b", slice(20)), Some(slice(2)));
+        assert_eq!(s.keys().map(|k| &**k).collect::<Vec<_>>(), ["a", "b", "c"]);
         assert_eq!(s["b"], slice(20));
         assert!(s.contains_key("c") && !s.contains_key("d"));
         assert_eq!(s.remove("a"), Some(slice(1)));

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use proxy_common::{AffinityMatchKey, BackendId, service::flags};
 
-use super::{BackendAddr, BackendRef, DesiredFrontend, FrontendState, Programmer, adopted};
+use super::{BackendAddr, BackendRef, FrontendState, Programmer, Settings, adopted};
 
 impl Programmer {
     /// Reads back what a previous daemon left in pinned maps, so the first sync changes
@@ -33,8 +33,7 @@ impl Programmer {
             let mut st = FrontendState {
                 owner: adopted(),
                 rev_nat_index: master.rev_nat_index,
-                programmed: DesiredFrontend {
-                    backends: Vec::new(),
+                settings: Settings {
                     affinity_timeout: (master.flags & flags::AFFINITY != 0)
                         .then_some(master.affinity_timeout),
                     snat: master.flags & flags::SNAT != 0,
@@ -49,7 +48,7 @@ impl Programmer {
                 };
                 let Some(b) = backends.get(&id) else { break };
                 st.ids.push(id);
-                st.programmed.backends.push(*b);
+                self.set_addr(id, *b);
                 self.backends
                     .entry(*b)
                     .or_insert(BackendRef { id, refs: 0 })
@@ -88,7 +87,7 @@ impl Programmer {
         let want: BTreeSet<AffinityMatchKey> = self
             .frontends
             .values()
-            .filter(|st| st.programmed.affinity_timeout.is_some())
+            .filter(|st| st.settings.affinity_timeout.is_some())
             .flat_map(|st| {
                 st.ids
                     .iter()
