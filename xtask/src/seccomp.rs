@@ -215,7 +215,19 @@ pub const SOMETIMES: &[(&str, &str)] = &[
     ),
     (
         "madvise",
-        "glibc's free gives memory back with it when large arenas shrink, after big syncs",
+        "glibc's free gives memory back with it when large arenas shrink, after big syncs; jemalloc (the daemon's allocator) returns freed pages with it",
+    ),
+    (
+        "open",
+        "jemalloc reads /proc/sys/vm/overcommit_memory and the transparent huge page setting with open, not openat, once at start (x86_64; openat on aarch64)",
+    ),
+    (
+        "readlink",
+        "jemalloc looks for its optional configuration symlink /etc/_rjem_malloc.conf once at start",
+    ),
+    (
+        "readlinkat",
+        "the same lookup on aarch64, which has no readlink",
     ),
     (
         "sched_yield",
