@@ -434,7 +434,7 @@ impl Args {
             }
         }
         if let Some(mode) = set(&cfg.mode) {
-            // kube-proxy's ipvs and nftables are not among ours: refused, not approximated.
+            // kube-proxy's ipvs is not among ours: refused, not approximated.
             self.file_mode = Some(mode.parse::<Mode>().map_err(|e| invalid("mode", e))?);
         }
         if let (Some(s), false) = (set(&cfg.cluster_cidr), given("cluster_cidr")) {

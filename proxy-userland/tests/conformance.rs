@@ -30,6 +30,7 @@ use xtask::{probe::Outcome, testbed::Testbed};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     Ebpf,
+    Nftables,
     Iptables,
     Userspace,
 }
@@ -38,6 +39,7 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Ebpf => "ebpf",
+            Mode::Nftables => "nftables",
             Mode::Iptables => "iptables",
             Mode::Userspace => "userspace",
         }
@@ -59,6 +61,10 @@ macro_rules! matrix {
             #[test]
             fn ebpf() {
                 super::$behaviour(super::Mode::Ebpf)
+            }
+            #[test]
+            fn nftables() {
+                super::$behaviour(super::Mode::Nftables)
             }
             #[test]
             fn iptables() {
@@ -631,7 +637,7 @@ fn service_range_refused(mode: Mode) {
     // pod's datagram, rejected on FORWARD, gets the ICMP error: ECONNREFUSED).
     let udp_refusal = match mode {
         Mode::Ebpf => "ECONNREFUSED",
-        Mode::Iptables | Mode::Userspace => "EPERM",
+        Mode::Nftables | Mode::Iptables | Mode::Userspace => "EPERM",
     };
     for target in ["198.19.0.99:53", "198.19.0.10:53"] {
         let (out, took) = timed(|| udp_connected(target));

@@ -163,6 +163,21 @@ fn when_the_ebpf_load_fails_the_daemon_falls_back_and_says_why() {
         log.contains("proxy mode chosen after the eBPF failure"),
         "{log}"
     );
-    assert!(!chains_with(&saved(bed.node_netns(), "iptables-save"), "KUBE-SVC-").is_empty());
+    // The next mode the node runs: nftables (kernel 5.13+, nft works here).
+    let table = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            bed.node_netns(),
+            "nft",
+            "list",
+            "table",
+            "ip",
+            "fastpath",
+        ])
+        .output()
+        .expect("nft");
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("chain service-"), "{table}\n{log}");
     assert!(d.stop().success(), "{}", d.log());
 }

@@ -6,6 +6,7 @@ use std::{fmt, str::FromStr};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
 pub enum Mode {
     Ebpf,
+    Nftables,
     Iptables,
     Userspace,
 }
@@ -14,6 +15,7 @@ impl Mode {
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Ebpf => "ebpf",
+            Mode::Nftables => "nftables",
             Mode::Iptables => "iptables",
             Mode::Userspace => "userspace",
         }
@@ -31,10 +33,11 @@ impl FromStr for Mode {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "ebpf" => Ok(Mode::Ebpf),
+            "nftables" => Ok(Mode::Nftables),
             "iptables" => Ok(Mode::Iptables),
             "userspace" => Ok(Mode::Userspace),
             other => Err(format!(
-                "unknown proxy mode {other:?} (ebpf, iptables or userspace)"
+                "unknown proxy mode {other:?} (ebpf, nftables, iptables or userspace)"
             )),
         }
     }

@@ -314,7 +314,7 @@ fn test_validate_proxy_mode() {
             ("iptables is allowed", &[("mode", "iptables")], None),
             // Differs: not our modes.
             ("ipvs is allowed", &[("mode", "ipvs")], MODE),
-            ("nftables is allowed", &[("mode", "nftables")], MODE),
+            ("nftables is allowed", &[("mode", "nftables")], None),
             ("winkernel is not allowed", &[("mode", "kernelspace")], MODE),
             (
                 "invalid mode non-existent",

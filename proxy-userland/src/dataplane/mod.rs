@@ -6,7 +6,8 @@
 //! dispatch.
 //!
 //! - [`bpf`]: socket-level load balancing with cgroup eBPF programs (the default).
-//! - [`iptables`]: kube-proxy's iptables mode, the first fallback.
+//! - [`nftables`]: kube-proxy's nftables mode, the first fallback.
+//! - [`iptables`]: kube-proxy's iptables mode, the next one.
 //! - [`userspace`]: relays reached through iptables REDIRECT, the last resort.
 //! - [`frontends`]: what a service asks of any dataplane, derived from the model once.
 //! - [`mode`]: probing the node and choosing the mode, as kube-proxy's getProxyMode.
@@ -94,6 +95,7 @@ pub trait Dataplane {
 pub enum Proxier {
     // Boxed: the eBPF dataplane is large next to the others.
     Bpf(Box<bpf::BpfDataplane>),
+    Nftables(nftables::NftablesDataplane),
     Iptables(iptables::IptablesDataplane),
     Userspace(userspace::UserspaceDataplane),
 }
@@ -105,6 +107,7 @@ impl Proxier {
     pub fn shutdown(self) {
         match self {
             Proxier::Bpf(d) => drop(d),
+            Proxier::Nftables(mut d) => d.shutdown(),
             Proxier::Iptables(mut d) => d.shutdown(),
             Proxier::Userspace(mut d) => d.shutdown(),
         }
@@ -115,6 +118,7 @@ impl Dataplane for Proxier {
     fn name(&self) -> &'static str {
         match self {
             Proxier::Bpf(d) => d.name(),
+            Proxier::Nftables(d) => d.name(),
             Proxier::Iptables(d) => d.name(),
             Proxier::Userspace(d) => d.name(),
         }
@@ -123,6 +127,7 @@ impl Dataplane for Proxier {
     fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
         match self {
             Proxier::Bpf(d) => d.sync(state, node, scope),
+            Proxier::Nftables(d) => d.sync(state, node, scope),
             Proxier::Iptables(d) => d.sync(state, node, scope),
             Proxier::Userspace(d) => d.sync(state, node, scope),
         }

@@ -1,5 +1,5 @@
 //! Which dataplane to run, as kube-proxy's getProxyMode decides it: probe the node, take the
-//! best mode it can run (eBPF, else iptables, else userspace), and say why. A mode asked for
+//! best mode it can run (eBPF, else nftables, else iptables, else userspace), and say why. A mode asked for
 //! with `--proxy-mode` is checked the same way and refused with the reasons if the node
 //! cannot run it.
 //!
@@ -20,7 +20,7 @@ use tracing::{info, warn};
 
 use super::{
     iptables::{self, Family, Table, apply::Runner},
-    leftovers, netns,
+    leftovers, netns, nftables,
     userspace::portals,
 };
 pub use crate::config::mode::Mode;
@@ -29,6 +29,9 @@ pub use crate::config::mode::Mode;
 pub const BPF_PIN_DIR: &str = "/sys/fs/bpf/fastpath";
 /// BPF links (attaching cgroup programs without flags) came in Linux 5.7.
 pub const MIN_KERNEL_FOR_EBPF: (u32, u32) = (5, 7);
+/// kube-proxy's nftables mode requires 5.13 (as a stand-in for nft 1.0.1 or later on the
+/// host, kubernetes#122743); so do we.
+pub const MIN_KERNEL_FOR_NFTABLES: (u32, u32) = (5, 13);
 /// `-C` and `--wait` appeared in iptables 1.4.11; kube-proxy required it.
 pub const MIN_IPTABLES: (u32, u32, u32) = (1, 4, 11);
 
@@ -49,6 +52,9 @@ pub struct Probes {
     pub iptables_matches: Result<(), String>,
     /// iptables-restore accepts (in test mode) the userspace proxier's REDIRECT.
     pub iptables_redirect: Result<(), String>,
+    /// `nft -c` accepts (checks, never commits) a table using what the nftables proxier
+    /// writes.
+    pub nft_check: Result<(), String>,
 }
 
 impl Probes {
@@ -62,6 +68,7 @@ impl Probes {
             iptables_version: Ok("iptables v1.8.9 (nf_tables)".into()),
             iptables_matches: Ok(()),
             iptables_redirect: Ok(()),
+            nft_check: Ok(()),
         }
     }
 
@@ -138,8 +145,38 @@ impl Probes {
             iptables_version,
             iptables_matches,
             iptables_redirect,
+            nft_check: nft_check(netns),
         }
     }
+}
+
+/// Checked, never committed: a table with what the nftables proxier writes (verdict maps
+/// over concatenations, numgen, fib, dynamic sets with timeouts, masquerade, reject).
+const NFT_PROBE: &str = "add table ip fastpath-probe
+add map ip fastpath-probe m { type ipv4_addr . inet_proto . inet_service : verdict ; }
+add set ip fastpath-probe a { type ipv4_addr ; flags dynamic,timeout ; timeout 10s ; }
+add chain ip fastpath-probe e
+add chain ip fastpath-probe n { type nat hook output priority -100 ; }
+add chain ip fastpath-probe f { type filter hook output priority 0 ; }
+add rule ip fastpath-probe n ip daddr . meta l4proto . th dport vmap @m
+add rule ip fastpath-probe n fib daddr type local ip daddr != 127.0.0.0/8 jump e
+add rule ip fastpath-probe e ip saddr @a goto e
+add rule ip fastpath-probe e update @a { ip saddr }
+add rule ip fastpath-probe e numgen random mod 2 vmap { 0 : goto e , 1 : goto e }
+add rule ip fastpath-probe e meta l4proto tcp dnat to 198.18.0.2:1
+add rule ip fastpath-probe f ct state new reject
+add chain ip fastpath-probe p { type nat hook postrouting priority 100 ; }
+add rule ip fastpath-probe p mark and 0x4000 == 0 return
+add rule ip fastpath-probe p masquerade fully-random
+";
+
+/// `nft -c -f -` of [`NFT_PROBE`] in `netns`.
+fn nft_check(netns: Option<&str>) -> Result<(), String> {
+    let mut cmd = netns::command(netns, "nft");
+    cmd.args(["-c", "-f", "-"]);
+    iptables::apply::run_bounded(cmd, Some(NFT_PROBE))
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 /// Checked, never committed: every match and target the iptables proxier writes.
@@ -219,6 +256,19 @@ pub fn blockers(mode: Mode, p: &Probes) -> Vec<String> {
                 None => why.push("cannot read the kernel version".into()),
             }
         }
+        Mode::Nftables => {
+            match p.kernel {
+                Some(k) if k < MIN_KERNEL_FOR_NFTABLES => why.push(format!(
+                    "kernel {}.{} is older than {}.{} (kube-proxy's nftables requirement)",
+                    k.0, k.1, MIN_KERNEL_FOR_NFTABLES.0, MIN_KERNEL_FOR_NFTABLES.1
+                )),
+                Some(_) => {}
+                None => why.push("cannot read the kernel version".into()),
+            }
+            if let Err(e) = &p.nft_check {
+                why.push(format!("nft unusable: {e}"));
+            }
+        }
         Mode::Iptables => match &p.iptables_version {
             Err(e) => why.push(format!("iptables unusable: {e}")),
             Ok(line) => {
@@ -262,7 +312,7 @@ pub enum ModeError {
 }
 
 /// kube-proxy's getProxyMode: the requested mode if the node can run it, else an error;
-/// with none requested, the first of ebpf, iptables, userspace the node can run.
+/// with none requested, the first of ebpf, nftables, iptables, userspace the node can run.
 pub fn decide(requested: Option<Mode>, p: &Probes) -> Result<ModeDecision, ModeError> {
     if let Some(mode) = requested {
         let why = blockers(mode, p);
@@ -276,7 +326,7 @@ pub fn decide(requested: Option<Mode>, p: &Probes) -> Result<ModeDecision, ModeE
         };
     }
     let mut reasons = Vec::new();
-    for mode in [Mode::Ebpf, Mode::Iptables, Mode::Userspace] {
+    for mode in [Mode::Ebpf, Mode::Nftables, Mode::Iptables, Mode::Userspace] {
         let why = blockers(mode, p);
         if why.is_empty() {
             reasons.push(format!("{mode}: the node supports it"));
@@ -303,6 +353,13 @@ pub fn cleanup_leftovers(mode: Mode, netns: Option<&str>, pin_dir: Option<&Path>
         Err(e) => warn!("cannot remove kube-proxy's nftables tables: {e}"),
     }
     remove_ipvs_state(netns);
+    if mode != Mode::Nftables {
+        match nftables::apply::remove_tables(netns) {
+            Ok(gone) if gone.is_empty() => {}
+            Ok(gone) => info!(families = ?gone, "removed the nftables mode's tables"),
+            Err(e) => warn!("cannot remove the nftables mode's tables: {e}"),
+        }
+    }
 
     type Pred = fn(Table, &str) -> bool;
     let mut what: Vec<(&str, Pred)> = Vec::new();
@@ -404,13 +461,13 @@ mod tests {
     }
 
     #[test]
-    fn without_the_bpf_syscall_iptables_is_chosen_and_the_reason_given() {
+    fn without_the_bpf_syscall_nftables_is_chosen_and_the_reason_given() {
         let p = Probes {
             bpf_syscall: Err("EPERM".into()),
             ..Probes::all_good()
         };
         let d = decide(None, &p).unwrap();
-        assert_eq!(d.mode, Mode::Iptables);
+        assert_eq!(d.mode, Mode::Nftables);
         assert!(
             d.reasons
                 .iter()
@@ -448,12 +505,14 @@ mod tests {
         let p = Probes {
             bpf_syscall: Err("ENOSYS".into()),
             iptables_matches: Err("no statistic match".into()),
+            nft_check: Err("nft: not found".into()),
             ..Probes::all_good()
         };
         assert_eq!(decide(None, &p).unwrap().mode, Mode::Userspace);
         let old = Probes {
             bpf_syscall: Err("ENOSYS".into()),
             iptables_version: Ok("iptables v1.4.7".into()),
+            kernel: Some((5, 10)),
             ..Probes::all_good()
         };
         assert_eq!(decide(None, &old).unwrap().mode, Mode::Userspace);
@@ -466,11 +525,15 @@ mod tests {
             iptables_version: Err("iptables: not found".into()),
             iptables_matches: Err("iptables: not found".into()),
             iptables_redirect: Err("iptables: not found".into()),
+            nft_check: Err("nft: not found".into()),
             ..Probes::all_good()
         };
         let e = decide(None, &p).unwrap_err().to_string();
         assert!(
-            e.contains("not ebpf") && e.contains("not iptables") && e.contains("not userspace"),
+            e.contains("not ebpf")
+                && e.contains("not nftables")
+                && e.contains("not iptables")
+                && e.contains("not userspace"),
             "{e}"
         );
     }
@@ -492,6 +555,45 @@ mod tests {
                 .unwrap()
                 .mode,
             Mode::Iptables
+        );
+    }
+
+    #[test]
+    fn nftables_needs_kernel_5_13_and_a_working_nft_else_iptables() {
+        let no_bpf = Probes {
+            bpf_syscall: Err("EPERM".into()),
+            ..Probes::all_good()
+        };
+        let old = Probes {
+            kernel: Some((5, 10)),
+            ..no_bpf.clone()
+        };
+        let d = decide(None, &old).unwrap();
+        assert_eq!(d.mode, Mode::Iptables);
+        assert!(
+            d.reasons
+                .iter()
+                .any(|r| r.starts_with("not nftables") && r.contains("5.10 is older than 5.13")),
+            "{:?}",
+            d.reasons
+        );
+        let no_nft = Probes {
+            nft_check: Err("Error: Could not process rule".into()),
+            ..no_bpf
+        };
+        assert_eq!(decide(None, &no_nft).unwrap().mode, Mode::Iptables);
+        let e = decide(Some(Mode::Nftables), &no_nft)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--proxy-mode nftables cannot run") && e.contains("nft unusable"),
+            "{e}"
+        );
+        assert_eq!(
+            decide(Some(Mode::Nftables), &Probes::all_good())
+                .unwrap()
+                .mode,
+            Mode::Nftables
         );
     }
 

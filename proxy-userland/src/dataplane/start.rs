@@ -13,6 +13,7 @@ use super::{
         render::LocalTraffic,
     },
     mode::{self, Mode, ModeDecision, ModeError, Probes},
+    nftables::{NftablesConfig, NftablesDataplane, NftablesError},
     userspace::{UserspaceConfig, UserspaceDataplane, UserspaceError, relay::RelayConfig},
 };
 
@@ -53,6 +54,8 @@ pub enum StartError {
         cgroup: String,
         source: Box<LoadError>,
     },
+    #[error("cannot start the nftables proxier: {0}")]
+    Nftables(#[from] NftablesError),
     #[error("cannot start the iptables proxier: {0}")]
     Iptables(#[from] IptablesError),
     #[error("cannot start the userspace proxier: {0}")]
@@ -94,6 +97,16 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
             })?;
             info!(cgroup = %cgroup.display(), "eBPF socket load-balancing attached");
             Ok(Proxier::Bpf(Box::new(dp)))
+        }
+        Mode::Nftables => {
+            let dp = NftablesDataplane::new(NftablesConfig {
+                netns: opts.netns.clone(),
+                render: opts.render.clone(),
+                families: Vec::new(),
+                cleanup_on_exit: opts.cleanup_on_exit,
+            })?;
+            info!(families = ?dp.families(), netns = ?opts.netns, "nftables proxier ready");
+            Ok(Proxier::Nftables(dp))
         }
         Mode::Iptables => {
             let dp = IptablesDataplane::new(IptablesConfig {

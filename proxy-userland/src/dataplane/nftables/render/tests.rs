@@ -139,7 +139,7 @@ fn a_cluster_ip_service_is_kube_proxys_svc1() {
     let got = lines(&text);
     let sc = "service-ULMVA6XW-ns1/svc1/tcp/p80";
     let ec = endpoint_names(
-        &st.services.values().next().unwrap(),
+        st.services.values().next().unwrap(),
         &st.services.values().next().unwrap().ports[0],
         "198.18.180.1:80".parse().unwrap(),
     )
