@@ -22,9 +22,12 @@ static HEAP: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// idle between syncs), and thread caches for small sizes only. With jemalloc's defaults
 /// RSS was 154 MiB instead of 112 at 50,000 services, and 64 instead of 57 MiB for the
 /// manifest source at 10,000.
-// SAFETY: jemalloc reads this symbol once, as a NUL-terminated C string; the bytes are static.
+// The export is sound: jemalloc reads this symbol once, as a `const char *` (which an
+// `Option<&u8>` is laid out as) to a NUL-terminated string, and the bytes are static.
 #[unsafe(export_name = "_rjem_malloc_conf")]
-pub static JEMALLOC_CONF: &[u8] = b"narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0,tcache_max:1024\0";
+pub static JEMALLOC_CONF: Option<&u8> = Some(&JEMALLOC_CONF_TEXT[0]);
+static JEMALLOC_CONF_TEXT: [u8; 60] =
+    *b"narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0,tcache_max:1024\0";
 
 fn main() -> std::process::ExitCode {
     // `fastpath inspect|explain ...` are tools, not the daemon: dispatched before the
