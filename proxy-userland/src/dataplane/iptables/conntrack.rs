@@ -193,6 +193,58 @@ pub fn udp_targets(svc: &Service, eps: Option<&EndpointSet>, family: Family) -> 
     out
 }
 
+/// What a sync's UDP conntrack clean-up must look at, for the rule-based modes: updates
+/// `remembered` (each service's UDP targets and their serving endpoints, as last synced)
+/// for `keys`, and returns every remembered target with its endpoints, plus the targets
+/// that went away with none. None when nothing changed, unless a full sync has targets to
+/// check anyway.
+pub fn targets_to_clean(
+    remembered: &mut BTreeMap<crate::model::ServiceKey, UdpTargets>,
+    state: &crate::model::ProxyState,
+    keys: &BTreeSet<crate::model::ServiceKey>,
+    family: Family,
+    full: bool,
+) -> Option<UdpTargets> {
+    let mut gone: Vec<UdpTarget> = Vec::new();
+    let mut any_change = false;
+    for key in keys {
+        let now = state
+            .services
+            .get(key)
+            .map(|svc| udp_targets(svc, state.endpoints.get(key).map(|e| &**e), family))
+            .unwrap_or_default();
+        let before = remembered.get(key);
+        if before == Some(&now) || (before.is_none() && now.is_empty()) {
+            continue;
+        }
+        any_change = true;
+        gone.extend(
+            before
+                .into_iter()
+                .flat_map(|b| b.keys())
+                .filter(|t| !now.contains_key(t)),
+        );
+        if now.is_empty() {
+            remembered.remove(key);
+        } else {
+            remembered.insert(key.clone(), now);
+        }
+    }
+    if !any_change && (!full || remembered.is_empty()) {
+        return None;
+    }
+    let mut targets: UdpTargets = gone.into_iter().map(|t| (t, BTreeSet::new())).collect();
+    for t in remembered.values() {
+        for (target, eps) in t {
+            targets
+                .entry(*target)
+                .or_default()
+                .extend(eps.iter().copied());
+        }
+    }
+    Some(targets)
+}
+
 /// The entries to delete: those sent to a target whose reply does not come from one of the
 /// target's serving endpoints; for a target without endpoints (its service lost them all,
 /// or is gone), those that were translated.

@@ -20,7 +20,7 @@ use crate::{
     dataplane::iptables::{
         Family, RenderConfig,
         apply::ApplyError,
-        conntrack::{self, Flow, UdpTarget, UdpTargets},
+        conntrack::{self, Flow, UdpTargets},
     },
     model::{NodeInfo, ProxyState, ServiceKey},
 };
@@ -195,43 +195,9 @@ fn clean_udp_conntrack(
     full: bool,
 ) {
     let family = f.family();
-    let mut gone: Vec<UdpTarget> = Vec::new();
-    let mut any_change = false;
-    for key in keys {
-        let now = state
-            .services
-            .get(key)
-            .map(|svc| conntrack::udp_targets(svc, state.endpoints.get(key).map(|e| &**e), family))
-            .unwrap_or_default();
-        let before = f.udp.get(key);
-        if before == Some(&now) || (before.is_none() && now.is_empty()) {
-            continue;
-        }
-        any_change = true;
-        gone.extend(
-            before
-                .into_iter()
-                .flat_map(|b| b.keys())
-                .filter(|t| !now.contains_key(t)),
-        );
-        if now.is_empty() {
-            f.udp.remove(key);
-        } else {
-            f.udp.insert(key.clone(), now);
-        }
-    }
-    if !any_change && (!full || f.udp.is_empty()) {
+    let Some(targets) = conntrack::targets_to_clean(&mut f.udp, state, keys, family, full) else {
         return;
-    }
-    let mut targets: UdpTargets = gone.into_iter().map(|t| (t, BTreeSet::new())).collect();
-    for t in f.udp.values() {
-        for (target, eps) in t {
-            targets
-                .entry(*target)
-                .or_default()
-                .extend(eps.iter().copied());
-        }
-    }
+    };
     let flows = match f.nft.conntrack_udp() {
         Ok(flows) => flows,
         Err(e) => {
