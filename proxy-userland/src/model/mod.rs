@@ -13,6 +13,8 @@ pub mod service;
 pub mod service_cidr;
 pub mod slices;
 pub mod sloppy_ip;
+#[cfg(test)]
+pub mod testing;
 pub mod tracker;
 pub mod validate;
 

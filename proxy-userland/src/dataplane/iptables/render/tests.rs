@@ -1,24 +1,10 @@
 //! The renderer's unit tests: rules checked as text.
 
-use std::sync::Arc;
-
 use super::*;
 use crate::model::{
-    Endpoint, EndpointSet, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort,
+    Endpoint, Protocol, ServiceKey, ServicePort,
+    testing::{ep, eps, node, state},
 };
-
-fn ep(ip: &str, node: &str) -> Endpoint {
-    Endpoint {
-        ip: ip.parse().unwrap(),
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: Some(node.into()),
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
-    }
-}
 
 fn svc(name: &str, ip: &str) -> Service {
     Service::cluster_ip(
@@ -31,41 +17,6 @@ fn svc(name: &str, ip: &str) -> Service {
             node_port: None,
         }],
     )
-}
-
-fn eps(list: Vec<Endpoint>) -> EndpointSet {
-    let ports = vec![SlicePort {
-        name: "p80".into(),
-        port: 80,
-        protocol: Protocol::Tcp,
-    }];
-    EndpointSet {
-        slices: crate::model::Slices::from([(
-            "s".into(),
-            SliceInfo {
-                ports,
-                endpoints: list,
-            },
-        )]),
-    }
-}
-
-fn state(entries: Vec<(Service, Option<EndpointSet>)>) -> ProxyState {
-    let mut st = ProxyState::default();
-    for (s, e) in entries {
-        if let Some(e) = e {
-            st.endpoints.insert(s.key.clone(), Arc::new(e));
-        }
-        st.services.insert(s.key.clone(), Arc::new(s));
-    }
-    st
-}
-
-fn node() -> NodeInfo {
-    NodeInfo {
-        name: "node-a".into(),
-        zone: None,
-    }
 }
 
 fn v4(st: &ProxyState) -> Ruleset {
