@@ -283,13 +283,7 @@ impl ServiceMaps {
         value: ServiceValue,
     ) -> Result<(), MapError> {
         if let Some(q) = &mut self.deferred {
-            match fe.ip {
-                IpAddr::V4(ip) => q.service4(key4(fe, ip, slot), value),
-                IpAddr::V6(ip) => q.service6(key6(fe, ip, slot), value),
-            }
-            if slot == 0 {
-                q.frontend_done();
-            }
+            q.service(fe, slot, value);
             return Ok(());
         }
         match fe.ip {

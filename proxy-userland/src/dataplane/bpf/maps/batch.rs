@@ -133,12 +133,7 @@ impl ServiceMaps {
     /// Backend entries; see [`insert_all`]. On failure, some of them may be written.
     pub fn put_backends(&mut self, entries: &[(BackendId, BackendAddr)]) -> Result<(), MapError> {
         if let Some(q) = &mut self.deferred {
-            for (id, b) in entries {
-                match b.ip {
-                    IpAddr::V4(ip) => q.backend4(*id, super::backend4(ip, b)),
-                    IpAddr::V6(ip) => q.backend6(*id, super::backend6(ip, b)),
-                }
-            }
+            q.backends(entries);
             return Ok(());
         }
         let (mut ids4, mut values4, mut ids6, mut values6) = (vec![], vec![], vec![], vec![]);
@@ -167,13 +162,7 @@ impl ServiceMaps {
     ) -> Result<(), MapError> {
         if let Some(q) = &mut self.deferred {
             for &(slot, value) in slots {
-                match fe.ip {
-                    IpAddr::V4(ip) => q.service4(super::key4(fe, ip, slot), value),
-                    IpAddr::V6(ip) => q.service6(super::key6(fe, ip, slot), value),
-                }
-                if slot == 0 {
-                    q.frontend_done();
-                }
+                q.service(fe, slot, value);
             }
             return Ok(());
         }

@@ -18,10 +18,13 @@ use std::{
     sync::mpsc::{Receiver, SyncSender, sync_channel},
 };
 
+use std::net::IpAddr;
+
 use aya::maps::IterableMap as _;
 use proxy_common::{Backend4, Backend6, BackendId, Service4Key, Service6Key, ServiceValue};
 
 use super::{ServiceMaps, batch};
+use crate::dataplane::frontends::{BackendAddr, Frontend};
 
 /// Service map entries a chunk collects before it goes to the writer: large enough that a
 /// bpf() call's fixed cost is spread thin, small enough that the writer starts early.
@@ -51,30 +54,39 @@ pub struct Queue {
 }
 
 impl Queue {
-    pub fn backend4(&mut self, id: BackendId, b: Backend4) {
-        self.chunk.backends4.0.push(id);
-        self.chunk.backends4.1.push(b);
+    /// Backend entries, as [`ServiceMaps::put_backends`] would write them.
+    pub fn backends(&mut self, entries: &[(BackendId, BackendAddr)]) {
+        let c = &mut self.chunk;
+        for (id, b) in entries {
+            match b.ip {
+                IpAddr::V4(ip) => {
+                    c.backends4.0.push(*id);
+                    c.backends4.1.push(super::backend4(ip, b));
+                }
+                IpAddr::V6(ip) => {
+                    c.backends6.0.push(*id);
+                    c.backends6.1.push(super::backend6(ip, b));
+                }
+            }
+        }
     }
 
-    pub fn backend6(&mut self, id: BackendId, b: Backend6) {
-        self.chunk.backends6.0.push(id);
-        self.chunk.backends6.1.push(b);
-    }
-
-    pub fn service4(&mut self, key: Service4Key, value: ServiceValue) {
-        self.chunk.services4.0.push(key);
-        self.chunk.services4.1.push(value);
-    }
-
-    pub fn service6(&mut self, key: Service6Key, value: ServiceValue) {
-        self.chunk.services6.0.push(key);
-        self.chunk.services6.1.push(value);
-    }
-
-    /// Hands the chunk over once it is full; called after a master entry (a frontend's
-    /// last), so that a frontend's entries and its new backends stay in one chunk.
-    pub fn frontend_done(&mut self) {
-        if self.chunk.len() >= CHUNK {
+    /// One service map entry of `fe`. A master entry (slot 0) is a frontend's last: the
+    /// chunk goes to the writer once it is full, so that a frontend's entries and its new
+    /// backends stay in one chunk.
+    pub fn service(&mut self, fe: &Frontend, slot: u16, value: ServiceValue) {
+        let c = &mut self.chunk;
+        match fe.ip {
+            IpAddr::V4(ip) => {
+                c.services4.0.push(super::key4(fe, ip, slot));
+                c.services4.1.push(value);
+            }
+            IpAddr::V6(ip) => {
+                c.services6.0.push(super::key6(fe, ip, slot));
+                c.services6.1.push(value);
+            }
+        }
+        if slot == 0 && self.chunk.len() >= CHUNK {
             self.send();
         }
     }
