@@ -306,6 +306,16 @@ fn reference_key(r: &k8s_openapi::api::core::v1::ObjectReference) -> ServiceKey 
     )
 }
 
+/// The event for a slice that is gone, or no longer usable: the tracker knows its owner.
+fn slice_gone(key: ServiceKey) -> SourceEvent {
+    SourceEvent::Slice {
+        namespace: key.namespace.to_string(),
+        owner: None,
+        name: key.name.to_string(),
+        slice: None,
+    }
+}
+
 impl Pump {
     async fn send(&mut self, ev: SourceEvent) -> bool {
         self.tx.send(ev).await.is_ok()
@@ -449,50 +459,30 @@ impl Pump {
                 self.slices_listed = true;
                 return self.maybe_synced().await;
             }
+            // Unusable now (cannot be decoded): whatever it fed before must go.
             watcher::Event::Apply(Err(m)) => {
                 self.malformed(&m, "ignores it until it is fixed");
-                let key = reference_key(&m.object);
-                let ev = SourceEvent::Slice {
-                    namespace: key.namespace.to_string(),
-                    owner: None,
-                    name: key.name.to_string(),
-                    slice: None,
-                };
-                return self.send(ev).await;
+                return self.send(slice_gone(reference_key(&m.object))).await;
             }
             watcher::Event::Apply(Ok(slice)) => {
-                let namespace = slice.namespace().unwrap_or_else(|| "default".into());
-                let name = slice.name_any();
                 let ev = match self.convert_slice(&slice) {
                     Some((owner, name, info)) => SourceEvent::Slice {
-                        namespace,
+                        namespace: slice.namespace().unwrap_or_else(|| "default".into()),
                         owner: Some(owner),
                         name,
                         slice: Some(info),
                     },
                     // Unusable now (malformed, FQDN, owner label gone): whatever it fed
                     // before must go.
-                    None => SourceEvent::Slice {
-                        namespace,
-                        owner: None,
-                        name,
-                        slice: None,
-                    },
+                    None => slice_gone(object_key(&slice)),
                 };
                 return self.send(ev).await;
             }
-            watcher::Event::Delete(slice) => {
-                let key = match &slice {
-                    Ok(slice) => object_key(slice),
-                    Err(m) => reference_key(&m.object),
-                };
-                let ev = SourceEvent::Slice {
-                    namespace: key.namespace.to_string(),
-                    owner: None,
-                    name: key.name.to_string(),
-                    slice: None,
-                };
-                return self.send(ev).await;
+            watcher::Event::Delete(Ok(slice)) => {
+                return self.send(slice_gone(object_key(&slice))).await;
+            }
+            watcher::Event::Delete(Err(m)) => {
+                return self.send(slice_gone(reference_key(&m.object))).await;
             }
         }
         true
