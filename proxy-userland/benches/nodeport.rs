@@ -62,9 +62,10 @@ fn state(extra: u32) -> ProxyState {
     let mut svc = common::web_service("web", common::WEB_IP);
     svc.ports[0].node_port = Some(NODE_PORT);
     svc.ports[1].node_port = Some(UDP_NODE_PORT);
-    let local = |i| proxy_userland::model::Endpoint {
-        node_name: Some("node-a".into()),
-        ..common::ready(common::pod_ip(i))
+    let local = |i| {
+        (common::ready(common::pod_ip(i))).placed(|at| {
+            at.node_name = Some("node-a".into());
+        })
     };
     let eps = common::web_endpoints(vec![local(1), local(2)]);
     let mut state = synthetic::state(extra, 0);

@@ -240,10 +240,7 @@ pub fn ready(ip: Ipv4Addr) -> Endpoint {
         ready: true,
         serving: true,
         terminating: false,
-        node_name: None,
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
+        placement: Default::default(),
     }
 }
 

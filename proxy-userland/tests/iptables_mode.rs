@@ -34,10 +34,9 @@ fn proxier(bed: &Testbed) -> IptablesDataplane {
 }
 
 fn on(node: &str, ep: Endpoint) -> Endpoint {
-    Endpoint {
-        node_name: Some(node.into()),
-        ..ep
-    }
+    ep.placed(|at| {
+        at.node_name = Some(node.into());
+    })
 }
 
 #[test]

@@ -68,10 +68,9 @@ fn attach_cidrs(
 }
 
 fn on(node: &str, ep: Endpoint) -> Endpoint {
-    Endpoint {
-        node_name: Some(node.into()),
-        ..ep
-    }
+    ep.placed(|at| {
+        at.node_name = Some(node.into());
+    })
 }
 
 /// `demo/<name>` with node ports on both of its ports.

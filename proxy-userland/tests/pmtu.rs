@@ -102,9 +102,11 @@ fn pmtu_through_snat(tag: &str, v6: bool) {
     };
     let backend = Endpoint {
         ip: pod_ip,
-        node_name: Some("node-b".into()),
         ..ready(POD_B)
-    };
+    }
+    .placed(|at| {
+        at.node_name = Some("node-b".into());
+    });
     let eps = web_endpoints(vec![backend]);
     let report = dp.sync(&state_of(vec![(svc, Some(eps))]), &node(), Scope::Full);
     assert!(report.failed.is_empty(), "{report:?}");

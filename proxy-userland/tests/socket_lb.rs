@@ -452,14 +452,15 @@ fn connected_udp_clients_of_a_removed_backend_are_reset_not_black_holed() {
 }
 
 fn on_node(
-    mut e: proxy_userland::model::Endpoint,
+    e: proxy_userland::model::Endpoint,
     node: &str,
     zone: &str,
 ) -> proxy_userland::model::Endpoint {
-    e.node_name = Some(node.into());
-    e.zone = Some(zone.into());
-    e.zone_hints = std::iter::once(zone.into()).collect();
-    e
+    e.placed(|at| {
+        at.node_name = Some(node.into());
+        at.zone = Some(zone.into());
+        at.zone_hints = vec![zone.into()];
+    })
 }
 
 #[test]

@@ -292,10 +292,7 @@ mod tests {
             ready,
             serving: true,
             terminating: !ready,
-            node_name: Some(node.into()),
-            zone: None,
-            zone_hints: Default::default(),
-            node_hints: Default::default(),
+            placement: crate::model::endpoint::Where::on_node(node).into(),
         }
     }
 

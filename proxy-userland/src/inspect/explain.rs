@@ -158,7 +158,7 @@ fn reason(
         };
     }
     if policy_local && !local {
-        let on = ep.node_name.as_deref().unwrap_or("no node");
+        let on = ep.node_name().unwrap_or("no node");
         return format!(
             "on {on}; the Local policy uses only this node's ({}) endpoints",
             model.node.name
@@ -173,16 +173,16 @@ fn reason(
         return format!(
             "topology hints (PreferSameNode) send it to node(s) {}; this node ({node}) has \
              endpoints of its own",
-            ep.node_hints.join(",")
+            ep.node_hints().join(",")
         );
     }
     if let Some(select::Topology::SameZone(zone)) = topology
-        && !ep.zone_hints.is_empty()
-        && !ep.zone_hints.iter().any(|z| &**z == zone)
+        && !ep.zone_hints().is_empty()
+        && !ep.zone_hints().iter().any(|z| &**z == zone)
     {
         return format!(
             "topology hints send it to zone(s) {}; this node is in {zone}",
-            ep.zone_hints.join(",")
+            ep.zone_hints().join(",")
         );
     }
     "not chosen by the endpoint selection".into()
@@ -422,8 +422,8 @@ pub fn explain(
             Candidate {
                 address: SocketAddr::new(pe.ip, pe.port).to_string(),
                 state: view::state_word(&pe.endpoint),
-                node: pe.endpoint.node_name.as_deref().map(str::to_owned),
-                zone: pe.endpoint.zone.as_deref().map(str::to_owned),
+                node: pe.endpoint.node_name().map(str::to_owned),
+                zone: pe.endpoint.zone().map(str::to_owned),
                 eligible,
                 reason: reason(pe, eligible, policy_local, model, v4, topology),
             }

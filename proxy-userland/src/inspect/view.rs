@@ -214,7 +214,7 @@ fn backend_row(b: &BackendAddr, m: Option<&ModelFrontend>) -> BackendRow {
             .as_ref()
             .map_or("unknown", |pe| state_word(&pe.endpoint))
             .to_string(),
-        node: ep.and_then(|pe| pe.endpoint.node_name.as_deref().map(str::to_owned)),
+        node: ep.and_then(|pe| pe.endpoint.node_name().map(str::to_owned)),
         local: b.local,
         probability: None,
         chain: None,

@@ -21,6 +21,7 @@ use tracing::{debug, warn};
 
 use super::{
     Endpoint, Protocol, ServiceKey, ServicePort, SliceInfo, SlicePort,
+    endpoint::{Placement, Where},
     intern::{Name, intern},
 };
 
@@ -543,8 +544,9 @@ pub fn endpoint_slice(
     // See service(): the model keeps what a push left spare.
     ports.shrink_to_fit();
     let mut endpoints = Vec::with_capacity(slice.endpoints.len());
+    let mut placements = Placements::default();
     for (i, ep) in slice.endpoints.iter().enumerate() {
-        match endpoint(&ctx, i, ep, want_v4) {
+        match endpoint(&ctx, i, ep, want_v4, &mut placements) {
             Ok(e) => endpoints.push(e),
             Err(err) => {
                 warn!(slice = %ctx.object, managed_by, index = i, "dropping endpoint: {err}")
@@ -571,11 +573,12 @@ impl fmt::Display for FirstAddress {
     }
 }
 
-fn endpoint(
+fn endpoint<'a>(
     ctx: &Ctx,
     i: usize,
-    ep: &discovery::Endpoint,
+    ep: &'a discovery::Endpoint,
     want_v4: bool,
+    placements: &mut Placements<'a>,
 ) -> Result<Endpoint, ConvertError> {
     let field = FirstAddress(i);
     let address = ep.addresses.first().ok_or_else(|| ctx.missing(field))?;
@@ -596,21 +599,42 @@ fn endpoint(
         ready,
         serving: conditions.and_then(|c| c.serving).unwrap_or(ready),
         terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-        node_name: ep.node_name.as_deref().map(Name::new),
-        zone: ep.zone.as_deref().map(Name::new),
-        zone_hints: ep
-            .hints
-            .as_ref()
-            .and_then(|h| h.for_zones.as_ref())
-            .map(|zones| zones.iter().map(|z| intern(&z.name)).collect())
-            .unwrap_or_default(),
-        node_hints: ep
-            .hints
-            .as_ref()
-            .and_then(|h| h.for_nodes.as_ref())
-            .map(|nodes| nodes.iter().map(|n| intern(&n.name)).collect())
-            .unwrap_or_default(),
+        placement: placements.of(ep),
     })
+}
+
+/// The placement of a slice's endpoints: they almost always share a few nodes, so the last
+/// one is kept and reused while the next endpoint names the same node, zone and hints.
+#[derive(Default)]
+struct Placements<'a> {
+    last: Option<(&'a discovery::Endpoint, Placement)>,
+}
+
+impl<'a> Placements<'a> {
+    fn of(&mut self, ep: &'a discovery::Endpoint) -> Placement {
+        if let Some((seen, placement)) = &self.last
+            && seen.node_name == ep.node_name
+            && seen.zone == ep.zone
+            && seen.hints == ep.hints
+        {
+            return placement.clone();
+        }
+        let hints = ep.hints.as_ref();
+        let placement = Placement::new(Where {
+            node_name: ep.node_name.as_deref().map(Name::new),
+            zone: ep.zone.as_deref().map(Name::new),
+            zone_hints: hints
+                .and_then(|h| h.for_zones.as_ref())
+                .map(|zones| zones.iter().map(|z| intern(&z.name)).collect())
+                .unwrap_or_default(),
+            node_hints: hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .map(|nodes| nodes.iter().map(|n| intern(&n.name)).collect())
+                .unwrap_or_default(),
+        });
+        self.last = Some((ep, placement.clone()));
+        placement
+    }
 }
 
 #[cfg(test)]
@@ -1121,21 +1145,17 @@ endpoints:
             ready,
             serving,
             terminating,
-            node_name: None,
-            zone: None,
-            zone_hints: Default::default(),
-            node_hints: Default::default(),
+            placement: Default::default(),
         };
         assert_eq!(
             info.endpoints,
             vec![
-                Endpoint {
-                    node_name: Some("node-a".into()),
-                    zone: Some("zone-a".into()),
-                    zone_hints: ["zone-a", "zone-b"].into_iter().map(Into::into).collect(),
-                    node_hints: std::iter::once("node-a".into()).collect(),
-                    ..ep("198.18.1.1", true, true, false)
-                },
+                (ep("198.18.1.1", true, true, false)).placed(|at| {
+                    at.node_name = Some("node-a".into());
+                    at.zone = Some("zone-a".into());
+                    at.zone_hints = ["zone-a", "zone-b"].into_iter().map(Into::into).collect();
+                    at.node_hints = std::iter::once("node-a".into()).collect();
+                }),
                 ep("198.18.1.2", false, false, false),
                 // Only the first address counts.
                 ep("198.18.1.3", false, true, true),
@@ -1195,7 +1215,11 @@ endpoints:
             addresses: addresses.iter().map(|a| a.to_string()).collect(),
             ..Default::default()
         };
-        let err = |e, v4| endpoint(&ctx, 0, &e, v4).unwrap_err().to_string();
+        let err = |e, v4| {
+            endpoint(&ctx, 0, &e, v4, &mut Placements::default())
+                .unwrap_err()
+                .to_string()
+        };
         assert_eq!(
             err(ep(&["1.2.x"]), true),
             r#"EndpointSlice default/web-abc: endpoints[0].addresses[0] "1.2.x" is not an IP address"#

@@ -26,31 +26,53 @@ const FIRST_SWEEP: usize = 1024;
 static POOL: Mutex<Option<Pool<Arc<str>>>> = Mutex::new(None);
 static NAMES: Mutex<Option<Pool<Name>>> = Mutex::new(None);
 
-/// The shared copy of `s` in `pool`; `held` tells how many hold a copy (the pool's own
+/// The shared copy of `key` in `pool`; `held` tells how many hold a copy (the pool's own
 /// included).
-fn shared<T: Borrow<str> + Hash + Eq + Clone>(
+fn shared<T: Borrow<Q> + Hash + Eq + Clone, Q: Hash + Eq + ?Sized>(
     pool: &Mutex<Option<Pool<T>>>,
-    s: &str,
-    make: impl FnOnce(&str) -> T,
+    key: &Q,
+    make: impl FnOnce(&Q) -> T,
     held: impl Fn(&T) -> usize,
 ) -> T {
     // A panic while the lock was held cannot leave the set half-changed in a way that
-    // matters: at worst a string is missing and gets a copy of its own.
+    // matters: at worst a value is missing and gets a copy of its own.
     let mut guard = pool.lock().unwrap_or_else(|p| p.into_inner());
     let pool = guard.get_or_insert_with(|| Pool {
         strings: HashSet::new(),
         sweep_at: FIRST_SWEEP,
     });
-    if let Some(shared) = pool.strings.get(s) {
+    if let Some(shared) = pool.strings.get(key) {
         return shared.clone();
     }
     if pool.strings.len() >= pool.sweep_at {
         pool.strings.retain(|k| held(k) > 1);
         pool.sweep_at = (pool.strings.len() * 2).max(FIRST_SWEEP);
     }
-    let shared = make(s);
+    let shared = make(key);
     pool.strings.insert(shared.clone());
     shared
+}
+
+impl<T: Hash + Eq + Clone> Default for ArcPool<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A pool of shared copies of one type's values, for a `static`: the values that repeat
+/// over many endpoints.
+pub struct ArcPool<T>(Mutex<Option<Pool<Arc<T>>>>);
+
+impl<T: Hash + Eq + Clone> ArcPool<T> {
+    pub const fn new() -> Self {
+        Self(Mutex::new(None))
+    }
+
+    /// The shared copy of `value`.
+    pub fn shared(&self, value: T) -> Arc<T> {
+        // A copy only when the pool has none: once per distinct value.
+        shared(&self.0, &value, |v| Arc::new(v.clone()), Arc::strong_count)
+    }
 }
 
 /// The shared copy of `s`.

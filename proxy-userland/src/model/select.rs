@@ -116,7 +116,7 @@ fn uses_local_endpoints(svc: &Service) -> bool {
 
 /// The endpoint runs on `node`.
 pub fn is_local(ep: &Endpoint, node: &NodeInfo) -> bool {
-    !node.name.is_empty() && ep.node_name.as_deref() == Some(node.name.as_str())
+    !node.name.is_empty() && ep.node_name() == Some(node.name.as_str())
 }
 
 fn is_serving_terminating(ep: &Endpoint) -> bool {
@@ -138,8 +138,8 @@ impl Topology<'_> {
     pub fn allows(self, ep: &Endpoint) -> bool {
         let has = |hints: &[std::sync::Arc<str>], want: &str| hints.iter().any(|h| &**h == want);
         match self {
-            Topology::SameNode(node) => has(&ep.node_hints, node),
-            Topology::SameZone(zone) => has(&ep.zone_hints, zone),
+            Topology::SameNode(node) => has(ep.node_hints(), node),
+            Topology::SameZone(zone) => has(ep.zone_hints(), zone),
         }
     }
 }
@@ -161,14 +161,14 @@ pub fn topology<'a>(eps: &[PortEndpoint], node: &'a NodeInfo) -> Option<Topology
     let (mut all_node_hints, mut for_node) = (true, false);
     let (mut all_zone_hints, mut for_zone) = (true, false);
     for ep in eps.iter().map(|pe| &pe.endpoint).filter(|ep| ep.ready) {
-        if ep.zone_hints.is_empty() {
+        if ep.zone_hints().is_empty() {
             all_zone_hints = false;
-        } else if !zone.is_empty() && ep.zone_hints.iter().any(|h| &**h == zone) {
+        } else if !zone.is_empty() && ep.zone_hints().iter().any(|h| &**h == zone) {
             for_zone = true;
         }
-        if ep.node_hints.is_empty() {
+        if ep.node_hints().is_empty() {
             all_node_hints = false;
-        } else if !node_name.is_empty() && ep.node_hints.iter().any(|h| &**h == node_name) {
+        } else if !node_name.is_empty() && ep.node_hints().iter().any(|h| &**h == node_name) {
             for_node = true;
         }
     }
@@ -315,10 +315,7 @@ mod tests {
             ready: true,
             serving: true,
             terminating: false,
-            node_name: None,
-            zone: None,
-            zone_hints: Default::default(),
-            node_hints: Default::default(),
+            placement: Default::default(),
         }
     }
 
@@ -340,17 +337,15 @@ mod tests {
     }
 
     fn on(node: &str, e: Endpoint) -> Endpoint {
-        Endpoint {
-            node_name: Some(node.into()),
-            ..e
-        }
+        e.placed(|at| {
+            at.node_name = Some(node.into());
+        })
     }
 
     fn hinted(zones: &[&str], e: Endpoint) -> Endpoint {
-        Endpoint {
-            zone_hints: zones.iter().map(|&z| z.into()).collect(),
-            ..e
-        }
+        e.placed(|at| {
+            at.zone_hints = zones.iter().map(|&z| z.into()).collect();
+        })
     }
 
     fn pe(e: Endpoint) -> PortEndpoint {
@@ -502,7 +497,8 @@ mod tests {
             "ready beats not ready, whichever slice it is in"
         );
         assert_eq!(
-            got[1].endpoint.node_name, None,
+            got[1].endpoint.node_name(),
+            None,
             "a tie keeps the copy from the first slice by name"
         );
         assert!(got[2].endpoint.serving, "serving beats not serving");

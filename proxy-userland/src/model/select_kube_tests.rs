@@ -143,15 +143,18 @@ fn run(case: &Case) {
                     ready,
                     serving,
                     terminating,
-                    node_name: Some(if local { "node-a" } else { "node-b" }.into()),
-                    zone: None,
-                    zone_hints: hints.iter().map(|&h| h.into()).collect(),
-                    node_hints: case
-                        .node_hints
-                        .iter()
-                        .filter(|(m, _)| *m == n)
-                        .flat_map(|(_, h)| h.iter().map(|&h| h.into()))
-                        .collect(),
+                    placement: crate::model::endpoint::Where {
+                        node_name: Some(if local { "node-a" } else { "node-b" }.into()),
+                        zone_hints: hints.iter().map(|&h| h.into()).collect(),
+                        node_hints: case
+                            .node_hints
+                            .iter()
+                            .filter(|(m, _)| *m == n)
+                            .flat_map(|(_, h)| h.iter().map(|&h| h.into()))
+                            .collect(),
+                        ..Default::default()
+                    }
+                    .into(),
                 },
             },
         )
@@ -460,11 +463,12 @@ fn generated(
                     ready: serving && !terminating,
                     serving,
                     terminating,
-                    node_name: (!hosts.is_empty())
-                        .then(|| hosts[usize::from(i) % hosts.len()].into()),
-                    zone: None,
-                    zone_hints: Default::default(),
-                    node_hints: Default::default(),
+                    placement: crate::model::endpoint::Where {
+                        node_name: (!hosts.is_empty())
+                            .then(|| hosts[usize::from(i) % hosts.len()].into()),
+                        ..Default::default()
+                    }
+                    .into(),
                 }
             })
             .collect(),

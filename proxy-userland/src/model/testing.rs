@@ -12,10 +12,7 @@ pub fn ep(ip: &str, node: &str) -> Endpoint {
         ready: true,
         serving: true,
         terminating: false,
-        node_name: Some(node.into()),
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
+        placement: crate::model::endpoint::Where::on_node(node).into(),
     }
 }
 

@@ -399,10 +399,7 @@ mod tests {
                     ready: true,
                     serving: true,
                     terminating: false,
-                    node_name: None,
-                    zone: None,
-                    zone_hints: Default::default(),
-                    node_hints: Default::default(),
+                    placement: Default::default(),
                 })
                 .collect(),
         }

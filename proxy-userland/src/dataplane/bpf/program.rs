@@ -770,10 +770,7 @@ mod tests {
             ready,
             serving: ready || terminating,
             terminating,
-            node_name: Some("node-a".into()),
-            zone: None,
-            zone_hints: Default::default(),
-            node_hints: Default::default(),
+            placement: crate::model::endpoint::Where::on_node("node-a").into(),
         }
     }
 

@@ -13,10 +13,7 @@ fn ep(ip: &str) -> Endpoint {
         ready: true,
         serving: true,
         terminating: false,
-        node_name: Some("node-a".into()),
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
+        placement: crate::model::endpoint::Where::on_node("node-a").into(),
     }
 }
 

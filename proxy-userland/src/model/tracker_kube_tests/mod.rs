@@ -187,7 +187,7 @@ fn local_ready(t: &ChangeTracker) -> BTreeMap<String, usize> {
             .slices
             .values()
             .flat_map(|s| &s.endpoints)
-            .filter(|e| e.ready && e.node_name.as_deref() == Some(TEST_HOSTNAME))
+            .filter(|e| e.ready && e.node_name() == Some(TEST_HOSTNAME))
             .map(|e| e.ip)
             .collect();
         if !ips.is_empty() {

@@ -108,10 +108,11 @@ pub fn ep(addr: &str, node: Option<&str>) -> Endpoint {
         ready: true,
         serving: true,
         terminating: false,
-        node_name: node.map(Into::into),
-        zone: None,
-        zone_hints: Default::default(),
-        node_hints: Default::default(),
+        placement: crate::model::endpoint::Where {
+            node_name: node.map(Into::into),
+            ..Default::default()
+        }
+        .into(),
     }
 }
 
