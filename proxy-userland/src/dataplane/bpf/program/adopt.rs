@@ -30,24 +30,14 @@ impl Programmer {
         for (fe, master) in &masters {
             let mut source_ranges = ranges.remove(&master.rev_nat_index).unwrap_or_default();
             source_ranges.sort();
-            let mut st = FrontendState {
-                owner: adopted(),
-                rev_nat_index: master.rev_nat_index,
-                settings: Settings {
-                    affinity_timeout: (master.flags & flags::AFFINITY != 0)
-                        .then_some(master.affinity_timeout),
-                    snat: master.flags & flags::SNAT != 0,
-                    source_ranges,
-                },
-                ids: Vec::new(),
-            };
+            let mut ids = Vec::new();
             for slot in 1..=master.count {
                 // A gap means a half-written frontend; keep the prefix, the sync rewrites it.
                 let Some(id) = slots.remove(&(*fe, slot)) else {
                     break;
                 };
                 let Some(b) = backends.get(&id) else { break };
-                st.ids.push(id);
+                ids.push(id);
                 self.set_addr(id, *b);
                 self.backends
                     .entry(*b)
@@ -57,6 +47,17 @@ impl Programmer {
             }
             self.rev_nat_ids.reserve(u32::from(master.rev_nat_index));
             self.owners.entry(adopted()).or_default().insert(*fe);
+            let st = FrontendState {
+                owner: adopted(),
+                rev_nat_index: master.rev_nat_index,
+                settings: Settings {
+                    affinity_timeout: (master.flags & flags::AFFINITY != 0)
+                        .then_some(master.affinity_timeout),
+                    snat: master.flags & flags::SNAT != 0,
+                    source_ranges: source_ranges.into(),
+                },
+                ids: ids.into(),
+            };
             self.frontends.insert(*fe, st);
         }
         for ((fe, slot), _) in slots {
