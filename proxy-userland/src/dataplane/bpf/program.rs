@@ -39,6 +39,7 @@ use crate::{
 mod adopt;
 mod departed;
 mod first;
+mod table;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
@@ -177,7 +178,7 @@ fn adopted() -> ServiceKey {
 
 pub struct Programmer {
     maps: ServiceMaps,
-    frontends: HashMap<Frontend, FrontendState>,
+    frontends: table::FrontendTable,
     owners: HashMap<ServiceKey, FrontendSet>,
     backends: HashMap<BackendAddr, BackendRef>,
     /// The inverse of `backends`: each id's address, by id (ids are dense).
@@ -210,7 +211,7 @@ impl Programmer {
             lingering: HashMap::new(),
             packet_path: false,
             maps,
-            frontends: HashMap::new(),
+            frontends: Default::default(),
             owners: HashMap::new(),
             backends: HashMap::new(),
             backend_addrs: Vec::new(),
@@ -238,14 +239,9 @@ impl Programmer {
     /// [`ServiceMaps::lru_census`].
     pub fn occupancy(&self) -> Occupancy {
         Occupancy {
-            services: self.frontends.values().map(|st| 1 + st.ids.len()).sum(),
+            services: self.frontends.service_entries(),
             backends: self.backends.len(),
-            affinity_match: self
-                .frontends
-                .values()
-                .filter(|st| st.settings.affinity_timeout.is_some())
-                .map(|st| st.ids.len())
-                .sum(),
+            affinity_match: self.frontends.affinity_entries(),
             ..Occupancy::default()
         }
     }
@@ -448,11 +444,10 @@ impl Programmer {
             && self.is_programmed_as(old, want)
         {
             if old.owner != *key {
-                let Some(old) = self.frontends.get_mut(fe) else {
+                // Adopted from pinned maps exactly as wanted: claim it, write nothing.
+                let Some(previous) = self.frontends.set_owner(fe, key.clone()) else {
                     return Ok(false);
                 };
-                // Adopted from pinned maps exactly as wanted: claim it, write nothing.
-                let previous = std::mem::replace(&mut old.owner, key.clone());
                 self.disown(&previous, fe);
                 self.owners.entry(key.clone()).or_default().insert(*fe);
             }
