@@ -26,8 +26,8 @@ static HEAP: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 // `Option<&u8>` is laid out as) to a NUL-terminated string, and the bytes are static.
 #[unsafe(export_name = "_rjem_malloc_conf")]
 pub static JEMALLOC_CONF: Option<&u8> = Some(&JEMALLOC_CONF_TEXT[0]);
-static JEMALLOC_CONF_TEXT: [u8; 60] =
-    *b"narenas:1,dirty_decay_ms:0,muzzy_decay_ms:0,tcache_max:1024\0";
+static JEMALLOC_CONF_TEXT: [u8; 63] =
+    *b"narenas:1,dirty_decay_ms:1000,muzzy_decay_ms:0,tcache_max:1024\0";
 
 fn main() -> std::process::ExitCode {
     // `fastpath inspect|explain ...` are tools, not the daemon: dispatched before the

@@ -17,7 +17,7 @@ use std::{
     io,
     sync::{Arc, Mutex},
     thread::JoinHandle,
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::{mpsc, oneshot};
@@ -197,7 +197,15 @@ enum Wake {
     Closed,
     Event(SourceEvent),
     Due(Due),
+    /// Time to hand back what was freed since the last full sync's purge.
+    Purge,
 }
+
+/// How long after a full sync the engine returns freed heap pages a second time: jemalloc
+/// keeps pages it frees for a second (main.rs), and what the sync's aftermath frees (the
+/// decoded lists' last buffers, the old snapshot) would otherwise stay until the next
+/// allocation-heavy moment, as the idle daemon has none.
+const PURGE_AGAIN_AFTER: Duration = Duration::from_millis(1500);
 
 /// The engine's state between wake-ups.
 struct Loop {
@@ -213,6 +221,8 @@ struct Loop {
     retry: BTreeSet<ServiceKey>,
     /// When the oldest change not yet programmed arrived (network programming latency).
     pending_since: Option<Instant>,
+    /// When to return freed heap pages again, after a full sync.
+    purge_at: Option<Instant>,
     /// Map entries: services and backends as the dataplane counts them at each sync, the
     /// kernel-filled maps as the census last counted them.
     occupancy: Arc<Mutex<Occupancy>>,
@@ -239,6 +249,7 @@ impl Loop {
             full_pending: false,
             retry: BTreeSet::new(),
             pending_since: None,
+            purge_at: None,
             occupancy,
             local_policy: LocalPolicy::default(),
             service_ranges,
@@ -314,7 +325,14 @@ impl Loop {
     ) {
         loop {
             let next = self.listed.then(|| self.runner.next_run());
+            let purge_at = self.purge_at;
             let wake = rt.block_on(async {
+                let purge = async {
+                    match purge_at {
+                        Some(at) => tokio::time::sleep_until(at.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 let due = async {
                     match next {
                         Some((at, due)) => {
@@ -329,6 +347,7 @@ impl Loop {
                     _ = &mut stop => Wake::Stop,
                     ev = input.recv() => ev.map_or(Wake::Closed, Wake::Event),
                     due = due => Wake::Due(due),
+                    _ = purge => Wake::Purge,
                 }
             });
             match wake {
@@ -343,6 +362,10 @@ impl Loop {
                     self.after_events();
                 }
                 Wake::Due(due) => self.sync(dp, due),
+                Wake::Purge => {
+                    self.purge_at = None;
+                    return_free_memory();
+                }
             }
         }
     }
@@ -463,9 +486,6 @@ impl Loop {
             udp_socket_resets: (report.udp_sockets_reset, report.udp_socket_resets_failed),
             no_local_endpoints: self.local_policy.no_local_endpoints(),
         };
-        if full {
-            return_free_memory();
-        }
         let health_checks = self.local_policy.health_checks().clone();
         if !self.synced_once {
             info!(
@@ -497,6 +517,13 @@ impl Loop {
             state: changes.state,
             node: self.node.clone(),
         })));
+        if full {
+            // After the sync's own garbage (the keys of every service, at a full sync) is
+            // gone too.
+            drop(keys);
+            return_free_memory();
+            self.purge_at = Some(Instant::now() + PURGE_AGAIN_AFTER);
+        }
     }
 
     fn send(&self, ev: EngineEvent) {
@@ -529,11 +556,29 @@ fn start_census<D: Dataplane>(
         .ok()
 }
 
-/// Gives the heap pages glibc keeps after frees back to the kernel. The first lists (and a
-/// relist) decode every object at once, tens of MB at 10,000 services, which are converted
-/// and dropped; glibc keeps those pages mapped, so without this they stay in RSS for the
-/// daemon's life. Run after full syncs only: it walks every arena (a few ms at most).
+/// Gives the heap pages the allocators keep after frees back to the kernel. The first
+/// lists (and a relist) decode every object at once, hundreds of MB at 50,000 services,
+/// which are converted and dropped. jemalloc (the daemon's allocator, main.rs) keeps freed
+/// pages for a second so that the next list page reuses them instead of faulting in zeroed
+/// ones; once a full sync is done they are returned at once. glibc's malloc serves only
+/// the C libraries now. Run after full syncs only: it walks every arena (a few ms at most).
 fn return_free_memory() {
+    // "arena.<all>.purge": MALLCTL_ARENAS_ALL is 4096 in jemalloc 5.
+    const PURGE_ALL: &std::ffi::CStr = c"arena.4096.purge";
+    // SAFETY: a purge takes no value and returns none, which mallctl is told by null
+    // pointers and a zero length; the name is a NUL-terminated static string.
+    let purged = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            PURGE_ALL.as_ptr(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    if purged != 0 {
+        debug!(errno = purged, "jemalloc did not purge its arenas");
+    }
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim takes glibc's own arena locks and has no preconditions; it only
     // releases pages no allocation uses.
