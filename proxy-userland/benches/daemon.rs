@@ -916,4 +916,26 @@ fn targets(out: &mut String, rows: &[Row], chunk: u32) {
             per.join(", ")
         );
     }
+    // Issue 24's targets at the largest size: the first sync and the RSS after it.
+    if let Some((_, m)) = ebpf_rss.iter().find(|(r, _)| r.services == 50_000) {
+        let sync = m.first_sync.as_secs_f64();
+        let rss = mib(m.rss_kib);
+        let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+        let _ = writeln!(
+            out,
+            "- eBPF, kube (API server), 50,000 services x 10 endpoints: first sync under 2 s: {} ({sync:.1} s); VmRSS under 100 MiB after it: {} ({rss:.1} MiB, VmHWM {:.1}).",
+            verdict(sync < 2.0),
+            verdict(rss < 100.0),
+            mib(m.hwm_kib)
+        );
+    }
+    let manifests = find(rows, Mode::Ebpf, Source::Manifests);
+    if let Some((_, m)) = manifests.iter().find(|(r, _)| r.services == 10_000) {
+        let rss = mib(m.rss_kib);
+        let _ = writeln!(
+            out,
+            "- eBPF, manifests, 10,000 services: VmRSS under 60 MiB: {} ({rss:.1} MiB).",
+            if rss < 60.0 { "met" } else { "NOT met" }
+        );
+    }
 }
