@@ -519,6 +519,62 @@ fn a_service_cidr_from_the_api_server_widens_the_service_ranges() {
     assert!(refused("198.19.0.99:80"), "the flag's range stays");
 }
 
+/// An API server from before ServiceCIDRs (Kubernetes 1.32 and older answers 404 for
+/// them): the daemon says so once, becomes ready, and the service ranges are
+/// `--service-cluster-ip-range` alone, refused as before.
+#[test]
+fn an_api_server_without_service_cidrs_leaves_the_flags_ranges() {
+    let (bed, _pods) = bed_with_pods("knocidr", 1);
+    let api = ApiServer::start().expect("test API server");
+    api.hide("servicecidrs");
+    api.create("nodes", node());
+    api.create("services", service("web", "198.19.0.10"));
+    api.create("endpointslices", slice("web-1", "web", &[POD1]));
+    let kubeconfig = Kubeconfig::new(&api, "knocidr");
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--kubeconfig",
+            kubeconfig.path(),
+            "--service-cluster-ip-range",
+            "198.19.0.0/24",
+        ],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].reply()
+            == Some("pod-1")),
+        "web never served; log:\n{}",
+        daemon.log()
+    );
+    let refused = |target: &str| {
+        let out = run_probe(
+            &bed,
+            &["tcp", target, "--count", "1", "--timeout-ms", "300"],
+        );
+        out[0].errno() == Some("ECONNREFUSED")
+    };
+    assert!(refused("198.19.0.99:80"), "the flag's range is refused");
+    assert!(!refused("198.19.1.99:80"), "outside every range");
+    let log = daemon.log();
+    assert!(
+        log.contains("the API server has no ServiceCIDR objects"),
+        "the daemon should say why only the flag counts; log:\n{log}"
+    );
+    assert!(
+        !log.contains("watching ServiceCIDRs"),
+        "a missing resource is not an error to retry; log:\n{log}"
+    );
+    assert!(
+        api.requests()
+            .iter()
+            .filter(|r| r.contains("servicecidrs"))
+            .count()
+            <= 2,
+        "the daemon should stop asking for ServiceCIDRs: {:?}",
+        api.requests()
+    );
+}
+
 /// `--detect-local-mode NodeCIDR` in the iptables mode: the Node's `spec.podCIDRs` are what
 /// tells pods' traffic apart (traffic to a cluster IP from elsewhere is masqueraded), as
 /// kube-proxy's NodeCIDR detector; and the service works.

@@ -93,6 +93,8 @@ struct Inner {
     closed: AtomicBool,
     /// The network namespace the port is in (a name under /run/netns); None: ours.
     netns: Option<String>,
+    /// Resources this server pretends not to have (an older API server's), by plural.
+    hidden: Mutex<Vec<&'static str>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -155,6 +157,7 @@ impl ApiServer {
             outage: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             netns,
+            hidden: Mutex::new(Vec::new()),
         });
         let accept = {
             let inner = inner.clone();
@@ -172,6 +175,12 @@ impl ApiServer {
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// From now on answer `plural`'s paths with 404 NotFound, as an API server from before
+    /// the resource existed does (ServiceCIDRs before Kubernetes 1.33).
+    pub fn hide(&self, plural: &'static str) {
+        lock(&self.inner.hidden).push(plural);
     }
 
     /// `http://127.0.0.1:PORT`.
@@ -671,7 +680,12 @@ fn route(inner: &Inner, path: &str) -> Result<Route, Status> {
     if resources.is_empty() {
         return Err(not_found());
     }
-    let find = |plural: &str| resources.iter().find(|(_, r)| r.plural == plural).copied();
+    let hidden = lock(&inner.hidden).clone();
+    let find = |plural: &str| {
+        (!hidden.contains(&plural))
+            .then(|| resources.iter().find(|(_, r)| r.plural == plural).copied())
+            .flatten()
+    };
     match rest {
         [] => Ok(Route::Json(resource_list(group, version))),
         [plural] => find(plural)
