@@ -136,6 +136,8 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
             pins,
             "--proxy-mode",
             "ebpf",
+            "--service-cluster-ip-range",
+            "198.19.0.0/24",
         ],
     );
     let synced = || {
@@ -220,8 +222,12 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
         "{outcomes:?}"
     );
 
-    // Not a service at all.
+    // A Service's address on a port and protocol it does not serve, inside the service
+    // range: refused, as the hooks refuse it.
     let ex = explain(&admin, pins, "udp", "198.19.0.10:80");
+    assert_eq!(ex["verdict"], "refused", "{ex:#}");
+    // Not a service at all, outside the range: left alone.
+    let ex = explain(&admin, pins, "udp", "198.19.5.10:80");
     assert_eq!(ex["verdict"], "not-a-service", "{ex:#}");
 
     // inspect services: the frontends with their names, from the maps and the daemon.
@@ -290,6 +296,33 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
     assert!(text.contains("verdict:  translated"), "{text}");
     let text = tool(&["explain", "tcp", "198.19.0.11:80", "--admin", &admin]);
     eprintln!("$ fastpath explain tcp 198.19.0.11:80\n{text}");
+    // An address of the service range that no Service holds: explain says it is refused,
+    // and a real client is refused; inspect lists the range.
+    let ex = explain(&admin, pins, "tcp", "198.19.0.99:80");
+    assert_eq!(ex["verdict"], "refused", "{ex:#}");
+    assert!(
+        ex["detail"]
+            .as_str()
+            .unwrap_or("")
+            .contains("198.19.0.0/24"),
+        "{ex:#}"
+    );
+    let out = run_probe(
+        &bed,
+        &[
+            "tcp",
+            "198.19.0.99:80",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "300",
+        ],
+    );
+    assert_eq!(out[0].errno(), Some("ECONNREFUSED"), "{out:?}");
+    assert!(
+        table.contains("service ranges: 198.19.0.0/24"),
+        "inspect services should list the ranges:\n{table}"
+    );
     assert!(
         table.lines().any(|l| l.contains("198.19.0.12:80/TCP")
             && l.contains("demo/local:http")

@@ -62,6 +62,10 @@ pub struct ModelDump {
     pub context: DebugContext,
     pub services: Vec<Service>,
     pub endpoints: Vec<ServiceEndpoints>,
+    /// The service ranges (`--service-cluster-ip-range` and ServiceCIDR objects) as
+    /// `ADDRESS/PREFIX`: an address inside them that no Service holds is refused.
+    #[serde(default)]
+    pub service_ranges: Vec<String>,
 }
 
 impl ModelDump {
@@ -142,6 +146,9 @@ impl DebugState {
                     service: k.clone(),
                     endpoints: e.clone(),
                 })
+                .collect(),
+            service_ranges: (p.state.service_ranges.cidrs().iter())
+                .map(ToString::to_string)
                 .collect(),
         }
     }

@@ -297,6 +297,14 @@ fn in_ranges(ranges: &[(IpAddr, u8)], ip: IpAddr) -> bool {
     })
 }
 
+/// The service range (as the daemon published it) that holds `ip`, if any.
+fn service_range_of(model: &ModelDump, ip: IpAddr) -> Option<&str> {
+    model.service_ranges.iter().map(String::as_str).find(|r| {
+        r.parse::<crate::model::Cidr>()
+            .is_ok_and(|c| c.contains(ip))
+    })
+}
+
 /// Explains a connection of `proto` to `dst` from `from` (None: a process on this node).
 pub fn explain(
     model: &ModelDump,
@@ -327,6 +335,27 @@ pub fn explain(
     };
     let mode = model.mode.as_str();
     let Some((svc, port, kind)) = find(model, proto, dst) else {
+        if let Some(range) = service_range_of(model, dst.ip()) {
+            ex.verdict = if model.mode == "ebpf" {
+                "refused"
+            } else {
+                "rejected"
+            };
+            let how = match model.mode.as_str() {
+                "ebpf" => "connect() and sendmsg() fail with ECONNREFUSED; nothing is sent",
+                "nftables" => "the cluster-ips-check rule rejects it",
+                "iptables" | "userspace" => {
+                    "a REJECT rule answers it (a TCP reset, else ICMP port unreachable)"
+                }
+                _ => "refused once the dataplane is up",
+            };
+            ex.detail = format!(
+                "{} is inside the service range {range} and no Service this proxy serves has \
+                 {proto} {dst}: refused at once ({how})",
+                dst.ip()
+            );
+            return ex;
+        }
         ex.detail = format!(
             "no Service this proxy serves has {proto} {dst}; fastpath leaves the traffic alone"
         );

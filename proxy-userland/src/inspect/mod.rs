@@ -174,7 +174,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     if json {
                         print_json(&rows)?
                     } else {
-                        print!("{}", view::services_table(&rows))
+                        print!("{}", view::services_table(&rows));
+                        let ranges = inputs.model.as_ref().map(|m| &m.service_ranges);
+                        if let Some(ranges) = ranges.filter(|r| !r.is_empty()) {
+                            println!(
+                                "service ranges: {} (an address in them that no Service holds is refused)",
+                                ranges.join(", ")
+                            );
+                        }
                     }
                 }
                 What::Flows => {
