@@ -288,6 +288,13 @@ impl Node {
             "demo/web never worked through {name}; logs:\n{}",
             self.logs(name)
         );
+        // Every tool the mode calls is in the image (the image once lacked `ip`, and the
+        // fallback modes could not read the node's addresses).
+        let logs = self.logs(name);
+        assert!(
+            !logs.contains("cannot run `"),
+            "{name} calls a tool the image lacks:\n{logs}"
+        );
     }
 }
 
@@ -309,8 +316,9 @@ fn the_image_runs_the_daemonsets_command_under_its_seccomp_profile_in_every_mode
     image::build_image(&target, &image::bin_dir(FASTPATH), &tag).expect("the image builds");
 
     let (bed, _pods) = bed_with_pods("image", 2);
-    let names = ["ipt", "us", "ebpf", "cleanup", "nobpf"].map(|m| format!("{}-fp-{m}", bed.id()));
-    let [ipt, us, ebpf, cleanup, nobpf] = &names;
+    let names =
+        ["ipt", "nft", "us", "ebpf", "cleanup", "nobpf"].map(|m| format!("{}-fp-{m}", bed.id()));
+    let [ipt, nft, us, ebpf, cleanup, nobpf] = &names;
     let _cleanup = Cleanup {
         podman: podman.clone(),
         containers: names.to_vec(),
@@ -391,6 +399,19 @@ fn the_image_runs_the_daemonsets_command_under_its_seccomp_profile_in_every_mode
     let verdict = node.exec(ipt, &["explain", "tcp", WEB]);
     assert!(verdict.contains("demo/web"), "{verdict}");
     node.stop(ipt);
+
+    // The nftables mode, which the automatic choice takes where eBPF cannot run.
+    node.start(
+        nft,
+        &profile,
+        &["--proxy-mode=nftables", "--cleanup-on-exit"],
+    );
+    node.assert_service_works(nft);
+    let logs = node.logs(nft);
+    assert!(logs.contains(r#""mode":"nftables""#), "{logs}");
+    let verdict = node.exec(nft, &["explain", "tcp", WEB]);
+    assert!(verdict.contains("demo/web"), "{verdict}");
+    node.stop(nft);
 
     // The userspace mode: relays in the node namespace behind the portal rules.
     node.start(

@@ -1,9 +1,10 @@
 //! `cargo xtask image`: fastpath's container image, built on this machine from Debian's
 //! packages and the project's files; no registry is reached.
 //!
-//! 1. A root file system made by debootstrap (minbase, plus iptables, nftables, conntrack
-//!    and kmod, the tools the fallback modes call), cached under `target/image/`, so only the
-//!    first run downloads packages (about 45 s here).
+//! 1. A root file system made by debootstrap (minbase, plus iptables, nftables, conntrack,
+//!    iproute2 and kmod, the tools the fallback modes call), cached under `target/image/`
+//!    (rebuilt when the package list changes), so only the first run downloads packages
+//!    (about 45 s here).
 //! 2. Imported once as [`BASE`].
 //! 3. `deploy/Containerfile` on top: the binaries and the seccomp profile, staged in a
 //!    build context under `target/image/context`.
@@ -27,7 +28,9 @@ pub const IMAGE: &str = "localhost/fastpath:0.1.0";
 pub const BASE: &str = "localhost/fastpath-base:bookworm";
 const SUITE: &str = "bookworm";
 const MIRROR: &str = "http://deb.debian.org/debian";
-const PACKAGES: &str = "iptables,nftables,conntrack,kmod,ca-certificates";
+/// iproute2: the iptables and nftables modes read the node's addresses with `ip -j addr`
+/// (node ports on the primary addresses) and remove kube-proxy's IPVS device with `ip link`.
+const PACKAGES: &str = "iptables,nftables,conntrack,iproute2,kmod,ca-certificates";
 
 /// How to run podman on this machine.
 #[derive(Clone, Debug)]
@@ -100,7 +103,8 @@ pub fn build_base(target: &Path) -> Result<()> {
     let dir = target.join("image");
     let rootfs = dir.join(format!("rootfs-{SUITE}"));
     let stamp = dir.join(format!("rootfs-{SUITE}.done"));
-    if !stamp.exists() {
+    // The stamp holds the package list the root file system was made with.
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(PACKAGES) {
         if cmd::which("debootstrap").is_none() {
             bail!("debootstrap is not installed (apt-get install debootstrap)");
         }
@@ -128,7 +132,7 @@ pub fn build_base(target: &Path) -> Result<()> {
             let _ = std::fs::remove_dir_all(&p);
             let _ = std::fs::create_dir_all(&p);
         }
-        std::fs::write(&stamp, "")?;
+        std::fs::write(&stamp, PACKAGES)?;
         let _ = Command::new("podman").args(["rmi", "-f", BASE]).output();
     }
     if !image_exists(BASE) {

@@ -27,7 +27,7 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApplyError {
-    #[error("cannot run `{command}`: {source} (is iptables installed?)")]
+    #[error("cannot run `{command}`: {source} (is its package installed?)")]
     Spawn {
         command: String,
         source: std::io::Error,
