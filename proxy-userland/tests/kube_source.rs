@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{Value, json};
-use xtask::apiserver::ApiServer;
+use xtask::{
+    apiserver::ApiServer,
+    testbed::{Pod, Testbed},
+};
 
 fn service(name: &str, ip: &str) -> Value {
     json!({
@@ -450,18 +453,14 @@ fn prefer_same_node_hints_come_through_the_api_server() {
     );
 }
 
-/// A ServiceCIDR object widens the service ranges beyond `--service-cluster-ip-range`:
-/// once the API server has it, an address of its range that no Service holds is refused
-/// at connect; when it is deleted, that address is left alone again. The flag's range is
-/// refused throughout.
-#[test]
-fn a_service_cidr_from_the_api_server_widens_the_service_ranges() {
-    let (bed, _pods) = bed_with_pods("kscidr", 1);
-    let api = ApiServer::start().expect("test API server");
+/// A bed whose daemon reads `api` (given a Node and Service web at 198.19.0.10 with pod-1)
+/// with `--service-cluster-ip-range 198.19.0.0/24`, once web serves.
+fn web_with_service_range(tag: &str, api: &ApiServer) -> (Testbed, Vec<Pod>, Kubeconfig, Daemon) {
+    let (bed, pods) = bed_with_pods(tag, 1);
     api.create("nodes", node());
     api.create("services", service("web", "198.19.0.10"));
     api.create("endpointslices", slice("web-1", "web", &[POD1]));
-    let kubeconfig = Kubeconfig::new(&api, "kscidr");
+    let kubeconfig = Kubeconfig::new(api, tag);
     let daemon = Daemon::start(
         bed.cgroup_path(),
         &[
@@ -471,20 +470,30 @@ fn a_service_cidr_from_the_api_server_widens_the_service_ranges() {
             "198.19.0.0/24",
         ],
     );
-    let refused = |target: &str| {
-        let out = run_probe(
-            &bed,
-            &["tcp", target, "--count", "1", "--timeout-ms", "300"],
-        );
-        out[0].errno() == Some("ECONNREFUSED")
-    };
     assert!(
         eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].reply()
             == Some("pod-1")),
-        "web never served; log:
-{}",
+        "web never served; log:\n{}",
         daemon.log()
     );
+    (bed, pods, kubeconfig, daemon)
+}
+
+/// Whether a connect to `target` from the bed's client is refused at once.
+fn refused(bed: &Testbed, target: &str) -> bool {
+    let out = run_probe(bed, &["tcp", target, "--count", "1", "--timeout-ms", "300"]);
+    out[0].errno() == Some("ECONNREFUSED")
+}
+
+/// A ServiceCIDR object widens the service ranges beyond `--service-cluster-ip-range`:
+/// once the API server has it, an address of its range that no Service holds is refused
+/// at connect; when it is deleted, that address is left alone again. The flag's range is
+/// refused throughout.
+#[test]
+fn a_service_cidr_from_the_api_server_widens_the_service_ranges() {
+    let api = ApiServer::start().expect("test API server");
+    let (bed, _pods, _kubeconfig, daemon) = web_with_service_range("kscidr", &api);
+    let refused = |target: &str| refused(&bed, target);
     assert!(refused("198.19.0.99:80"), "the flag's range is refused");
     assert!(!refused("198.19.1.99:80"), "not in any range yet");
 
@@ -524,35 +533,10 @@ fn a_service_cidr_from_the_api_server_widens_the_service_ranges() {
 /// `--service-cluster-ip-range` alone, refused as before.
 #[test]
 fn an_api_server_without_service_cidrs_leaves_the_flags_ranges() {
-    let (bed, _pods) = bed_with_pods("knocidr", 1);
     let api = ApiServer::start().expect("test API server");
     api.hide("servicecidrs");
-    api.create("nodes", node());
-    api.create("services", service("web", "198.19.0.10"));
-    api.create("endpointslices", slice("web-1", "web", &[POD1]));
-    let kubeconfig = Kubeconfig::new(&api, "knocidr");
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--kubeconfig",
-            kubeconfig.path(),
-            "--service-cluster-ip-range",
-            "198.19.0.0/24",
-        ],
-    );
-    assert!(
-        eventually(20, || tcp(&bed, "198.19.0.10:80", 1)[0].reply()
-            == Some("pod-1")),
-        "web never served; log:\n{}",
-        daemon.log()
-    );
-    let refused = |target: &str| {
-        let out = run_probe(
-            &bed,
-            &["tcp", target, "--count", "1", "--timeout-ms", "300"],
-        );
-        out[0].errno() == Some("ECONNREFUSED")
-    };
+    let (bed, _pods, _kubeconfig, daemon) = web_with_service_range("knocidr", &api);
+    let refused = |target: &str| refused(&bed, target);
     assert!(refused("198.19.0.99:80"), "the flag's range is refused");
     assert!(!refused("198.19.1.99:80"), "outside every range");
     let log = daemon.log();
