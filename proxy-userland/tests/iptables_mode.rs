@@ -1,6 +1,7 @@
 //! The iptables proxier with real rules and real packets: rules restored inside a test
 //! bed's node namespace (never the host's tables), clients in that namespace and in an
-//! "external" one.
+//! "external" one. The behaviours both rule-based modes share (node ports, the Local
+//! policy, dual stack, load-balancer source ranges) run against the nftables proxier too.
 
 mod common;
 mod nat_common;
@@ -15,10 +16,11 @@ use common::*;
 use nat_common::*;
 use proxy_userland::{
     dataplane::{
-        Dataplane, Scope,
-        iptables::{Family, IptablesConfig, IptablesDataplane},
+        Dataplane, Scope, SyncReport,
+        iptables::{Family, IptablesConfig, IptablesDataplane, RenderConfig},
+        nftables::{NftablesConfig, NftablesDataplane},
     },
-    model::{Endpoint, ServiceRanges},
+    model::{Endpoint, NodeInfo, ProxyState, ServiceRanges},
 };
 use xtask::testbed::Testbed;
 
@@ -31,6 +33,63 @@ fn proxier(bed: &Testbed) -> IptablesDataplane {
         ..Default::default()
     })
     .expect("iptables proxier in the node namespace")
+}
+
+/// The rule-based dataplanes: a behaviour written once runs against each.
+#[derive(Clone, Copy)]
+enum Rules {
+    Iptables,
+    Nftables,
+}
+
+enum RuleProxier {
+    Iptables(IptablesDataplane),
+    Nftables(NftablesDataplane),
+}
+
+impl Rules {
+    /// A short prefix for the bed's names.
+    fn tag(self) -> &'static str {
+        match self {
+            Rules::Iptables => "ipt",
+            Rules::Nftables => "nft",
+        }
+    }
+
+    /// The proxier in the bed's node namespace.
+    fn proxier(self, bed: &Testbed, families: Vec<Family>, render: RenderConfig) -> RuleProxier {
+        let netns = Some(bed.node_netns().to_string());
+        match self {
+            Rules::Iptables => RuleProxier::Iptables(
+                IptablesDataplane::new(IptablesConfig {
+                    netns,
+                    families,
+                    render,
+                    cleanup_on_exit: true,
+                    ..Default::default()
+                })
+                .expect("iptables proxier in the node namespace"),
+            ),
+            Rules::Nftables => RuleProxier::Nftables(
+                NftablesDataplane::new(NftablesConfig {
+                    netns,
+                    families,
+                    render,
+                    cleanup_on_exit: true,
+                })
+                .expect("nftables proxier in the node namespace"),
+            ),
+        }
+    }
+}
+
+impl RuleProxier {
+    fn sync(&mut self, state: &ProxyState, node: &NodeInfo, scope: Scope<'_>) -> SyncReport {
+        match self {
+            RuleProxier::Iptables(dp) => dp.sync(state, node, scope),
+            RuleProxier::Nftables(dp) => dp.sync(state, node, scope),
+        }
+    }
 }
 
 fn on(node: &str, ep: Endpoint) -> Endpoint {
@@ -138,9 +197,19 @@ fn client_ip_affinity_keeps_a_client_on_one_backend() {
 
 #[test]
 fn node_port_is_reached_from_another_namespace_and_local_policy_keeps_it_local() {
-    let (mut bed, _pods) = bed_with_pods("iptnodep", 2);
+    node_port_and_local_policy(Rules::Iptables)
+}
+
+#[test]
+fn node_port_is_reached_from_another_namespace_and_local_policy_keeps_it_local_nftables() {
+    node_port_and_local_policy(Rules::Nftables)
+}
+
+fn node_port_and_local_policy(rules: Rules) {
+    let (mut bed, _pods) = bed_with_pods(&format!("{}nodep", rules.tag()), 2);
     let ext = external_client(&mut bed);
-    let mut dp = proxier(&bed);
+    route_services(&bed);
+    let mut dp = rules.proxier(&bed, vec![Family::V4], RenderConfig::default());
     let mut cluster = web_service("web", WEB_IP);
     cluster.ports[0].node_port = Some(30080);
     let mut local = web_service("local", Ipv4Addr::new(198, 19, 0, 12));
@@ -292,13 +361,17 @@ fn dual_stack_bed(tag: &str) -> Testbed {
 
 #[test]
 fn dual_stack_services_are_programmed_in_both_families() {
-    let bed = dual_stack_bed("iptv6");
-    let mut dp = IptablesDataplane::new(IptablesConfig {
-        netns: Some(bed.node_netns().to_string()),
-        families: vec![Family::V4, Family::V6],
-        ..Default::default()
-    })
-    .expect("proxier");
+    dual_stack_services(Rules::Iptables)
+}
+
+#[test]
+fn dual_stack_services_are_programmed_in_both_families_nftables() {
+    dual_stack_services(Rules::Nftables)
+}
+
+fn dual_stack_services(rules: Rules) {
+    let bed = dual_stack_bed(&format!("{}v6", rules.tag()));
+    let mut dp = rules.proxier(&bed, vec![Family::V4, Family::V6], RenderConfig::default());
     let mut svc = web_service("web", WEB_IP);
     svc.cluster_ips.push("2001:db8:5::10".parse().unwrap());
     let mut v6 = ready(pod_ip(1));
@@ -308,7 +381,9 @@ fn dual_stack_services_are_programmed_in_both_families() {
     assert!(report.failed.is_empty(), "{report:?}");
     // Both families commit in one namespace, so one family's restore is no foreign commit
     // to the other's (it was, and every periodic sync read both back).
-    if iptables_is_nft() {
+    if let RuleProxier::Iptables(dp) = &dp
+        && iptables_is_nft()
+    {
         assert!(dp.tables_known_unchanged(), "known after our own restores");
     }
 
@@ -537,24 +612,29 @@ fn iptables_is_nft() -> bool {
 /// addresses in those networks only.
 #[test]
 fn node_reaches_a_local_lb_ip_through_source_ranges_and_node_ports_keep_to_their_addresses() {
-    let (bed, _pods) = bed_with_pods("iptlbnode", 1);
+    local_lb_ip_and_node_port_addresses(Rules::Iptables)
+}
+
+#[test]
+fn node_reaches_a_local_lb_ip_through_source_ranges_and_node_ports_keep_to_their_addresses_nftables()
+ {
+    local_lb_ip_and_node_port_addresses(Rules::Nftables)
+}
+
+fn local_lb_ip_and_node_port_addresses(rules: Rules) {
+    let (mut bed, _pods) = bed_with_pods(&format!("{}lbnode", rules.tag()), 1);
+    let ext = external_client(&mut bed);
     route_services(&bed);
     let ns = bed.node_netns().to_string();
     let node_ip = bed.node_ipv4();
     for addr in ["198.19.250.4/32", "198.18.250.1/32"] {
         xtask::cmd::ip(["-n", &ns, "addr", "add", addr, "dev", "lo"]).expect("local address");
     }
-    let mut dp = IptablesDataplane::new(IptablesConfig {
-        netns: Some(ns.clone()),
-        families: vec![Family::V4],
-        cleanup_on_exit: true,
-        render: proxy_userland::dataplane::iptables::RenderConfig {
-            nodeport_addresses: vec![(IpAddr::V4(node_ip), 32)],
-            ..Default::default()
-        },
+    let render = RenderConfig {
+        nodeport_addresses: vec![(IpAddr::V4(node_ip), 32)],
         ..Default::default()
-    })
-    .expect("proxier");
+    };
+    let mut dp = rules.proxier(&bed, vec![Family::V4], render);
     let mut lb = web_service("lb", WEB_IP);
     lb.ports[0].node_port = Some(30080);
     lb.load_balancer_ips = vec!["198.19.250.4".parse().unwrap()];
@@ -570,6 +650,22 @@ fn node_reaches_a_local_lb_ip_through_source_ranges_and_node_ports_keep_to_their
     assert!(
         to_lb.iter().all(|a| a.reply() == Some("pod-1")),
         "{to_lb:?}"
+    );
+    // Another host, outside the source ranges, is kept out.
+    let outsider = probe_from(
+        &ext.netns,
+        &[
+            "tcp",
+            "198.19.250.4:80",
+            "--count",
+            "2",
+            "--timeout-ms",
+            "500",
+        ],
+    );
+    assert!(
+        outsider.iter().all(|a| !a.is_ok()),
+        "a client outside loadBalancerSourceRanges got in: {outsider:?}"
     );
     let on_node_ip = tcp(&bed, &format!("{node_ip}:30080"), 2);
     assert!(

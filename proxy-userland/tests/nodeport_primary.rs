@@ -1,6 +1,6 @@
 //! `--nodeport-addresses primary` through the real `fastpath` binary: node ports answer on
 //! the node's primary address only, not on its other addresses, in eBPF mode (the packet
-//! path on the client's device) and iptables mode, with a client namespace standing for
+//! path on the client's device), iptables and nftables mode, with a client namespace standing for
 //! another host.
 
 mod common;
@@ -111,6 +111,11 @@ fn primary_is_the_bind_address_ebpf() {
 #[test]
 fn primary_is_the_bind_address_iptables() {
     primary_is_the_bind_address("iptables")
+}
+
+#[test]
+fn primary_is_the_bind_address_nftables() {
+    primary_is_the_bind_address("nftables")
 }
 
 /// No --bind-address and no Node (the file source): the first address of the default
