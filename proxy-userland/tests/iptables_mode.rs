@@ -222,14 +222,38 @@ fn node_port_and_local_policy(rules: Rules) {
             on("node-b", ready(pod_ip(2))),
         ])
     };
+    // Local policy with every endpoint elsewhere: nothing here may answer.
+    let mut remote = web_service("remote", Ipv4Addr::new(198, 19, 0, 13));
+    remote.ports[0].node_port = Some(30082);
+    remote.external_policy_local = true;
+    let elsewhere = web_endpoints(vec![on("node-b", ready(pod_ip(2)))]);
     let report = dp.sync(
-        &state_of(vec![(cluster, Some(eps())), (local, Some(eps()))]),
+        &state_of(vec![
+            (cluster, Some(eps())),
+            (local, Some(eps())),
+            (remote, Some(elsewhere)),
+        ]),
         &node(),
         Scope::Full,
     );
     assert!(report.failed.is_empty(), "{report:?}");
 
     let node_ip = bed.node_ipv4().to_string();
+    let dropped = probe_from(
+        &ext.netns,
+        &[
+            "tcp",
+            &format!("{node_ip}:30082"),
+            "--count",
+            "2",
+            "--timeout-ms",
+            "500",
+        ],
+    );
+    assert!(
+        dropped.iter().all(|a| !a.is_ok()),
+        "Local policy without a local endpoint must not reach pod-2 elsewhere: {dropped:?}"
+    );
     let attempts = probe_from(
         &ext.netns,
         &[
