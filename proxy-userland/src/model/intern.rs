@@ -1,5 +1,5 @@
-//! One shared copy of the strings that repeat across the model: an endpoint's node name
-//! and zone, and its zone hints. Every endpoint of a cluster names one of a few hundred
+//! One shared copy of the values that repeat across the model: an endpoint's node name
+//! and zone, its zone hints, and (through an [`ArcPool`]) its whole placement. Every endpoint of a cluster names one of a few hundred
 //! nodes; a `String` each was an allocation and 24 bytes per endpoint, about 0.5 KiB per
 //! service of ten endpoints in the daemon's RSS (malloc's minimum chunk included).
 //!
@@ -53,12 +53,6 @@ fn shared<T: Borrow<Q> + Hash + Eq + Clone, Q: Hash + Eq + ?Sized>(
     shared
 }
 
-impl<T: Hash + Eq + Clone> Default for ArcPool<T> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// A pool of shared copies of one type's values, for a `static`: the values that repeat
 /// over many endpoints.
 pub struct ArcPool<T>(Mutex<Option<Pool<Arc<T>>>>);
@@ -72,6 +66,12 @@ impl<T: Hash + Eq + Clone> ArcPool<T> {
     pub fn shared(&self, value: T) -> Arc<T> {
         // A copy only when the pool has none: once per distinct value.
         shared(&self.0, &value, |v| Arc::new(v.clone()), Arc::strong_count)
+    }
+}
+
+impl<T: Hash + Eq + Clone> Default for ArcPool<T> {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
