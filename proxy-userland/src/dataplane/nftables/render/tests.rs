@@ -279,13 +279,16 @@ fn nft_accepts_full_and_partial_transactions_in_both_families() {
 fn dump_for_timing() {
     let dir = std::env::var("FASTPATH_NFT_DUMP_DIR").unwrap_or_else(|_| "/tmp".into());
     let sizes = std::env::var("FASTPATH_NFT_DUMP_SIZES").unwrap_or_else(|_| "1000".into());
-    for n in sizes.split(',').filter_map(|s| s.trim().parse::<u32>().ok()) {
+    for n in sizes
+        .split(',')
+        .filter_map(|s| s.trim().parse::<u32>().ok())
+    {
         let entries = (0..n)
             .map(|i| {
                 let ip = format!("198.19.{}.{}", i / 250, i % 250 + 1);
                 let list = (0..10u32)
                     .map(|e| {
-                        // 10 endpoints a service outgrow 198.18/16 past 6,250 services: reuse addresses.
+                        // Past 6,250 services the endpoints outgrow 198.18/16: reuse them.
                         let k = (i * 10 + e) % 62_500;
                         ep(&format!("198.18.{}.{}", k / 250, k % 250 + 1), "node-b")
                     })
