@@ -269,3 +269,40 @@ fn nft_accepts_full_and_partial_transactions_in_both_families() {
         }
     }
 }
+
+/// Writes the full transaction at `FASTPATH_NFT_DUMP_SIZES` services (10 endpoints each) to
+/// `$FASTPATH_NFT_DUMP_DIR/full-N.nft`, and a one-service change's partial to
+/// `partial-N.nft`: the renderer's real output, for timing `nft -f` by hand
+/// (docs/modes.md, "nft at scale"). Ignored: it only writes files.
+#[test]
+#[ignore]
+fn dump_for_timing() {
+    let dir = std::env::var("FASTPATH_NFT_DUMP_DIR").unwrap_or_else(|_| "/tmp".into());
+    let sizes = std::env::var("FASTPATH_NFT_DUMP_SIZES").unwrap_or_else(|_| "1000".into());
+    for n in sizes
+        .split(',')
+        .filter_map(|s| s.trim().parse::<u32>().ok())
+    {
+        let entries = (0..n)
+            .map(|i| {
+                let ip = format!("198.19.{}.{}", i / 250, i % 250 + 1);
+                let list = (0..10u32)
+                    .map(|e| {
+                        // Past 6,250 services the endpoints outgrow 198.18/16: reuse them.
+                        let k = (i * 10 + e) % 62_500;
+                        ep(&format!("198.18.{}.{}", k / 250, k % 250 + 1), "node-b")
+                    })
+                    .collect();
+                (svc("ns", &format!("s{i}"), &ip), Some(eps(list)))
+            })
+            .collect();
+        let mut st = state(entries);
+        let mut r = Rendered::new(&st, &node(), Family::V4, &cfg());
+        std::fs::write(format!("{dir}/full-{n}.nft"), r.full_transaction()).unwrap();
+        let key = ServiceKey::new("ns", "s0");
+        let changed = eps(vec![ep("198.18.255.250", "node-b")]);
+        st.endpoints.insert(key.clone(), Arc::new(changed));
+        let (text, _) = r.rerender(&st, &node(), &cfg(), [&key]).unwrap();
+        std::fs::write(format!("{dir}/partial-{n}.nft"), text).unwrap();
+    }
+}
