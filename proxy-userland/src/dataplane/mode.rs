@@ -162,7 +162,7 @@ add rule ip fastpath-probe n ip daddr . meta l4proto . th dport vmap @m
 add rule ip fastpath-probe n fib daddr type local ip daddr != 127.0.0.0/8 jump e
 add rule ip fastpath-probe e ip saddr @a goto e
 add rule ip fastpath-probe e update @a { ip saddr }
-add rule ip fastpath-probe e numgen random mod 2 vmap { 0 : goto e , 1 : goto e }
+add rule ip fastpath-probe e numgen random mod 2 0 goto e
 add rule ip fastpath-probe e meta l4proto tcp dnat to 198.18.0.2:1
 add rule ip fastpath-probe f ct state new reject
 add chain ip fastpath-probe p { type nat hook postrouting priority 100 ; }

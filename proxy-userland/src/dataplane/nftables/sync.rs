@@ -1,6 +1,8 @@
-//! One family's sync, as kube-proxy's nftables syncProxyRules: a full transaction at start,
-//! after a failed one, when the node's addresses or the service ranges change and once an
-//! hour; otherwise a partial one holding only what the changed services changed. Chains a
+//! One family's sync, as kube-proxy's nftables syncProxyRules: a full sync at start, after
+//! a failed one, when the node's addresses or the service ranges change and once an hour;
+//! otherwise a partial one, one transaction holding only what the changed services changed.
+//! A full sync is one transaction where the table is small, else several of bounded size
+//! (`Rendered::full_transactions`). Chains a
 //! partial sync leaves unused are flushed at once and deleted a second later (kube-proxy:
 //! before Linux 6.2 a chain is still "in use" for a moment after the map element that
 //! pointed at it is gone). Then the UDP conntrack clean-up, as the iptables mode does it.
@@ -27,6 +29,10 @@ use crate::{
 
 /// A periodic sync rewrites everything at least this often (kube-proxy's FullSyncPeriod).
 pub const FULL_RESYNC: Duration = Duration::from_secs(3600);
+/// The most text one `nft -f` run of a full sync gets. nft 1.0.6 holds about 30 times its
+/// input in memory (1.2 GiB for the 48 MB of 10,000 services in kube-proxy's layout), and
+/// it runs in the daemon's cgroup: the DaemonSet's limit is 512Mi.
+pub const FULL_SYNC_BUDGET: usize = 2 << 20;
 /// A stale chain is deleted no sooner than this after it was flushed.
 const STALE_CHAIN_GRACE: Duration = Duration::from_secs(1);
 const MAX_CONNTRACK_DELETES: usize = 20_000;
@@ -43,6 +49,8 @@ pub struct FamilyState {
     pub stale: BTreeMap<String, Instant>,
     pub udp: BTreeMap<ServiceKey, UdpTargets>,
     pub conntrack_warned: bool,
+    /// A full sync's text per `nft -f` run ([`FULL_SYNC_BUDGET`]; tests set less).
+    pub budget: usize,
 }
 
 impl FamilyState {
@@ -56,6 +64,7 @@ impl FamilyState {
             stale: BTreeMap::new(),
             udp: BTreeMap::new(),
             conntrack_warned: false,
+            budget: FULL_SYNC_BUDGET,
         }
     }
 
@@ -167,17 +176,27 @@ pub fn sync_family(
         }
         _ => {
             let rendered = Rendered::new(state, node, family, &cfg);
-            let text = rendered.full_transaction();
-            debug!(?family, bytes = text.len(), "nft -f (full)");
-            if let Err(e) = f.nft.run(&text) {
-                f.needs_full = true;
-                return Err(e);
+            // A table we know is written over; after a failure (or with none) it is made
+            // anew, since what it holds is not known.
+            let previous = f.last.take().filter(|_| !f.needs_full);
+            let (txs, stale) = rendered.full_transactions(previous.as_ref(), f.budget);
+            let bytes: usize = txs.iter().map(String::len).sum();
+            debug!(?family, bytes, transactions = txs.len(), "nft -f (full)");
+            for text in &txs {
+                if let Err(e) = f.nft.run(text) {
+                    f.needs_full = true;
+                    return Err(e);
+                }
+                written.transactions += 1;
             }
-            written.transactions += 1;
             written.full = true;
             written.services = rendered.services.len();
             f.last = Some(rendered);
-            f.stale.clear();
+            if previous.is_none() {
+                f.stale.clear();
+            }
+            let now = Instant::now();
+            f.stale.extend(stale.into_iter().map(|c| (c, now)));
             f.needs_full = false;
             f.last_full = Some(Instant::now());
         }

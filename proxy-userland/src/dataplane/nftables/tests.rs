@@ -88,7 +88,10 @@ fn a_full_sync_then_only_what_changed_then_full_after_a_failure() {
     assert_eq!(t.len(), 2);
     let partial = &t[1];
     assert!(!partial.contains("delete table"), "{partial}");
-    assert!(partial.contains("numgen random mod 2"), "{partial}");
+    assert!(
+        partial.contains("numgen random mod 2 0 meta l4proto tcp dnat to"),
+        "{partial}"
+    );
     assert!(partial.contains("dnat to 198.18.180.3:80"), "{partial}");
     assert!(!partial.contains("svc1"), "{partial}");
 

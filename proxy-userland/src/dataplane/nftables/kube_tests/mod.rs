@@ -27,6 +27,7 @@
 mod convert_test;
 mod dump;
 mod fake;
+mod full_sync_test;
 mod listing_test;
 mod metrics_test;
 mod names_test;
@@ -168,10 +169,117 @@ pub fn sort_transaction(tx: &str) -> Vec<String> {
     lines.into_iter().map(|(_, l)| l.to_string()).collect()
 }
 
+/// Upstream's expected text as we write the same table (render/service.rs `balance`):
+/// - an endpoint without affinity has no chain: its DNAT sits in the service chain;
+/// - the endpoint choice is rule i of n, `numgen random mod (n-i) 0 ACTION`, the last
+///   action plain, instead of one `numgen ... vmap`;
+/// - hairpin traffic is marked in nat-postrouting, from a set of `ip . ip` pairs, instead
+///   of in each endpoint chain.
+///
+/// Text without endpoint chains or numgen maps comes back as it was.
+pub fn as_ours(upstream: &str) -> String {
+    let rule_of = |line: &str| -> Option<(String, String, String)> {
+        let rest = line.strip_prefix("add rule ")?;
+        let (family, rest) = rest.split_once(' ')?;
+        let (_table, rest) = rest.split_once(' ')?;
+        let (chain, body) = rest.split_once(' ')?;
+        Some((family.to_string(), chain.to_string(), body.to_string()))
+    };
+    let is_endpoint = |chain: &str| chain.starts_with("endpoint-");
+    let mut endpoint_rules: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for line in upstream.lines() {
+        if let Some((_, chain, body)) = rule_of(line.trim()).filter(|(_, c, _)| is_endpoint(c)) {
+            endpoint_rules.entry(chain).or_default().push(body);
+        }
+    }
+    let with_affinity = |chain: &str| {
+        endpoint_rules
+            .get(chain)
+            .is_some_and(|r| r.iter().any(|b| b.starts_with("update @")))
+    };
+    let mut pairs: Vec<(String, String)> = Vec::new();
+    let mut out = String::new();
+    for line in upstream.lines() {
+        let trimmed = line.trim();
+        let chain_decl = trimmed
+            .strip_prefix("add chain ")
+            .and_then(|r| r.splitn(3, ' ').nth(2));
+        if chain_decl.is_some_and(|c| is_endpoint(c) && !with_affinity(c)) {
+            continue;
+        }
+        if let Some((family, chain, body)) = rule_of(trimmed) {
+            if is_endpoint(&chain) {
+                if let Some(ip) = body
+                    .strip_suffix(" jump mark-for-masquerade")
+                    .and_then(|b| b.split(' ').nth(2))
+                {
+                    pairs.push((family.clone(), ip.to_string()));
+                }
+                if !with_affinity(&chain) || body.ends_with("jump mark-for-masquerade") {
+                    continue;
+                }
+            }
+            if chain == "nat-postrouting"
+                && body == "jump masquerading"
+                && !upstream.contains("@hairpin-endpoints")
+            {
+                out.push_str(&format!(
+                    "add set {family} fastpath hairpin-endpoints {{ type {t} . {t} ; comment \"endpoint addresses, each twice: DNAT to the client itself\" ; }}\n\
+                     add rule {family} fastpath nat-postrouting ct status dnat {family} saddr . {family} daddr @hairpin-endpoints jump mark-for-masquerade\n",
+                    t = if family == "ip" { "ipv4_addr" } else { "ipv6_addr" },
+                ));
+            }
+            if let Some(at) = body
+                .find("numgen random mod ")
+                .filter(|&at| body[at..].contains(" vmap {"))
+            {
+                let prefix = format!("add rule {family} fastpath {chain} {}", &body[..at]);
+                let map = &body[at..];
+                let inner = map
+                    .split_once('{')
+                    .and_then(|(_, b)| b.rsplit_once('}'))
+                    .map_or("", |(b, _)| b);
+                let actions: Vec<String> = inner
+                    .split(',')
+                    .filter_map(|e| e.split_once(": goto "))
+                    .map(|(_, target)| {
+                        let target = target.trim();
+                        let dnat = endpoint_rules
+                            .get(target)
+                            .and_then(|r| r.iter().find(|b| b.contains(" dnat ")));
+                        match dnat {
+                            Some(d) if !with_affinity(target) => d.clone(),
+                            _ => format!("goto {target}"),
+                        }
+                    })
+                    .collect();
+                for (i, action) in actions.iter().enumerate() {
+                    match actions.len() - i {
+                        1 => out.push_str(&format!("{prefix}{action}\n")),
+                        k => out.push_str(&format!("{prefix}numgen random mod {k} 0 {action}\n")),
+                    }
+                }
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    pairs.sort();
+    pairs.dedup();
+    for (family, ip) in pairs {
+        out.push_str(&format!(
+            "add element {family} fastpath hairpin-endpoints {{ {ip} . {ip} }}\n"
+        ));
+    }
+    out
+}
+
 /// kube-proxy's diffNFTablesTransaction: None when equal once sorted, else the lines only
-/// one side has.
+/// one side has. Either may be upstream's text: both are compared [`as_ours`].
 pub fn diff_transaction(expected: &str, got: &str) -> Option<String> {
-    let (want, have) = (sort_transaction(expected), sort_transaction(got));
+    let (expected, got) = (as_ours(expected), as_ours(got));
+    let (want, have) = (sort_transaction(&expected), sort_transaction(&got));
     if want == have {
         return None;
     }
@@ -185,7 +293,15 @@ pub fn diff_transaction(expected: &str, got: &str) -> Option<String> {
         out.push_str(&format!("+ {l}\n"));
     }
     if out.is_empty() {
-        out.push_str("same lines, in another order\n");
+        let at = want
+            .iter()
+            .zip(&have)
+            .position(|(w, h)| w != h)
+            .unwrap_or(0);
+        out.push_str(&format!(
+            "same lines, in another order; first at line {at}:\n- {}\n+ {}\n",
+            want[at], have[at]
+        ));
     }
     Some(out)
 }

@@ -109,8 +109,9 @@ fn test_sync_proxy_rules_repeated() {
     ]);
     let (ops, _) = t.sync(&st, &["ns3/svc3"]);
     t.assert_holds(&st, &[]);
-    // 2 elements, add+flush 2 chains, 2 rules in each.
-    assert_eq!(ops, 10);
+    // Upstream: 2 elements, add+flush 2 chains, 2 rules in each (10). Ours has no endpoint
+    // chain: 3 elements (the hairpin pair too), add+flush 1 chain, 2 rules.
+    assert_eq!(ops, 7);
 
     // Delete a service: its chains are flushed, not deleted yet.
     st = state(vec![
@@ -119,7 +120,7 @@ fn test_sync_proxy_rules_repeated() {
     ]);
     let (ops, stale) = t.sync(&st, &["ns2/svc2"]);
     let svc2_chains: Vec<&str> = stale.iter().map(String::as_str).collect();
-    assert_eq!(svc2_chains.len(), 2, "{stale:?}");
+    assert_eq!(svc2_chains.len(), 1, "{stale:?}");
     assert!(
         svc2_chains
             .iter()
@@ -146,9 +147,10 @@ fn test_sync_proxy_rules_repeated() {
     ]);
     let (ops, _) = t.sync(&st, &["ns4/svc4"]);
     t.assert_holds(&st, &[]);
-    assert_eq!(ops, 10);
+    assert_eq!(ops, 7);
 
-    // Change an endpoint of an existing service: the old endpoint chain goes stale.
+    // Change an endpoint of an existing service: upstream's old endpoint chain goes stale;
+    // ours has none, and swaps the hairpin pair.
     let with3 = |eps| {
         state(vec![
             (svc1.clone(), Some(p80("198.18.1.1"))),
@@ -158,15 +160,9 @@ fn test_sync_proxy_rules_repeated() {
     };
     st = with3(Some(p80("198.18.3.2")));
     let (ops, stale) = t.sync(&st, &["ns3/svc3"]);
-    assert_eq!(stale.len(), 1, "{stale:?}");
-    assert!(
-        stale[0].ends_with("ns3/svc3/tcp/p80__198.18.3.1/80"),
-        "{stale:?}"
-    );
-    t.assert_holds(&st, &[&stale[0]]);
-    assert_eq!(ops, 9);
-    t.text
-        .push_str(&format!("delete chain ip fastpath {}\n", stale[0]));
+    assert!(stale.is_empty(), "{stale:?}");
+    t.assert_holds(&st, &[]);
+    assert_eq!(ops, 6);
 
     // Add an endpoint to a service.
     let two = || {
@@ -178,14 +174,14 @@ fn test_sync_proxy_rules_repeated() {
     st = with3(Some(two()));
     let (ops, _) = t.sync(&st, &["ns3/svc3"]);
     t.assert_holds(&st, &[]);
-    // Upstream rewrites all 3 chains of the service (12 operations); ours only those whose
-    // rules changed: the service chain and the new endpoint's (docs/modes.md).
-    assert_eq!(ops, 8);
+    // Upstream rewrites all 3 chains of the service (12 operations); ours has one, with a
+    // rule per endpoint (docs/modes.md), and adds the new endpoint's hairpin pair.
+    assert_eq!(ops, 6);
 
-    // Empty a service's endpoints: its chains are flushed.
+    // Empty a service's endpoints: its chains are flushed (upstream's 3, our 1).
     st = with3(Some(slice(vec![], &[("p80", 80, Tcp)])));
     let (ops, stale) = t.sync(&st, &["ns3/svc3"]);
-    assert_eq!(stale.len(), 3, "{stale:?}");
+    assert_eq!(stale.len(), 1, "{stale:?}");
     let flushed: Vec<&str> = stale.iter().map(String::as_str).collect();
     t.assert_holds(&st, &flushed);
     assert_eq!(ops, 5);
@@ -208,7 +204,9 @@ fn test_sync_proxy_rules_repeated() {
     let (ops, stale) = t.sync(&st, &["ns3/svc3"]);
     assert!(stale.is_empty(), "{stale:?}");
     t.assert_holds(&st, &[]);
-    assert_eq!(ops, 14);
+    // The service chain (add, flush, 3 rules), its map element swapped back, and both
+    // hairpin pairs: no endpoint chains to write again (docs/modes.md).
+    assert_eq!(ops, 9);
     run_packet_flow_tests(
         "TestSyncProxyRulesRepeated",
         &Dump::parse(&t.text).unwrap(),
@@ -315,11 +313,12 @@ fn test_sync_proxy_rules_repeated_stale_chains() {
         .filter(|c| c.contains("ns2/svc2"))
         .cloned()
         .collect();
-    assert_eq!(svc2_chains.len(), 2, "{svc2_chains:?}");
+    // Upstream flushes the service's and its endpoint's chain; ours has only the first.
+    assert_eq!(svc2_chains.len(), 1, "{svc2_chains:?}");
     for c in &svc2_chains {
         assert_eq!(s.dump().chain_text(c), "", "{c} is flushed");
     }
-    assert_eq!(s.fs.stale.len(), 2);
+    assert_eq!(s.fs.stale.len(), 1);
 
     // Not yet aged: a sync with nothing changed deletes nothing.
     assert!(s.sync(&st, Some(&[])).is_empty());

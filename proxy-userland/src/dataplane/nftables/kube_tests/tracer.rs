@@ -6,8 +6,9 @@
 //! match. Unlike upstream, it follows the packet through the base chains the dump hooks,
 //! in priority order, on the path a real packet takes: `output` for a packet from a node
 //! address, else `prerouting`; then `input` if the (possibly DNATed) destination is a node
-//! address, else `forward`. Chains after a DNAT see the new destination. `postrouting` is
-//! not run: masquerading is read, as upstream does, from the jump to `mark-for-masquerade`.
+//! address, else `forward`. Chains after a DNAT see the new destination; then `postrouting`
+//! for each endpoint, where ours marks hairpin traffic. Masquerading is read, as upstream
+//! does, from the jump to `mark-for-masquerade`.
 
 use std::net::IpAddr;
 
@@ -16,6 +17,8 @@ use crate::dataplane::iptables::render::cidr_contains;
 
 /// The chain whose jump marks a packet for masquerading (kube-proxy's markMasqChain).
 pub const MARK_MASQ_CHAIN: &str = "mark-for-masquerade";
+/// The chain that masquerades marked packets (kube-proxy's masqueradingChain).
+const MASQUERADING_CHAIN: &str = "masquerading";
 
 /// What happened to a traced packet, as kube-proxy's tracePacket reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -169,6 +172,9 @@ enum Step<'r> {
     /// No element of the map matched: the rule ends.
     NoVerdict,
     Numgen(Vec<String>),
+    /// One rule of our endpoint spread, with its action: sometimes taken, so both ways
+    /// are followed.
+    NumgenShare(&'r str),
     Dnat(&'r str),
 }
 
@@ -215,7 +221,15 @@ impl Tracer<'_> {
         }
         if let Some(rest) = rule.strip_prefix("numgen random mod ") {
             let (_, rest) = after_words(rest, 1);
-            let rest = rest.strip_prefix("vmap").ok_or("numgen without vmap")?;
+            let Some(rest) = rest.strip_prefix("vmap") else {
+                // Ours: `numgen random mod K 0 ACTION`, one endpoint's share.
+                let rest = rest.strip_prefix("== ").unwrap_or(rest);
+                let (value, action) = after_words(rest, 1);
+                if value != "0" || action.is_empty() {
+                    return Err(format!("numgen match {value:?} without an action"));
+                }
+                return Ok((Step::NumgenShare(action), ""));
+            };
             let (body, rest) = take_braced(rest).ok_or("numgen vmap without { }")?;
             let chains = parse_elements(body)
                 .into_iter()
@@ -346,7 +360,17 @@ impl Tracer<'_> {
         p: &mut Packet<'_>,
         depth: usize,
     ) -> Result<Option<End>, String> {
-        let mut rule = strip_comment(raw).trim();
+        self.run_statements(raw, strip_comment(raw).trim(), p, depth)
+    }
+
+    /// Runs `rule`, the statements of `raw` from some point on.
+    fn run_statements(
+        &mut self,
+        raw: &str,
+        mut rule: &str,
+        p: &mut Packet<'_>,
+        depth: usize,
+    ) -> Result<Option<End>, String> {
         while !rule.is_empty() {
             let (step, rest) = self.step(p, rule)?;
             let rest = rest.trim_start();
@@ -373,6 +397,12 @@ impl Tracer<'_> {
                     }
                     return Ok(Some(End::Terminal));
                 }
+                Step::NumgenShare(action) => {
+                    // Every endpoint is followed, as for a numgen map; then the next rule.
+                    let mut each = *p;
+                    self.run_statements(raw, action, &mut each, depth)?;
+                    return Ok(None);
+                }
                 Step::Verdict(v) => {
                     if !rest.is_empty() {
                         return Err(format!("statements after the verdict {v:?}"));
@@ -394,6 +424,8 @@ impl Tracer<'_> {
                             self.trace.matches.push(raw.to_string());
                             return Ok(Some(End::Continue));
                         }
+                        // Where the mark is acted on: the trace reads the mark instead.
+                        "jump" if target == MASQUERADING_CHAIN => return Ok(None),
                         "jump" if target == MARK_MASQ_CHAIN => {
                             self.trace.matches.push(raw.to_string());
                             self.trace.masq = true;
@@ -509,8 +541,13 @@ pub fn trace_packet(
         } else {
             "forward"
         };
-        if !next.is_empty() {
-            t.run_hook(next, &mut p);
+        if (next.is_empty() || t.run_hook(next, &mut p)) && p.dnatted {
+            // Ours marks a DNAT to the client itself in nat-postrouting, where upstream's
+            // endpoint chain marks it: run it for each endpoint the packet may go to.
+            let ends: Vec<IpAddr> = t.outputs.iter().filter_map(|o| endpoint_addr(o)).collect();
+            for dst in ends {
+                t.run_hook("postrouting", &mut Packet { dst, ..p });
+            }
         }
     }
     t.trace.output = t.outputs.join(", ");

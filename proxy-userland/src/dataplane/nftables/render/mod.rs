@@ -24,6 +24,7 @@
 
 mod names;
 mod service;
+mod transaction;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -56,6 +57,7 @@ pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
 pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
 pub const CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
 pub const NODEPORT_IPS: &str = "nodeport-ips";
+pub const HAIRPIN: &str = "hairpin-endpoints";
 
 /// The sets and maps every service adds elements to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -66,6 +68,8 @@ pub enum Container {
     NoEndpointServices,
     NoEndpointNodeports,
     FirewallIps,
+    /// `ip . ip` for every endpoint address: a DNAT to the client itself (hairpin).
+    Hairpin,
 }
 
 impl Container {
@@ -77,6 +81,7 @@ impl Container {
             Container::NoEndpointServices => "no-endpoint-services",
             Container::NoEndpointNodeports => "no-endpoint-nodeports",
             Container::FirewallIps => "firewall-ips",
+            Container::Hairpin => HAIRPIN,
         }
     }
 }
@@ -252,6 +257,13 @@ fn head(family: Family, cfg: &RenderConfig) -> String {
         "set",
         &format!("cluster-ips {{ type {addr} ; comment \"Active ClusterIPs\" ; }}"),
     );
+    w.line(
+        "add",
+        "set",
+        &format!(
+            "{HAIRPIN} {{ type {addr} . {addr} ; comment \"endpoint addresses, each twice: DNAT to the client itself\" ; }}"
+        ),
+    );
     if nodeport_nets.is_some() {
         w.line(
             "add",
@@ -383,6 +395,10 @@ fn head(family: Family, cfg: &RenderConfig) -> String {
     w.rule(MASQUERADING, &format!("mark set mark xor {mark}"));
     w.rule(MASQUERADING, "masquerade fully-random");
     w.rule("nat-output", &format!("jump {SERVICES}"));
+    w.rule(
+        "nat-postrouting",
+        &format!("ct status dnat {ip_x} saddr . {ip_x} daddr @{HAIRPIN} jump {MARK_MASQ}"),
+    );
     w.rule("nat-postrouting", &format!("jump {MASQUERADING}"));
     w.rule("nat-prerouting", &format!("jump {SERVICES}"));
     let nodeport_dst = match &nodeport_nets {
@@ -435,13 +451,24 @@ fn head(family: Family, cfg: &RenderConfig) -> String {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rendered {
     pub family: Family,
-    head: String,
+    pub(super) head: String,
     pub services: BTreeMap<ServiceKey, Arc<ServiceObjects>>,
+    /// How many services hold each hairpin element: a pod often backs several services,
+    /// and its element may only go with the last of them.
+    pub(super) hairpin_refs: BTreeMap<String, u32>,
+}
+
+/// The keys of a service's hairpin elements.
+pub(super) fn hairpins(objs: &ServiceObjects) -> impl Iterator<Item = &String> {
+    objs.elements
+        .keys()
+        .filter(|(c, _)| *c == Container::Hairpin)
+        .map(|(_, key)| key)
 }
 
 impl Rendered {
     pub fn new(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderConfig) -> Self {
-        let services = state
+        let services: BTreeMap<ServiceKey, Arc<ServiceObjects>> = state
             .services
             .iter()
             .filter_map(|(key, svc)| {
@@ -450,10 +477,17 @@ impl Rendered {
                 Some((key.clone(), Arc::new(objs)))
             })
             .collect();
+        let mut hairpin_refs: BTreeMap<String, u32> = BTreeMap::new();
+        for objs in services.values() {
+            for key in hairpins(objs) {
+                *hairpin_refs.entry(key.clone()).or_default() += 1;
+            }
+        }
         Rendered {
             family,
             head: head(family, cfg),
             services,
+            hairpin_refs,
         }
     }
 
@@ -476,120 +510,6 @@ impl Rendered {
             }
         }
         w.text
-    }
-
-    /// A full sync's transaction: the table deleted and made again in one atomic step,
-    /// which also removes every object no longer wanted (stale chains, affinity sets,
-    /// changed base chains). Connections keep their NAT: it lives in conntrack.
-    pub fn full_transaction(&self) -> String {
-        let f = family_name(self.family);
-        format!(
-            "add table {f} {TABLE}\ndelete table {f} {TABLE}\n{}",
-            self.text()
-        )
-    }
-
-    /// Re-renders the services `keys` from `state` (one it lacks: gone) and returns a
-    /// partial transaction that turns the table from what `self` held into the new state,
-    /// and the chains that went stale (flushed now, to delete once nothing refers to
-    /// them). None when nothing changed.
-    pub fn rerender<'a>(
-        &mut self,
-        state: &ProxyState,
-        node: &NodeInfo,
-        cfg: &RenderConfig,
-        keys: impl IntoIterator<Item = &'a ServiceKey>,
-    ) -> Option<(String, Vec<String>)> {
-        let mut w = Writer::new(self.family);
-        let mut stale = Vec::new();
-        let mut deleted_sets = Vec::new();
-        for key in keys {
-            let new = state.services.get(key).and_then(|svc| {
-                let eps = state.endpoints.get(key).map(|e| &**e);
-                render_service(svc, eps, node, self.family, cfg).map(Arc::new)
-            });
-            let old = self.services.get(key).cloned();
-            if new.as_deref() == old.as_deref() {
-                continue;
-            }
-            let empty = ServiceObjects::default();
-            let (o, n) = (
-                old.as_deref().unwrap_or(&empty),
-                new.as_deref().unwrap_or(&empty),
-            );
-            partial(&mut w, self.family, o, n, &mut stale, &mut deleted_sets);
-            match new {
-                Some(n) => self.services.insert(key.clone(), n),
-                None => self.services.remove(key),
-            };
-        }
-        for set in deleted_sets {
-            w.line("delete", "set", &set);
-        }
-        (!w.text.is_empty()).then_some((w.text, stale))
-    }
-}
-
-/// The statements that turn one service's objects `o` into `n`.
-fn partial(
-    w: &mut Writer,
-    family: Family,
-    o: &ServiceObjects,
-    n: &ServiceObjects,
-    stale: &mut Vec<String>,
-    deleted_sets: &mut Vec<String>,
-) {
-    // A set made again (new timeout) must first lose the rules that name it: then every
-    // chain of the service is rewritten.
-    let sets_remade = n
-        .affinity_sets
-        .iter()
-        .any(|(name, t)| o.affinity_sets.get(name).is_some_and(|old| old != t));
-    // Elements go first, so no map points at a chain that is about to change shape.
-    for (k @ (c, key), v) in &o.elements {
-        if n.elements.get(k) != Some(v) {
-            w.delete_element(*c, key);
-        }
-    }
-    let rewritten: Vec<(&String, &Vec<String>)> = n
-        .chains
-        .iter()
-        .filter(|(name, rules)| sets_remade || o.chains.get(*name) != Some(*rules))
-        .collect();
-    for (name, _) in &rewritten {
-        w.line("add", "chain", name);
-        w.line("flush", "chain", name);
-    }
-    for name in o.chains.keys() {
-        if !n.chains.contains_key(name) {
-            w.line("flush", "chain", name);
-            stale.push(name.clone());
-        }
-    }
-    for (name, &timeout) in &n.affinity_sets {
-        match o.affinity_sets.get(name) {
-            Some(&old) if old == timeout => {}
-            Some(_) => {
-                w.line("delete", "set", name);
-                w.affinity_set(name, timeout, family);
-            }
-            None => w.affinity_set(name, timeout, family),
-        }
-    }
-    for (name, rules) in rewritten {
-        for r in rules {
-            w.rule(name, r);
-        }
-    }
-    for (k @ (c, key), v @ (verdict, comment)) in &n.elements {
-        if o.elements.get(k) != Some(v) {
-            w.element(*c, key, verdict, comment.as_deref());
-        }
-    }
-    for name in o.affinity_sets.keys() {
-        if !n.affinity_sets.contains_key(name) {
-            deleted_sets.push(name.clone());
-        }
     }
 }
 

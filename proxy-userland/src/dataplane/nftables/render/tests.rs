@@ -107,9 +107,9 @@ fn a_cluster_ip_service_is_kube_proxys_svc1() {
         format!(
             "add rule ip fastpath {sc} ip daddr 198.19.0.41 ip saddr != 198.18.0.0/16 jump mark-for-masquerade"
         ),
-        format!("add rule ip fastpath {sc} numgen random mod 1 vmap {{ 0 : goto {ec} }}"),
-        format!("add rule ip fastpath {ec} ip saddr 198.18.180.1 jump mark-for-masquerade"),
-        format!("add rule ip fastpath {ec} meta l4proto tcp dnat to 198.18.180.1:80"),
+        format!("add rule ip fastpath {sc} meta l4proto tcp dnat to 198.18.180.1:80"),
+        "add element ip fastpath hairpin-endpoints { 198.18.180.1 . 198.18.180.1 }".to_string(),
+        "add rule ip fastpath nat-postrouting ct status dnat ip saddr . ip daddr @hairpin-endpoints jump mark-for-masquerade".to_string(),
         "add element ip fastpath cluster-ips { 198.19.0.41 }".to_string(),
         format!("add element ip fastpath service-ips {{ 198.19.0.41 . tcp . 80 : goto {sc} }}"),
         "add rule ip fastpath cluster-ips-check ip daddr { 198.19.0.0/17 } reject comment \"Reject traffic to unallocated ClusterIPs\"".to_string(),
@@ -117,6 +117,8 @@ fn a_cluster_ip_service_is_kube_proxys_svc1() {
     ] {
         assert!(got.contains(&want.as_str()), "missing {want}\n{text}");
     }
+    // Without affinity an endpoint has no chain of its own (docs/modes.md).
+    assert!(!text.contains(&ec), "{text}");
 }
 
 #[test]
@@ -247,7 +249,11 @@ fn nft_accepts_full_and_partial_transactions_in_both_families() {
         let (changed, stale) = rendered
             .rerender(&st2, &node(), &cfg, [&key])
             .expect("a change");
-        assert_eq!(stale.len(), 1, "one endpoint chain goes: {changed}");
+        assert_eq!(
+            stale.len(),
+            2,
+            "both affinity endpoint chains go: {changed}"
+        );
         assert!(changed.contains("delete set"), "{changed}");
         assert!(
             rendered.rerender(&st2, &node(), &cfg, [&key]).is_none(),
@@ -304,5 +310,37 @@ fn dump_for_timing() {
         st.endpoints.insert(key.clone(), Arc::new(changed));
         let (text, _) = r.rerender(&st, &node(), &cfg(), [&key]).unwrap();
         std::fs::write(format!("{dir}/partial-{n}.nft"), text).unwrap();
+    }
+}
+
+/// Each endpoint's chance, read back from the rules: a `numgen random mod k 0` rule takes
+/// 1/k of the packets that reach it, the last rule all that are left.
+#[test]
+fn the_endpoint_spread_gives_each_endpoint_an_even_share() {
+    for n in [1usize, 2, 3, 7, 10, 100] {
+        let names: Vec<String> = (0..n).map(|i| format!("goto endpoint-{i}")).collect();
+        let rules = super::service::spread(names.iter().map(String::as_str));
+        assert_eq!(rules.len(), n, "{rules:?}");
+        let mut left = 1.0f64;
+        for (i, rule) in rules.iter().enumerate() {
+            let (taken, target) = match rule.strip_prefix("numgen random mod ") {
+                Some(rest) => {
+                    let (k, target) = rest.split_once(" 0 ").expect("a share rule");
+                    (1.0 / k.parse::<f64>().expect("a modulus"), target)
+                }
+                None => (1.0, rule.as_str()),
+            };
+            assert_eq!(target, names[i], "{rules:?}");
+            let share = left * taken;
+            assert!(
+                (share - 1.0 / n as f64).abs() < 1e-9,
+                "endpoint {i} of {n} gets {share}: {rules:?}"
+            );
+            left -= share;
+        }
+        assert!(
+            left.abs() < 1e-9,
+            "{left} of the packets go nowhere: {rules:?}"
+        );
     }
 }

@@ -1,0 +1,274 @@
+//! Transactions that change a table: a full sync's, in bounded parts, and a partial
+//! sync's, from what a service held to what it holds now.
+
+use std::{collections::BTreeSet, sync::Arc};
+
+use super::{
+    Container, Rendered, ServiceObjects, TABLE, Writer, family_name, hairpins, render_service,
+};
+use crate::{
+    dataplane::iptables::render::{Family, RenderConfig},
+    model::{NodeInfo, ProxyState, ServiceKey},
+};
+
+impl Rendered {
+    /// A full sync's transaction: the table deleted and made again in one atomic step,
+    /// which also removes every object no longer wanted (stale chains, affinity sets,
+    /// changed base chains). Connections keep their NAT: it lives in conntrack.
+    pub fn full_transaction(&self) -> String {
+        let f = family_name(self.family);
+        format!(
+            "add table {f} {TABLE}\ndelete table {f} {TABLE}\n{}",
+            self.text()
+        )
+    }
+
+    /// A full sync's transactions, each of about `budget` bytes of text at most (a service
+    /// is never split, so each transaction leaves each service as it was or as it is now):
+    /// the fixed objects first, then the services in key order, then the hairpin pairs.
+    ///
+    /// Written over `previous`, what the table holds as far as we know: every chain is
+    /// written again (flushed and refilled), every element added again (which changes
+    /// nothing where it is already), and what `previous` held that is no longer wanted is
+    /// deleted, as a partial sync does; the chains that went are returned to delete later.
+    /// Without `previous` the table is deleted first: a crashed run's or a failed sync's
+    /// leftovers go with it, and so, until the last transaction, does what it served.
+    ///
+    /// One `nft -f` of the whole table would need about 30 times its text in memory (1.2
+    /// GiB at 10,000 services), in the daemon's cgroup (docs/modes.md).
+    pub fn full_transactions(
+        &self,
+        previous: Option<&Rendered>,
+        budget: usize,
+    ) -> (Vec<String>, Vec<String>) {
+        let f = family_name(self.family);
+        let mut first = Writer::new(self.family);
+        if previous.is_none() {
+            first.text = format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n");
+        }
+        first.text.push_str(&refill(&self.head));
+        let mut txs = Vec::new();
+        // A table that fits the budget is still written in one transaction.
+        let mut w = first;
+        let mut stale = Vec::new();
+        let mut deleted_sets = Vec::new();
+        // An element two services claim goes to the first in key order, as in `text()`.
+        let mut claimed: BTreeSet<(Container, String)> = BTreeSet::new();
+        let empty = Arc::new(ServiceObjects::default());
+        let keys: BTreeSet<&ServiceKey> = (self.services.keys())
+            .chain(previous.iter().flat_map(|p| p.services.keys()))
+            .collect();
+        for key in keys {
+            let n = self.services.get(key).unwrap_or(&empty);
+            let o = previous.and_then(|p| p.services.get(key)).unwrap_or(&empty);
+            let refill = Some(&mut claimed);
+            partial(
+                &mut w,
+                self.family,
+                o,
+                n,
+                &mut stale,
+                &mut deleted_sets,
+                refill,
+            );
+            for set in deleted_sets.drain(..) {
+                w.line("delete", "set", &set);
+            }
+            if w.text.len() >= budget {
+                txs.push(std::mem::take(&mut w.text));
+            }
+        }
+        let gone = previous.into_iter().flat_map(|p| p.hairpin_refs.keys());
+        let gone = gone.filter(|p| !self.hairpin_refs.contains_key(*p));
+        let pairs = (self.hairpin_refs.keys().map(|p| (p, true))).chain(gone.map(|p| (p, false)));
+        for (pair, wanted) in pairs {
+            if wanted {
+                w.element(Container::Hairpin, pair, "", None);
+            } else {
+                w.delete_element(Container::Hairpin, pair);
+            }
+            if w.text.len() >= budget {
+                txs.push(std::mem::take(&mut w.text));
+            }
+        }
+        if !w.text.is_empty() {
+            txs.push(w.text);
+        }
+        (txs, stale)
+    }
+
+    /// Re-renders the services `keys` from `state` (one it lacks: gone) and returns a
+    /// partial transaction that turns the table from what `self` held into the new state,
+    /// and the chains that went stale (flushed now, to delete once nothing refers to
+    /// them). None when nothing changed.
+    pub fn rerender<'a>(
+        &mut self,
+        state: &ProxyState,
+        node: &NodeInfo,
+        cfg: &RenderConfig,
+        keys: impl IntoIterator<Item = &'a ServiceKey>,
+    ) -> Option<(String, Vec<String>)> {
+        let mut w = Writer::new(self.family);
+        let mut stale = Vec::new();
+        let mut deleted_sets = Vec::new();
+        let mut hairpin_changes = Writer::new(self.family);
+        for key in keys {
+            let new = state.services.get(key).and_then(|svc| {
+                let eps = state.endpoints.get(key).map(|e| &**e);
+                render_service(svc, eps, node, self.family, cfg).map(Arc::new)
+            });
+            let old = self.services.get(key).cloned();
+            if new.as_deref() == old.as_deref() {
+                continue;
+            }
+            let empty = ServiceObjects::default();
+            let (o, n) = (
+                old.as_deref().unwrap_or(&empty),
+                new.as_deref().unwrap_or(&empty),
+            );
+            partial(
+                &mut w,
+                self.family,
+                o,
+                n,
+                &mut stale,
+                &mut deleted_sets,
+                None,
+            );
+            for pair in hairpins(n).filter(|k| !hairpins(o).any(|old| old == *k)) {
+                let refs = self.hairpin_refs.entry(pair.clone()).or_default();
+                *refs += 1;
+                if *refs == 1 {
+                    hairpin_changes.element(Container::Hairpin, pair, "", None);
+                }
+            }
+            for pair in hairpins(o).filter(|k| !hairpins(n).any(|new| new == *k)) {
+                if let Some(refs) = self.hairpin_refs.get_mut(pair) {
+                    *refs -= 1;
+                    if *refs == 0 {
+                        self.hairpin_refs.remove(pair);
+                        hairpin_changes.delete_element(Container::Hairpin, pair);
+                    }
+                }
+            }
+            match new {
+                Some(n) => self.services.insert(key.clone(), n),
+                None => self.services.remove(key),
+            };
+        }
+        for set in deleted_sets {
+            w.line("delete", "set", &set);
+        }
+        w.text.push_str(&hairpin_changes.text);
+        (!w.text.is_empty()).then_some((w.text, stale))
+    }
+}
+
+/// The fixed objects written over themselves: declared (which changes nothing where they
+/// exist), their chains and the node-port address set flushed, then filled again, in one
+/// transaction.
+fn refill(head: &str) -> String {
+    let mut decls = String::new();
+    let mut flushes = String::new();
+    let mut fills = String::new();
+    for line in head.lines() {
+        let mut words = line.splitn(5, ' ');
+        let (verb, kind) = (words.next(), words.next());
+        let (family, table, name) = (words.next(), words.next(), words.next());
+        let name = name.and_then(|n| n.split(' ').next()).unwrap_or_default();
+        let (family, table) = (family.unwrap_or_default(), table.unwrap_or_default());
+        match (verb, kind) {
+            (Some("add"), Some("rule" | "element")) => {
+                fills.push_str(line);
+                fills.push('\n');
+                continue;
+            }
+            (Some("add"), Some("chain")) => {
+                flushes.push_str(&format!("flush chain {family} {table} {name}\n"));
+            }
+            (Some("add"), Some("set")) if name == super::NODEPORT_IPS => {
+                flushes.push_str(&format!("flush set {family} {table} {name}\n"));
+            }
+            _ => {}
+        }
+        decls.push_str(line);
+        decls.push('\n');
+    }
+    decls + &flushes + &fills
+}
+
+/// The statements that turn one service's objects `o` into `n`. With `refill` (a full
+/// sync), every chain and element of `n` is written, changed or not, but for elements an
+/// earlier service claimed (recorded there).
+fn partial(
+    w: &mut Writer,
+    family: Family,
+    o: &ServiceObjects,
+    n: &ServiceObjects,
+    stale: &mut Vec<String>,
+    deleted_sets: &mut Vec<String>,
+    mut refill: Option<&mut BTreeSet<(Container, String)>>,
+) {
+    let all = refill.is_some();
+    // A set made again (new timeout) must first lose the rules that name it: then every
+    // chain of the service is rewritten.
+    let sets_remade = n
+        .affinity_sets
+        .iter()
+        .any(|(name, t)| o.affinity_sets.get(name).is_some_and(|old| old != t));
+    // Elements go first, so no map points at a chain that is about to change shape.
+    // Hairpin elements are shared between services: the caller counts them.
+    for (k @ (c, key), v) in &o.elements {
+        if *c != Container::Hairpin && n.elements.get(k) != Some(v) {
+            w.delete_element(*c, key);
+        }
+    }
+    let rewritten: Vec<(&String, &Vec<String>)> = n
+        .chains
+        .iter()
+        .filter(|(name, rules)| all || sets_remade || o.chains.get(*name) != Some(*rules))
+        .collect();
+    for (name, _) in &rewritten {
+        w.line("add", "chain", name);
+        w.line("flush", "chain", name);
+    }
+    for name in o.chains.keys() {
+        if !n.chains.contains_key(name) {
+            w.line("flush", "chain", name);
+            stale.push(name.clone());
+        }
+    }
+    for (name, &timeout) in &n.affinity_sets {
+        match o.affinity_sets.get(name) {
+            Some(&old) if old == timeout && !all => {}
+            Some(&old) if old == timeout => w.affinity_set(name, timeout, family),
+            Some(_) => {
+                w.line("delete", "set", name);
+                w.affinity_set(name, timeout, family);
+            }
+            None => w.affinity_set(name, timeout, family),
+        }
+    }
+    for (name, rules) in rewritten {
+        for r in rules {
+            w.rule(name, r);
+        }
+    }
+    for (k @ (c, key), v @ (verdict, comment)) in &n.elements {
+        if *c == Container::Hairpin {
+            continue;
+        }
+        let write = match refill.as_deref_mut() {
+            Some(claimed) => claimed.insert(k.clone()),
+            None => o.elements.get(k) != Some(v),
+        };
+        if write {
+            w.element(*c, key, verdict, comment.as_deref());
+        }
+    }
+    for name in o.affinity_sets.keys() {
+        if !n.affinity_sets.contains_key(name) {
+            deleted_sets.push(name.clone());
+        }
+    }
+}
