@@ -1,14 +1,15 @@
 //! `cargo bench --bench daemon`: the whole daemon as users run it. The real `fastpath` binary
 //! watches the in-repo API server (kube source, over HTTP list/watch through kube-rs) or a
 //! folder of manifests, for a test bed's cgroup (eBPF mode, maps pinned on a private bpffs)
-//! or network namespace (iptables mode), with N services x 10 endpoints.
+//! or network namespace (nftables and iptables modes), with N services x 10 endpoints.
 //!
 //! Per row: how long the first sync takes (daemon start until /readyz answers 200 and the
 //! dataplane holds the last service), the daemon's VmRSS and VmHWM then, and the network
 //! programming latency: from one endpoint change written to the API server (or to a manifest
 //! file: its text is made first, the write and rename are timed) until the dataplane holds
 //! it, read from outside the daemon (the pinned BPF service and backend maps, polled every
-//! 0.1 ms; or `iptables -S` of the service's chain in the daemon's namespace, every 10 ms),
+//! 0.1 ms; a netlink dump of the service's nftables chain, every 1 ms; or `iptables -S` of
+//! the service's chain in the daemon's namespace, every 10 ms),
 //! p50 and p99. Meanwhile a steady churn of other
 //! endpoint changes (FASTPATH_BENCH_CHURN per second, default 100; kube source only),
 //! connections through a ClusterIP of the bed (~1 per ms, closed with a reset), and in eBPF
@@ -22,7 +23,7 @@
 //! FASTPATH_BENCH_PHASE_SECS of them (default 30) per row, each waited for at most 20 s; the
 //! first sync at most FASTPATH_BENCH_SYNC_SECS (default 300; a row that takes longer says
 //! so). Sizes: FASTPATH_BENCH_DAEMON_SIZES (default 100,1000,10000,50000); modes:
-//! FASTPATH_BENCH_MODES (ebpf,iptables); sources: FASTPATH_BENCH_SOURCES (kube,manifests);
+//! FASTPATH_BENCH_MODES (ebpf,nftables,iptables); sources: FASTPATH_BENCH_SOURCES (kube,manifests);
 //! FASTPATH_BENCH_MANIFEST_MAX (default 10000): no manifest rows above that size;
 //! FASTPATH_BENCH_MANIFEST_CHUNK (default 500): objects per manifest file (1: a file each);
 //! FASTPATH_BENCH_IPTABLES_MAX: no iptables rows above that size;
@@ -64,7 +65,7 @@ mod timing;
 static ALLOC: heap::Counting = heap::Counting;
 
 use cluster::{Manifests, changed_endpoints, marker_ip, service_ip, service_name};
-use programmed::{IptablesChains, PinnedMaps};
+use programmed::{IptablesChains, NftChain, PinnedMaps};
 use timing::{Attempts, percentile};
 
 const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
@@ -73,6 +74,7 @@ const SAMPLE_TIMEOUT: Duration = Duration::from_secs(20);
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
     Ebpf,
+    Nftables,
     Iptables,
 }
 
@@ -86,6 +88,7 @@ impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Ebpf => "ebpf",
+            Mode::Nftables => "nftables",
             Mode::Iptables => "iptables",
         }
     }
@@ -130,10 +133,11 @@ impl Opts {
                 .filter_map(|s| s.parse().ok())
                 .filter(|&n| (2..=60_000).contains(&n))
                 .collect(),
-            modes: list("FASTPATH_BENCH_MODES", "ebpf,iptables")
+            modes: list("FASTPATH_BENCH_MODES", "ebpf,nftables,iptables")
                 .iter()
                 .filter_map(|m| match m.as_str() {
                     "ebpf" => Some(Mode::Ebpf),
+                    "nftables" => Some(Mode::Nftables),
                     "iptables" => Some(Mode::Iptables),
                     _ => None,
                 })
@@ -235,13 +239,35 @@ fn ready(port: u16) -> bool {
 /// Reads the dataplane of the daemon under test.
 enum Dataplane {
     Ebpf(Box<PinnedMaps>),
+    Nftables(NftChainsIn),
     Iptables { netns: String },
+}
+
+/// The nftables chains looked at, by service name (hashing the name once).
+struct NftChainsIn {
+    netns: String,
+    chains: std::sync::Mutex<std::collections::HashMap<String, std::sync::Arc<NftChain>>>,
 }
 
 impl Dataplane {
     fn holds(&self, service: &str, ip: Ipv4Addr, cluster_ip: Ipv4Addr) -> bool {
         match self {
             Dataplane::Ebpf(maps) => maps.holds(cluster_ip, 80, ip),
+            Dataplane::Nftables(nft) => {
+                let Ok(mut chains) = nft.chains.lock() else {
+                    return false;
+                };
+                if !chains.contains_key(service) {
+                    match NftChain::new(&nft.netns, cluster::NAMESPACE, service, "http") {
+                        Ok(c) => chains.insert(service.to_string(), std::sync::Arc::new(c)),
+                        Err(e) => {
+                            eprintln!("bench: cannot read nftables over netlink: {e:#}");
+                            return false;
+                        }
+                    };
+                }
+                chains.get(service).is_some_and(|c| c.holds(ip, 8080))
+            }
             Dataplane::Iptables { netns } => {
                 IptablesChains::new(netns, cluster::NAMESPACE, service, "http").holds(ip, 8080)
             }
@@ -312,7 +338,7 @@ fn run_row(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Measured, Str
 
 fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<Measured, String>> {
     let (bed, _pods) = common::bed_with_pods("benchd", 1);
-    if mode == Mode::Iptables {
+    if mode != Mode::Ebpf {
         nat_common::route_services(&bed);
     }
     let bpffs = (mode == Mode::Ebpf).then(|| common::Bpffs::mount(bed.dir()));
@@ -379,6 +405,10 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         if dataplane.is_none() && ready(port) {
             dataplane = Some(match &pin_dir {
                 Some(dir) => Dataplane::Ebpf(Box::new(PinnedMaps::open(&dir.join("maps-v1"))?)),
+                None if mode == Mode::Nftables => Dataplane::Nftables(NftChainsIn {
+                    netns: bed.node_netns().into(),
+                    chains: Default::default(),
+                }),
                 None => Dataplane::Iptables {
                     netns: bed.node_netns().into(),
                 },
@@ -416,7 +446,7 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
     }
     let revnat_filled = match &dp {
         Dataplane::Ebpf(maps) => maps.fill_reverse_nat()?,
-        Dataplane::Iptables { .. } => 0,
+        Dataplane::Nftables(_) | Dataplane::Iptables { .. } => 0,
     };
 
     let stop = AtomicBool::new(false);
@@ -504,6 +534,8 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
                     Dataplane::Ebpf(_) => Duration::from_micros(100),
                     // Each look runs iptables; looking back to back would take a CPU from
                     // the daemon's own iptables-restore on a small machine.
+                    // nftables: a netlink dump of one chain, cheap.
+                    Dataplane::Nftables(_) => Duration::from_millis(1),
                     Dataplane::Iptables { .. } => Duration::from_millis(10),
                 });
             }
@@ -560,7 +592,7 @@ fn main() -> Result<()> {
             .modes
             .iter()
             .copied()
-            .filter(|&m| m == Mode::Ebpf || n <= opts.iptables_max)
+            .filter(|&m| m != Mode::Iptables || n <= opts.iptables_max)
             .collect();
         if opts.sources.contains(&Source::Kube) {
             eprintln!(
@@ -664,7 +696,7 @@ fn latency_table(out: &mut String, opts: &Opts, rows: &[Row]) {
          start; a manifest file rewritten, its text made beforehand and written to a temporary \
          file renamed over the old: from the rename's return, when readers can first see it; \
          the columns \"with the write\" count from the write's start, and the write's own \
-         median is shown) until the dataplane holds it, read from outside the daemon (eBPF: the pinned maps, every 0.1 ms; iptables: `iptables -S` of the service's chain, every 10 ms plus the look itself). At most {} changes and {} s per row; \
+         median is shown) until the dataplane holds it, read from outside the daemon (eBPF: the pinned maps, every 0.1 ms; nftables: a netlink dump of the service's chain, every 1 ms; iptables: `iptables -S` of the service's chain, every 10 ms plus the look itself). At most {} changes and {} s per row; \
          meanwhile {} other endpoint changes/s (kube source only), connections through a ClusterIP \
          (~1/ms), and in eBPF mode both socket reverse-NAT LRU maps full. Manifests: JSON \
          Lists of {} objects a file.\n",
@@ -929,6 +961,7 @@ fn targets(out: &mut String, rows: &[Row], chunk: u32) {
             mib(m.hwm_kib)
         );
     }
+    nftables_targets(out, rows);
     let manifests = find(rows, Mode::Ebpf, Source::Manifests);
     if let Some((_, m)) = manifests.iter().find(|(r, _)| r.services == 10_000) {
         let rss = mib(m.rss_kib);
@@ -937,5 +970,55 @@ fn targets(out: &mut String, rows: &[Row], chunk: u32) {
             "- eBPF, manifests, 10,000 services: VmRSS under 60 MiB: {} ({rss:.1} MiB).",
             if rss < 60.0 { "met" } else { "NOT met" }
         );
+    }
+}
+
+/// Issue 22's targets for the nftables mode: the first sync at 50,000 services, and one
+/// change at 10,000 services, p99. A row that failed says why instead.
+fn nftables_targets(out: &mut String, rows: &[Row]) {
+    let verdict = |ok: bool| if ok { "met" } else { "NOT met" };
+    let row = |n: u32| {
+        rows.iter()
+            .find(|r| r.mode == Mode::Nftables && r.source == Source::Kube && r.services == n)
+    };
+    if let Some(r) = row(50_000) {
+        let _ = match &r.result {
+            Ok(m) => writeln!(
+                out,
+                "- nftables, kube (API server), 50,000 services: first sync under 30 s: {} ({:.1} s; VmRSS {:.1} MiB after it).",
+                verdict(m.first_sync < Duration::from_secs(30)),
+                m.first_sync.as_secs_f64(),
+                mib(m.rss_kib)
+            ),
+            Err(e) => writeln!(
+                out,
+                "- nftables, 50,000 services: first sync under 30 s: NOT met ({e})."
+            ),
+        };
+    }
+    if let Some(r) = row(10_000) {
+        let _ = match &r.result {
+            Ok(m) if !m.samples.is_empty() => {
+                let p99 = percentile(&m.samples, 0.99);
+                writeln!(
+                    out,
+                    "- nftables, kube (API server), 10,000 services: one change p99 under 50 ms: {} ({:.1} ms, p50 {:.1} ms, {} changes, {} not seen in {} s).",
+                    verdict(p99 < Duration::from_millis(50) && m.timed_out == 0),
+                    ms(p99),
+                    ms(percentile(&m.samples, 0.5)),
+                    m.samples.len(),
+                    m.timed_out,
+                    SAMPLE_TIMEOUT.as_secs()
+                )
+            }
+            Ok(_) => writeln!(
+                out,
+                "- nftables, 10,000 services: one change p99 under 50 ms: NOT met (no change was seen)."
+            ),
+            Err(e) => writeln!(
+                out,
+                "- nftables, 10,000 services: one change p99 under 50 ms: NOT met ({e})."
+            ),
+        };
     }
 }
