@@ -360,7 +360,19 @@ fn explain_matches_real_connections_and_inspect_lists_the_maps() {
 
 #[test]
 fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
-    let (bed, _pods) = bed_with_pods("explainipt", 3);
+    explain_in_rule_mode("iptables");
+}
+
+#[test]
+fn explain_in_nftables_mode_names_the_chains_and_matches_real_connections() {
+    explain_in_rule_mode("nftables");
+}
+
+/// A rule-based mode: explain names the service's chain, the one the mode's own tool
+/// lists; real connections land within the eligible backends; a service without endpoints
+/// is refused; `inspect services` reads the same chain and both backends from the kernel.
+fn explain_in_rule_mode(mode: &str) {
+    let (bed, _pods) = bed_with_pods(&format!("explain{}", &mode[..3]), 3);
     nat_common::route_services(&bed);
     std::fs::write(bed.dir().join("svc.yaml"), MANIFESTS).unwrap();
     let admin = format!("127.0.0.1:{}", free_port());
@@ -372,7 +384,7 @@ fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
             "--metrics-bind-address",
             &admin,
             "--proxy-mode",
-            "iptables",
+            mode,
             "--netns",
             bed.node_netns(),
             "--cleanup-on-exit",
@@ -384,7 +396,7 @@ fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
             .output()
             .ok()
             .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
-            .is_some_and(|v| v["verdict"] == "translated" && v["mode"] == "iptables")
+            .is_some_and(|v| v["verdict"] == "translated" && v["mode"] == mode)
     };
     assert!(
         eventually(30, synced),
@@ -397,30 +409,40 @@ fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
         .map(String::from)
         .into();
     assert_eq!(eligible_of(&ex), want, "{ex:#}");
+    assert_eq!(
+        ex["programmed"].as_array().map(Vec::len),
+        Some(2),
+        "read back from the kernel: {ex:#}"
+    );
     let hook = ex["hook"].as_str().unwrap();
-    assert!(hook.contains("KUBE-SERVICES -> KUBE-SVC-"), "{hook}");
-    // The chain explain names is the one iptables-save shows for the service.
-    let chain = hook
-        .split(" -> ")
-        .find(|c| c.starts_with("KUBE-SVC-"))
-        .unwrap();
-    let saved = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            bed.node_netns(),
-            "iptables-save",
-            "-t",
-            "nat",
-        ])
+    let (via, prefix, listing) = match mode {
+        "iptables" => (
+            "KUBE-SERVICES -> KUBE-SVC-",
+            "KUBE-SVC-",
+            vec!["iptables-save", "-t", "nat"],
+        ),
+        _ => (
+            "services -> @service-ips -> service-",
+            "service-",
+            vec!["nft", "list", "table", "ip", "fastpath"],
+        ),
+    };
+    assert!(hook.contains(via), "{hook}");
+    // The chain explain names is the one the mode's own tool shows for the service.
+    let chain = hook.split(" -> ").find(|c| c.starts_with(prefix)).unwrap();
+    let listed = Command::new("ip")
+        .args(["netns", "exec", bed.node_netns()])
+        .args(&listing)
         .output()
         .unwrap();
-    let saved = String::from_utf8_lossy(&saved.stdout);
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    let names_it = |l: &&str| match mode {
+        "iptables" => l.contains("demo/web:http") && l.contains(&format!("-j {chain}")),
+        _ => l.contains(&format!("goto {chain}")),
+    };
     assert!(
-        saved
-            .lines()
-            .any(|l| l.contains("demo/web:http") && l.contains(&format!("-j {chain}"))),
-        "{chain} not in:\n{saved}"
+        listed.lines().any(|l| names_it(&l)),
+        "{chain} not in:\n{listed}"
     );
     assert_lands_within(&bed, WEB, &want, 20);
 
@@ -442,8 +464,13 @@ fn explain_in_iptables_mode_names_the_chains_and_matches_real_connections() {
         .iter()
         .find(|r| r["frontend"] == "198.19.0.10:80/TCP")
         .unwrap();
-    assert_eq!(web["chain"], chain);
-    assert_eq!(web["backends"].as_array().unwrap().len(), 2);
+    assert_eq!(web["chain"], chain, "{web:#}");
+    let backends = web["backends"].as_array().unwrap();
+    assert_eq!(backends.len(), 2, "{web:#}");
+    for b in backends {
+        assert_eq!(b["probability"], 0.5, "{web:#}");
+    }
+    assert_eq!(web["in_sync"], true, "{web:#}");
     daemon.stop();
 }
 

@@ -11,15 +11,12 @@ use std::{
 
 use serde::Serialize;
 
-use super::{
-    maps::ProgrammedFrontend,
-    view::{self, ModelFrontend},
-};
+use super::{maps::ProgrammedFrontend, view};
 use crate::{
     admin::debug::ModelDump,
     dataplane::{
         frontends::{BackendAddr, Frontend, FrontendScope},
-        iptables::names::{PortChains, service_port_name},
+        iptables::names::service_port_name,
     },
     model::{Protocol, Service, ServicePort, endpoint::PortEndpoint, select},
 };
@@ -188,93 +185,6 @@ fn reason(
     "not chosen by the endpoint selection".into()
 }
 
-fn hook(
-    mode: &str,
-    model: &ModelDump,
-    proto: Protocol,
-    v4: bool,
-    scope: FrontendScope,
-    m: &ModelFrontend,
-    kind: &str,
-) -> String {
-    let ctx = &model.context;
-    match mode {
-        "ebpf" => match scope {
-            FrontendScope::Socket => {
-                let fam = if v4 { "4" } else { "6" };
-                let cg = ctx
-                    .cgroup
-                    .as_ref()
-                    .map_or("the cgroup".into(), |c| c.display().to_string());
-                let call = match proto {
-                    Protocol::Udp => {
-                        format!("cgroup/sendmsg{fam} (and connect{fam} for connected sockets)")
-                    }
-                    _ => format!("cgroup/connect{fam}"),
-                };
-                format!(
-                    "eBPF {call} on {cg}: the socket is pointed at the backend before any packet \
-                     exists; replies and getpeername() show the service address"
-                )
-            }
-            FrontendScope::Packet => {
-                let devs = if ctx.nodeport_devices.is_empty() {
-                    "auto".into()
-                } else {
-                    ctx.nodeport_devices.join(",")
-                };
-                let snat = if m.svc.external_policy_local {
-                    "the client's address kept (externalTrafficPolicy Local)"
-                } else {
-                    "SNAT to this node's address towards backends on other nodes"
-                };
-                format!("eBPF tc ingress on the node-port devices ({devs}); {snat}")
-            }
-        },
-        "iptables" => {
-            let c = PortChains::new(&service_port_name(m.svc, m.port), m.port.protocol);
-            let policy_chain = |local: bool| if local { c.svl.clone() } else { c.svc.clone() };
-            match (kind, scope) {
-                ("ClusterIP", _) => format!(
-                    "iptables nat {} -> KUBE-SERVICES -> {} -> KUBE-SEP-*",
-                    if scope == FrontendScope::Socket {
-                        "OUTPUT"
-                    } else {
-                        "PREROUTING"
-                    },
-                    policy_chain(m.svc.internal_policy_local)
-                ),
-                (_, FrontendScope::Socket) => format!(
-                    "iptables nat OUTPUT -> {} -> {} -> {} (local traffic short-circuits to Cluster)",
-                    if kind == "NodePort" {
-                        "KUBE-NODEPORTS"
-                    } else {
-                        "KUBE-SERVICES"
-                    },
-                    c.ext,
-                    c.svc
-                ),
-                (_, FrontendScope::Packet) => format!(
-                    "iptables nat PREROUTING -> {} -> {}{} -> {}",
-                    if kind == "NodePort" {
-                        "KUBE-NODEPORTS"
-                    } else {
-                        "KUBE-SERVICES"
-                    },
-                    if kind == "LoadBalancer" && !m.svc.load_balancer_source_ranges.is_empty() {
-                        format!("{} -> ", c.fw)
-                    } else {
-                        String::new()
-                    },
-                    c.ext,
-                    policy_chain(m.svc.external_policy_local)
-                ),
-            }
-        }
-        other => format!("{other} mode: iptables REDIRECT to the proxy's relay for this port"),
-    }
-}
-
 fn in_ranges(ranges: &[(IpAddr, u8)], ip: IpAddr) -> bool {
     ranges.iter().any(|&(net, len)| match (net, ip) {
         (IpAddr::V4(n), IpAddr::V4(i)) => {
@@ -436,7 +346,7 @@ pub fn explain(
         ));
         return ex;
     };
-    ex.hook = Some(hook(mode, model, proto, v4, scope, m, kind));
+    ex.hook = Some(super::hook::hook(mode, model, proto, v4, scope, m, kind));
     let chosen = &m.desired.backends;
     ex.eligible = chosen.iter().map(addr).collect();
     let all = m
@@ -467,7 +377,7 @@ pub fn explain(
         let mut want = ex.eligible.clone();
         want.sort();
         if got != want {
-            let (what, why) = if mode == "iptables" {
+            let (what, why) = if mode == "iptables" || mode == "nftables" {
                 (
                     "the rules send",
                     "a sync is pending or failed, or someone changed the rules",
@@ -526,6 +436,14 @@ pub fn explain(
             ("iptables", _) => (
                 "rejected",
                 "the filter table REJECTs it: the client sees connection refused",
+            ),
+            ("nftables", _) if anywhere => (
+                "dropped",
+                "@no-endpoint-services drops it (as kube-proxy; the client times out)",
+            ),
+            ("nftables", _) => (
+                "rejected",
+                "@no-endpoint-services rejects it: the client sees connection refused",
             ),
             _ => ("refused", "the relay refuses it"),
         };
@@ -610,7 +528,7 @@ impl Explanation {
             let _ = writeln!(
                 s,
                 "  {:<9} {}",
-                if self.mode == "iptables" {
+                if self.mode == "iptables" || self.mode == "nftables" {
                     "rules:"
                 } else {
                     "maps:"

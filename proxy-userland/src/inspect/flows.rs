@@ -195,22 +195,28 @@ pub struct AffinityRow {
     pub timeout_secs: Option<u32>,
 }
 
-/// `inspect affinity`: the eBPF affinity map, or in iptables mode the `recent` lists the
-/// rules check.
+/// `inspect affinity`: the eBPF affinity map, in iptables mode the `recent` lists the
+/// rules check, in nftables mode the `affinity-` sets.
 pub fn affinity(inputs: &mut Inputs) -> anyhow::Result<Vec<AffinityRow>> {
     if let Some(rules) = &inputs.rules {
         // The lists are the namespace's, one directory for both families.
         let tool = inputs.tools.first().context("no iptables tools")?;
         let (mut rows, mut failed) = (Vec::new(), Vec::new());
         for list in rules.affinity_lists() {
-            let text = match tool.recent_list(&list.sep) {
-                Ok(t) => t,
-                Err(e) => {
-                    failed.push(format!("{}: {e}", list.sep));
-                    continue;
+            let clients = if rules.is_nftables() {
+                // endpoint-X's clients are in the set affinity-X.
+                let set = list.sep.replacen("endpoint-", "affinity-", 1);
+                rules.nft_affinity.get(&set).cloned().unwrap_or_default()
+            } else {
+                match tool.recent_list(&list.sep) {
+                    Ok(t) => parse_recent(&t),
+                    Err(e) => {
+                        failed.push(format!("{}: {e}", list.sep));
+                        continue;
+                    }
                 }
             };
-            for client in parse_recent(&text) {
+            for client in clients {
                 rows.push(AffinityRow {
                     client: client.to_string(),
                     frontend: Some(list.frontend.to_string()),

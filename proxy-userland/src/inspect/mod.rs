@@ -2,7 +2,8 @@
 //! node does, from the running daemon's model (`/debug/model` on its metrics address, which
 //! knows the Services' names and endpoint conditions) and from what is really programmed:
 //! in eBPF mode the pinned maps (`--bpf-pin-dir`, which the programs read), in iptables mode
-//! the rules (`iptables-save`) and the conntrack table of the daemon's network namespace.
+//! the rules (`iptables-save`), in nftables mode our tables (`nft list table`), and the
+//! conntrack table of the daemon's network namespace.
 //!
 //! These are short-lived tools with no async runtime: running iptables-save and conntrack
 //! blocks nothing but the tool itself.
@@ -11,7 +12,9 @@
 //! - [`flows`]: `inspect flows | affinity`: the eBPF flow table and affinity entries, or in
 //!   iptables mode the conntrack entries the rules translated.
 //! - [`rules`]: iptables mode: what the nat and filter tables really hold, per frontend.
+//! - [`nft_rules`]: nftables mode: the same, read from `nft list table`.
 //! - [`explain`]: which frontend a destination matches, which backends are eligible and why.
+//! - [`hook`]: where each mode translates a frontend's traffic, for `explain`.
 //! - [`maps`]: reading the pinned maps.
 //! - [`table`]: the plain-text table both print.
 //!
@@ -20,7 +23,9 @@
 
 pub mod explain;
 pub mod flows;
+pub mod hook;
 pub mod maps;
+pub mod nft_rules;
 pub mod rules;
 pub mod table;
 pub mod view;
@@ -221,6 +226,12 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 "iptables" => {
                     let netns = source.netns.clone().or(model.context.netns.clone());
                     rules::read_node(netns.as_deref(), &model.context.iptables_backend)
+                        .ok()
+                        .map(|(r, _)| r.as_frontends())
+                }
+                "nftables" => {
+                    let netns = source.netns.clone().or(model.context.netns.clone());
+                    nft_rules::read(netns.as_deref())
                         .ok()
                         .map(|(r, _)| r.as_frontends())
                 }

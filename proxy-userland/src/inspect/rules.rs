@@ -95,6 +95,12 @@ pub struct Programmed {
     /// Frontends the filter table rejects or drops (no endpoints, none usable here), with
     /// the rule's comment.
     pub refused: BTreeMap<Key, (&'static str, String)>,
+    /// nftables mode: each frontend's way from this node (true) and from elsewhere, read
+    /// from the table ([`super::nft_rules`]) instead of walked through `nat`.
+    nft_resolved: Option<BTreeMap<(Key, bool), Resolved>>,
+    nft_targets: BTreeMap<SocketAddr, String>,
+    /// nftables mode: the clients each `affinity-` set holds.
+    pub nft_affinity: BTreeMap<String, Vec<IpAddr>>,
 }
 
 /// A saved rule's words, quotes removed (`--comment "a b"` is one word).
@@ -174,6 +180,29 @@ fn unspecified(family: Family) -> IpAddr {
 }
 
 impl Programmed {
+    /// What the nftables reader found ([`super::nft_rules::programmed`]).
+    pub fn from_nftables(
+        frontends: BTreeMap<Key, RuleFrontend>,
+        refused: BTreeMap<Key, (&'static str, String)>,
+        resolved: BTreeMap<(Key, bool), Resolved>,
+        targets: BTreeMap<SocketAddr, String>,
+        affinity: BTreeMap<String, Vec<IpAddr>>,
+    ) -> Self {
+        Programmed {
+            frontends,
+            refused,
+            nft_resolved: Some(resolved),
+            nft_targets: targets,
+            nft_affinity: affinity,
+            ..Programmed::default()
+        }
+    }
+
+    /// Whether this was read from nftables.
+    pub fn is_nftables(&self) -> bool {
+        self.nft_resolved.is_some()
+    }
+
     /// Reads every family `tools` has. A family whose tool fails is left out with a note in
     /// the returned warnings; all failing is an error.
     pub fn read(tools: &[Box<dyn Tools>]) -> anyhow::Result<(Self, Vec<String>)> {
@@ -291,6 +320,9 @@ impl Programmed {
     /// Where `key`'s traffic goes: from this node (`from_node`: the node's own address is
     /// the source, as for a connection a process on it makes) or from elsewhere.
     pub fn resolve(&self, key: &Key, from_node: bool) -> Option<Resolved> {
+        if let Some(resolved) = &self.nft_resolved {
+            return resolved.get(&(*key, from_node)).cloned();
+        }
         let fe = self.frontends.get(key)?;
         let family = Family::of(&key.0);
         let mut out = Resolved::default();
@@ -451,6 +483,9 @@ impl Programmed {
 
     /// Every address a KUBE-SEP chain DNATs to, with the service port of its frontend.
     pub fn dnat_targets(&self) -> BTreeMap<SocketAddr, String> {
+        if self.is_nftables() {
+            return self.nft_targets.clone();
+        }
         let mut out = BTreeMap::new();
         for (chain, rules) in self.nat.iter().flatten() {
             if !chain.starts_with("KUBE-SEP-") {

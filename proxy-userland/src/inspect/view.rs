@@ -28,7 +28,7 @@ use crate::{
 pub struct Inputs {
     pub model: Option<ModelDump>,
     pub maps: Option<PinnedMaps>,
-    /// iptables mode: what the nat and filter tables hold.
+    /// iptables mode: what the nat and filter tables hold; nftables mode: our tables.
     pub rules: Option<Programmed>,
     /// iptables mode: the tools the rules were read with, for the conntrack table and the
     /// affinity lists.
@@ -61,9 +61,10 @@ impl Inputs {
             None
         };
         let want_rules = match &model {
-            Some(m) => m.mode == "iptables",
+            Some(m) => m.mode == "iptables" || m.mode == "nftables",
             None => maps.is_none(),
         };
+        let nftables = model.as_ref().is_some_and(|m| m.mode == "nftables");
         let (mut rules, mut tools) = (None, Vec::new());
         if want_rules {
             let netns = source
@@ -73,8 +74,14 @@ impl Inputs {
             let backend = model
                 .as_ref()
                 .map_or("system", |m| m.context.iptables_backend.as_str());
+            // nftables mode reads conntrack with the same tools, not the rules.
             tools = rules::runners(netns.as_deref(), backend);
-            match Programmed::read(&tools) {
+            let read = if nftables {
+                super::nft_rules::read(netns.as_deref())
+            } else {
+                Programmed::read(&tools)
+            };
+            match read {
                 Ok((p, failed)) => {
                     // Tools that ran and failed: a family this node does not have, say.
                     warnings.extend(failed.into_iter().map(|f| format!("rules not read: {f}")));
@@ -240,8 +247,8 @@ fn scope_word(s: FrontendScope) -> &'static str {
 }
 
 fn no_backend_outcome(scope: FrontendScope, mode: &str, m: Option<&ModelFrontend>) -> &'static str {
-    // iptables tells "no endpoints at all" (REJECT) from "none this policy may use here"
-    // (DROP); the eBPF socket hooks refuse both.
+    // iptables and nftables tell "no endpoints at all" (reject) from "none this policy may
+    // use here" (drop); the eBPF socket hooks refuse both.
     let anywhere = m.is_some_and(|m| {
         let set = m.endpoints.cloned().unwrap_or_default();
         select::endpoints_for_port(&set, m.port)
@@ -249,8 +256,10 @@ fn no_backend_outcome(scope: FrontendScope, mode: &str, m: Option<&ModelFrontend
             .any(|e| e.endpoint.ready || (e.endpoint.serving && e.endpoint.terminating))
     });
     match (mode, scope) {
-        ("iptables", _) if anywhere => "dropped (no endpoint this policy may use here)",
-        ("iptables", _) => "rejected",
+        ("iptables" | "nftables", _) if anywhere => {
+            "dropped (no endpoint this policy may use here)"
+        }
+        ("iptables" | "nftables", _) => "rejected",
         (_, FrontendScope::Socket) => "refused (ECONNREFUSED)",
         (_, FrontendScope::Packet) => "dropped",
     }

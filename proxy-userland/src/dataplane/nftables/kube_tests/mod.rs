@@ -25,7 +25,6 @@
 //! upstream's hashes: to the tracer a name is only a name.
 
 mod convert_test;
-mod dump;
 mod fake;
 mod full_sync_test;
 mod listing_test;
@@ -39,8 +38,9 @@ mod upstream_test;
 
 use std::net::IpAddr;
 
-pub use self::{dump::Dump, tracer::trace_packet};
+pub use self::tracer::trace_packet;
 pub use crate::dataplane::iptables::kube_tests::TEST_NODE_NAME;
+pub use crate::dataplane::nftables::listing::Dump;
 
 pub const TEST_NODE_IP: &str = "198.19.128.2";
 pub const TEST_NODE_IP_ALT: &str = "198.19.129.2";

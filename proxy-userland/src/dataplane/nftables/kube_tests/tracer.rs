@@ -12,8 +12,8 @@
 
 use std::net::IpAddr;
 
-use super::dump::{Dump, Element, parse_elements, split_top};
 use crate::dataplane::iptables::render::cidr_contains;
+use crate::dataplane::nftables::listing::{Dump, Element, parse_elements, split_top};
 
 /// The chain whose jump marks a packet for masquerading (kube-proxy's markMasqChain).
 pub const MARK_MASQ_CHAIN: &str = "mark-for-masquerade";

@@ -1,7 +1,9 @@
 //! One nftables table read from `add ...` statements, as knftables' Fake `Dump()` writes
-//! them and `nft -f -` reads them (one statement a line): its chains (with their hooks), its
-//! rules as text, and its sets' and maps' elements. `flush` and `delete` statements are
-//! applied in order, so a transaction can be played over an earlier dump.
+//! them and `nft -f -` reads them (one statement a line), or from `nft list table`: its
+//! chains (with their hooks), its rules as text, and its sets' and maps' elements. `flush`
+//! and `delete` statements are applied in order, so a transaction can be played over an
+//! earlier dump. Input that is not an nftables table is an error, never a panic (fuzzed:
+//! `fuzz/fuzz_targets/nft_listing.rs`).
 
 use std::collections::BTreeMap;
 
@@ -30,7 +32,42 @@ pub struct Element {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Set {
     pub is_map: bool,
+    /// The default timeout of elements added by the packet path (`timeout 3h`), in seconds.
+    pub timeout_secs: Option<u32>,
     pub elements: Vec<Element>,
+}
+
+/// nft's durations: `10800s`, `3h`, `1d2h3m4s` (a trailing `ms` part is dropped).
+pub fn parse_duration(text: &str) -> Option<u32> {
+    let mut total: u64 = 0;
+    let mut number = String::new();
+    let mut chars = text.trim().chars().peekable();
+    let mut any = false;
+    while let Some(c) = chars.next() {
+        if c.is_ascii_digit() {
+            number.push(c);
+            continue;
+        }
+        let value: u64 = number.parse().ok()?;
+        number.clear();
+        let unit = match c {
+            'd' => 86_400,
+            'h' => 3_600,
+            'm' if chars.peek() == Some(&'s') => {
+                chars.next();
+                0
+            }
+            'm' => 60,
+            's' => 1,
+            _ => return None,
+        };
+        total = total.checked_add(value.checked_mul(unit)?)?;
+        any = true;
+    }
+    if !number.is_empty() {
+        return None;
+    }
+    any.then(|| u32::try_from(total).ok()).flatten()
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -246,8 +283,16 @@ impl Dump {
                 }
             }
             ("add" | "create", "set" | "map") => {
+                let timeout = braced(body).and_then(|spec| {
+                    split_top(spec, ";")
+                        .iter()
+                        .find_map(|part| part.trim().strip_prefix("timeout ").map(str::to_owned))
+                });
                 let set = self.sets.entry(name.to_string()).or_default();
                 set.is_map = object == "map";
+                if let Some(t) = timeout {
+                    set.timeout_secs = parse_duration(&t);
+                }
             }
             ("flush", "set" | "map") => self.set_mut(name)?.elements.clear(),
             ("delete" | "destroy", "set" | "map") => {
