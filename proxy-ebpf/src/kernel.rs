@@ -4,7 +4,7 @@
 use aya_ebpf::{
     EbpfContext,
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns},
-    programs::SockAddrContext,
+    programs::{SockAddrContext, SockContext},
 };
 
 /// Monotonic nanoseconds (CLOCK_MONOTONIC, as the daemon's census reads it).
@@ -25,6 +25,14 @@ pub fn random_u32() -> u32 {
 pub fn socket_cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: the pointer is the context the kernel passed this sock_addr program, which is
     // what the helper takes; it only reads the socket behind it.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+/// The cookie of the socket a cgroup sock program (create, release) runs for.
+#[inline(always)]
+pub fn sock_cookie(ctx: &SockContext) -> u64 {
+    // SAFETY: the pointer is the bpf_sock context the kernel passed this cgroup sock
+    // program, which the helper takes (since Linux 5.8); it only reads the socket.
     unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
 }
 

@@ -3,6 +3,7 @@
 //! - [`sock4`]: cgroup `sock_addr` hooks for IPv4 (connect, sendmsg, recvmsg, getpeername):
 //!   ClusterIP translation at the socket, before a packet exists.
 //! - [`sock6`]: the same for IPv6.
+//! - [`release`]: cgroup `sock_release`: a closing socket's reverse-NAT entry goes.
 //! - [`nodeport`]: tc (and XDP) programs on the node's devices: node ports, external and
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
 //!   The same per-packet translation on the pods' devices serves pods whose sockets the
@@ -29,13 +30,14 @@ mod lb;
 mod maps;
 mod nodeport;
 mod packet;
+mod release;
 mod sock4;
 mod sock6;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, xdp_action},
-    macros::{cgroup_sock_addr, classifier, xdp},
-    programs::{SockAddrContext, TcContext, XdpContext},
+    macros::{cgroup_sock, cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, SockContext, TcContext, XdpContext},
 };
 
 /// Return values of cgroup sock_addr programs.
@@ -80,6 +82,12 @@ pub fn fp_recvmsg6(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn fp_getpeer6(ctx: SockAddrContext) -> i32 {
     sock6::try_rev_translate6(&ctx).unwrap_or(PROCEED)
+}
+
+/// A socket closing in the cgroup: its reverse-NAT entry goes (see [`release`]).
+#[cgroup_sock(sock_release)]
+pub fn fp_sock_release(ctx: SockContext) -> i32 {
+    release::try_release(&ctx).unwrap_or(PROCEED)
 }
 
 /// tc ingress on each node device: new flows to node ports, external and load-balancer

@@ -17,8 +17,8 @@ use std::{
 use aya::{
     Ebpf, EbpfError, EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp,
-        XdpMode,
+        CgroupAttachMode, CgroupSock, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType,
+        Xdp, XdpMode,
         links::{FdLink, PinnedLink},
     },
 };
@@ -47,6 +47,9 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "fp_getpeer6",
 ];
 
+/// The cgroup sock_release program that deletes a closing socket's reverse-NAT entry.
+pub const SOCK_RELEASE: &str = "fp_sock_release";
+
 /// The packet programs (node ports, external and load-balancer IPs), by function name.
 pub const NODEPORT_INGRESS: &str = "fp_nodeport_in";
 pub const NODEPORT_EGRESS: &str = "fp_nodeport_out";
@@ -66,7 +69,7 @@ pub enum LoadError {
     Object(#[from] EbpfError),
     #[error("program {name} is missing from the eBPF object")]
     MissingProgram { name: &'static str },
-    #[error("program {name} is not a cgroup sock_addr program")]
+    #[error("program {name} is not of the type its name says (cgroup sock_addr, sock, tc, XDP)")]
     WrongType { name: &'static str },
     #[error("the kernel refused program {name}: {source}")]
     Program {
@@ -284,6 +287,22 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
             .attach(&cgroup_file, CgroupAttachMode::Single)
             .map_err(|source| LoadError::Program { name, source })?;
         keep!(program, name, link_id, name);
+    }
+    // Before Linux 5.9 there is no sock_release hook: the reverse-NAT entries then age out
+    // of their LRU map as they always did, and the socket path works as before.
+    let release: Result<(), LoadError> = (|| {
+        let name = SOCK_RELEASE;
+        let program = loaded!(name, CgroupSock);
+        let link_id = program
+            .attach(&cgroup_file, CgroupAttachMode::Single)
+            .map_err(|source| LoadError::Program { name, source })?;
+        keep!(program, name, link_id, name);
+        Ok(())
+    })();
+    if let Err(e) = release {
+        tracing::warn!(
+            "closing sockets keep their reverse-NAT entries until the LRU evicts them: {e}"
+        );
     }
     let mut node_devices = None;
     if let Some(cfg) = packet {
