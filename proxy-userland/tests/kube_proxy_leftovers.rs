@@ -22,7 +22,7 @@ use nat_common::*;
 use xtask::testbed::Testbed;
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
-const MODES: [&str; 3] = ["ebpf", "iptables", "userspace"];
+const MODES: [&str; 4] = ["ebpf", "nftables", "iptables", "userspace"];
 
 /// kube-proxy's nftables mode's tables, and the foreign tables that must stay.
 const KUBE_PROXY_TABLES: [&str; 2] = ["ip kube-proxy", "ip6 kube-proxy"];
@@ -83,6 +83,7 @@ fn ready(d: &Daemon) -> bool {
     let log = d.log();
     [
         "eBPF socket load-balancing attached",
+        "nftables proxier ready",
         "iptables proxier ready",
         "userspace proxier ready",
     ]
@@ -130,6 +131,59 @@ fn kube_proxys_nftables_tables_go_in_every_mode_and_nothing_else() {
             "{log}"
         );
         assert!(d.stop().success(), "{}", d.log());
+    }
+}
+
+/// Whether our own `mode` left its state in the node namespace: the nftables mode's
+/// tables, the iptables mode's KUBE-SERVICES, the userspace mode's portal chains.
+fn our_state(bed: &Testbed, mode: &str) -> bool {
+    let nat = || in_node(bed, "iptables-save", &["-t", "nat"], None);
+    match mode {
+        "nftables" => nft_tables(bed).iter().any(|t| t == "ip fastpath"),
+        "iptables" => nat().contains(":KUBE-SERVICES"),
+        "userspace" => nat().contains(":KUBE-PORTALS-HOST"),
+        _ => false,
+    }
+}
+
+/// Switching modes on a node: each mode, stopped without --cleanup-on-exit, leaves its
+/// rules in place (Services keep working while the daemon is away), and whichever mode
+/// starts next removes them, the nftables mode's tables included, both ways.
+#[test]
+fn each_mode_removes_what_our_other_modes_left() {
+    let bed = Testbed::new("fpswap").expect("test bed");
+    let order = [
+        "nftables",
+        "iptables",
+        "nftables",
+        "userspace",
+        "nftables",
+        "ebpf",
+        "iptables",
+    ];
+    let mut previous: Option<&str> = None;
+    for mode in order {
+        let mut d = start(&bed, mode, &[]);
+        assert!(
+            eventually(20, || d.log().contains("initial sync done")),
+            "{mode} never synced:\n{}",
+            d.log()
+        );
+        if let Some(prev) = previous.filter(|p| *p != mode) {
+            assert!(
+                !our_state(&bed, prev),
+                "{mode} left the {prev} mode's rules in place:\n{}",
+                d.log()
+            );
+        }
+        assert!(d.stop().success(), "{}", d.log());
+        if mode != "ebpf" {
+            assert!(
+                our_state(&bed, mode),
+                "{mode} keeps its rules when it stops without --cleanup-on-exit"
+            );
+        }
+        previous = Some(mode);
     }
 }
 
