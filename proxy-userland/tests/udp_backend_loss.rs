@@ -66,24 +66,37 @@ fn a_socket_reset_that_cannot_be_done_is_logged_and_counted() {
     reset_cannot_be_done("rstfail", &no_sys_admin, &[], "namespaces=1");
 }
 
-/// As shipped: the DaemonSet's capabilities (CAP_SYS_ADMIN, no CAP_SYS_PTRACE) and a client
+/// A DaemonSet without CAP_SYS_PTRACE (the one shipped before it was added) and a client
 /// that runs as another user, as most pods do. /proc/PID/ns/net of such a process is closed
 /// to the daemon (EACCES), so its sockets cannot be searched: said and counted, with the
 /// error, instead of skipped as if the process had exited.
 #[test]
 fn a_client_namespace_the_daemon_may_not_open_is_logged_and_counted() {
-    let daemon: Vec<String> = daemonset_setpriv();
-    let daemon: Vec<&str> = daemon.iter().map(String::as_str).collect();
-    let nobody = [
+    let keep: String = daemonset_caps()
+        .iter()
+        .filter(|c| *c != "SYS_PTRACE")
+        .map(|c| format!(",+{}", c.to_lowercase()))
+        .collect();
+    let bounding = format!("--bounding-set=-all{keep}");
+    let daemon = [
         "setpriv",
-        "--reuid=65534",
-        "--regid=65534",
-        "--clear-groups",
+        bounding.as_str(),
         "--inh-caps=-all",
+        "--no-new-privs",
         "--",
     ];
-    reset_cannot_be_done("rstperm", &daemon, &nobody, "os error 13");
+    reset_cannot_be_done("rstperm", &daemon, NOBODY, "os error 13");
 }
+
+/// A client process running as another user (nobody) with no capabilities, as most pods.
+const NOBODY: &[&str] = &[
+    "setpriv",
+    "--reuid=65534",
+    "--regid=65534",
+    "--clear-groups",
+    "--inh-caps=-all",
+    "--",
+];
 
 /// A DaemonSet without `hostPID`: the daemon's PID namespace shows the clients in the
 /// cgroup as pid 0, so their network namespaces cannot be found, let alone entered. Said
@@ -361,8 +374,7 @@ fn udp_client_moves(
 /// new flows while a ready pod exists, but keeps the ones it has until it leaves the slice.
 /// A client on the node (its UDP translated at connect()) keeps getting answers from its
 /// terminating backend, without a reset or any error, for as long as the endpoint serves;
-/// once it leaves the slice the socket is reset and the client, reconnecting on the error,
-/// lands on the live pod.
+/// once it leaves the slice the client lands on the live pod.
 #[test]
 fn a_connected_udp_client_keeps_its_terminating_backend_until_it_leaves_the_slice() {
     let tag = "udpterm";
@@ -429,7 +441,7 @@ fn a_connected_udp_client_keeps_its_terminating_backend_until_it_leaves_the_slic
         );
     }
 
-    // It leaves the slice: the socket is reset, and the client moves to the live pod.
+    // It leaves the slice: the client moves to the live pod.
     write(&[(survivor_ip, READY)]);
     let mut after = Vec::new();
     while after.len() < 40 {
@@ -451,14 +463,143 @@ fn a_connected_udp_client_keeps_its_terminating_backend_until_it_leaves_the_slic
                 daemon.log()
             )
         });
+    // The daemon connects the socket to the Service again: no reset, no error on the way
+    // (a datagram in flight may time out).
     assert!(
-        outcomes[..moved].iter().any(|o| !o.is_ok()),
-        "the move came through a reset of the socket: {after:?}"
+        outcomes[..moved]
+            .iter()
+            .all(|o| o.is_ok() || o.errno() == Some("ETIMEDOUT")),
+        "the move needed no reset of the socket: {after:?}"
     );
     assert!(
         outcomes[moved..]
             .iter()
             .all(|o| o.is_ok() && o.reply() != Some(victim.as_str())),
         "and stays on the live pod: {after:?}"
+    );
+}
+
+/// Issue 23 point 3: a client on the node itself (hostNetwork pods, node agents), whose UDP
+/// the socket hooks translate once at connect(): one connected socket, never reconnected,
+/// send errors ignored. When its backend leaves, the daemon connects the socket to the
+/// Service again instead of destroying it (which would fail every later send with
+/// EDESTADDRREQ): within a second its datagrams reach the live pod, with no socket error,
+/// and replies and getpeername() still show the ClusterIP.
+#[test]
+fn a_connected_udp_client_on_the_node_that_never_reconnects_moves_to_a_live_backend() {
+    node_client_moves("udphost", &[], &[]);
+}
+
+/// As shipped: the daemon with the DaemonSet's capabilities, the client running as another
+/// user without capabilities (a hostNetwork pod's process): the socket is moved all the same.
+#[test]
+fn as_shipped_a_node_clients_connected_udp_socket_moves_to_a_live_backend() {
+    let daemon: Vec<String> = daemonset_setpriv();
+    let daemon: Vec<&str> = daemon.iter().map(String::as_str).collect();
+    node_client_moves("udphostship", &daemon, NOBODY);
+}
+
+/// The daemon run through `wrapper`, the client on the node through `client_wrapper`.
+fn node_client_moves(tag: &str, wrapper: &[&str], client_wrapper: &[&str]) {
+    let (bed, _pods) = bed_with_pods(tag, 2);
+    let dir = manifest_dir(tag);
+    std::fs::write(
+        dir.0.join("web.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
+    let daemon = Daemon::start_wrapped(
+        wrapper,
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "ebpf",
+            "--manifests",
+            dir.0.to_str().unwrap(),
+            "--manifest-poll-period",
+            "100ms",
+        ],
+    );
+    assert!(
+        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
+        "the ClusterIP never became reachable; log:\n{}",
+        daemon.log()
+    );
+    let mut cmd = if client_wrapper.is_empty() {
+        bed.client(probe())
+    } else {
+        wrapped_client(&bed, client_wrapper)
+    };
+    cmd.args(["udp", WEB_DNS, "--connected", "--count", "150"]);
+    cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
+    let client = Client::spawn(cmd);
+    let mut before = Vec::new();
+    for _ in 0..10 {
+        before.push(client.next().expect("a probe line"));
+    }
+    let first = xtask::probe::parse_line(&before[0]).unwrap_or_else(|| panic!("{before:?}"));
+    let victim = first
+        .reply()
+        .unwrap_or_else(|| panic!("{before:?}"))
+        .to_string();
+    let survivor = if victim == "pod-1" { 2 } else { 1 };
+
+    let removed_at = Instant::now();
+    std::fs::write(dir.0.join("web.yaml"), web_manifest(&[pod_ip(survivor)])).unwrap();
+    let mut after = Vec::new();
+    while let Ok((at, line)) = client.lines.recv_timeout(Duration::from_secs(5)) {
+        after.push((at.duration_since(removed_at), line));
+        if after.len() == 30 {
+            break;
+        }
+    }
+    let parsed: Vec<_> = after
+        .iter()
+        .map(|(at, l)| {
+            let o = xtask::probe::parse_line(l).unwrap_or_else(|| panic!("unparsed {l}"));
+            (*at, o)
+        })
+        .collect();
+    for (_, o) in &parsed {
+        assert!(
+            o.is_ok() || o.errno() == Some("ETIMEDOUT"),
+            "socket error (the socket was torn down under the client): {after:?}\nlog:\n{}",
+            daemon.log()
+        );
+    }
+    let moved = parsed
+        .iter()
+        .position(|(_, o)| o.is_ok() && o.reply() != Some(victim.as_str()))
+        .unwrap_or_else(|| {
+            panic!(
+                "never reached the live pod after {victim} left: {after:?}\nlog:\n{}",
+                daemon.log()
+            )
+        });
+    assert!(
+        parsed[moved].0 <= Duration::from_secs(1),
+        "the first datagram served by the live pod came {:?} after the removal: {after:?}",
+        parsed[moved].0
+    );
+    for (_, o) in &parsed[moved..] {
+        assert!(
+            o.is_ok() && o.reply() != Some(victim.as_str()),
+            "back to {victim}: {after:?}"
+        );
+        assert_eq!(
+            from(o),
+            Some(WEB_DNS),
+            "replies from the ClusterIP: {after:?}"
+        );
+        assert_eq!(
+            peer(o),
+            Some(WEB_DNS),
+            "getpeername() says the ClusterIP: {after:?}"
+        );
+    }
+    assert!(
+        strip_ansi(&daemon.log()).contains("moved connected UDP sockets of removed backends"),
+        "{}",
+        daemon.log()
     );
 }

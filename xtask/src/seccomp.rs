@@ -177,6 +177,14 @@ pub const GENERIC: &[(&str, &[&str])] = &[
 /// Calls a real run can need that a trace may miss, each with why.
 pub const SOMETIMES: &[(&str, &str)] = &[
     (
+        "pidfd_open",
+        "a connected UDP socket of a removed backend is connected to its Service again from a copy of its descriptor (dataplane/bpf/repoint.rs): only when a backend leaves while a client on the node holds one",
+    ),
+    (
+        "pidfd_getfd",
+        "as pidfd_open: the copy of the client's descriptor",
+    ),
+    (
         "clone3",
         "glibc 2.34+ starts threads and posix_spawn children with clone3 and falls back to clone only on ENOSYS, not on this profile's EPERM",
     ),

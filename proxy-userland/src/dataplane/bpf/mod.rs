@@ -15,6 +15,7 @@ pub mod loader;
 pub mod maps;
 pub mod pods;
 pub mod program;
+pub mod repoint;
 pub mod stale_sockets;
 
 use std::path::{Path, PathBuf};

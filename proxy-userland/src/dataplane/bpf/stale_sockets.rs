@@ -1,4 +1,5 @@
-//! Connected UDP clients of a removed backend, told instead of black-holed.
+//! Connected UDP clients of a removed backend, moved to a live one ([`super::repoint`]) or,
+//! where that cannot be done, told instead of black-holed.
 //!
 //! Socket-level load balancing rewrites a connected UDP socket's peer once, at connect().
 //! When that backend leaves the service (its pod is gone), the client would keep sending
@@ -25,6 +26,7 @@ use std::{
 
 use bytemuck::{Pod, Zeroable};
 
+use super::repoint::Owners;
 use crate::dataplane::netlink::{NLMSG_ERROR, NetlinkSocket, NlMsgHdr, error_in};
 
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
@@ -79,15 +81,23 @@ const _: () = assert!(size_of::<DiagReq>() == 56 && size_of::<DiagMsg>() == 72);
 pub struct UdpSocketInfo {
     pub cookie: u64,
     pub peer: SocketAddr,
+    pub inode: u64,
     id: SockId,
     family: u8,
+}
+
+/// One client network namespace and the processes of the cgroup in it.
+#[derive(Debug)]
+pub struct ClientNamespace {
+    pub ns: File,
+    pub pids: Vec<u32>,
 }
 
 /// The network namespaces of the processes in a cgroup tree.
 #[derive(Debug, Default)]
 pub struct ClientNamespaces {
     /// Each namespace once.
-    pub found: Vec<File>,
+    pub found: Vec<ClientNamespace>,
     /// Processes listed as pid 0: they are in a PID namespace we cannot see into (the
     /// daemon runs in a container without `hostPID`), so their sockets cannot be reached.
     pub hidden: usize,
@@ -100,7 +110,7 @@ pub struct ClientNamespaces {
 
 /// The network namespaces of every process in `cgroup` and below, once each.
 pub fn client_namespaces(cgroup: &Path) -> ClientNamespaces {
-    let mut seen = BTreeSet::new();
+    let mut seen = std::collections::BTreeMap::new();
     let mut out = ClientNamespaces::default();
     let mut dirs = vec![cgroup.to_path_buf()];
     // Bounded: cgroup trees are shallow, but a loop in a bind mount must not hang us.
@@ -125,9 +135,17 @@ pub fn client_namespaces(cgroup: &Path) -> ClientNamespaces {
                     }
                 };
                 let Ok(meta) = ns.metadata() else { continue };
-                if seen.insert((meta.dev(), meta.ino())) {
-                    out.found.push(ns);
-                }
+                let Ok(pid) = pid.parse::<u32>() else {
+                    continue;
+                };
+                let at = *seen.entry((meta.dev(), meta.ino())).or_insert_with(|| {
+                    out.found.push(ClientNamespace {
+                        ns,
+                        pids: Vec::new(),
+                    });
+                    out.found.len() - 1
+                });
+                out.found[at].pids.push(pid);
             }
         }
         if let Ok(entries) = std::fs::read_dir(&dir) {
@@ -145,6 +163,9 @@ pub fn client_namespaces(cgroup: &Path) -> ClientNamespaces {
 /// What one namespace's reset came to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Resets {
+    /// Sockets connected to their Service again ([`super::repoint`]): the client noticed
+    /// nothing.
+    pub repointed: usize,
     /// Sockets destroyed.
     pub done: usize,
     /// Sockets the kernel refused to destroy (EPERM without CAP_NET_ADMIN, EOPNOTSUPP on a
@@ -152,16 +173,18 @@ pub struct Resets {
     pub failed: usize,
 }
 
-/// Destroys, in namespace `ns`, each connected UDP socket whose peer is in `peers` and for
-/// which `ours(cookie, peer)` holds. An error means the namespace could not be searched at
-/// all (not enterable without CAP_SYS_ADMIN, no sock_diag): how many of its sockets were
-/// left is then unknown. A socket that cannot be destroyed does not stop the others; the
-/// last such error comes with the counts.
+/// Re-points or else destroys, in namespace `client`, each connected UDP socket whose peer
+/// is in `peers` and which `frontend_of(cookie, peer)` says our programs translated (the
+/// Service address it was connected to). An error means the namespace could not be
+/// searched at all (not enterable without CAP_SYS_ADMIN, no sock_diag): how many of its
+/// sockets were left is then unknown. A socket that cannot be destroyed does not stop the
+/// others; the last such error comes with the counts.
 pub fn destroy_in(
-    ns: &File,
+    client: &ClientNamespace,
     peers: &BTreeSet<SocketAddr>,
-    ours: &(dyn Fn(u64, SocketAddr) -> bool + Sync),
+    frontend_of: &(dyn Fn(u64, SocketAddr) -> Option<SocketAddr> + Sync),
 ) -> io::Result<(Resets, Option<io::Error>)> {
+    let ns = &client.ns;
     std::thread::scope(|s| {
         s.spawn(|| {
             // SAFETY: setns on a valid namespace fd changes only this (short-lived) thread.
@@ -171,9 +194,27 @@ pub fn destroy_in(
             let diag = DiagSocket::open()?;
             let mut resets = Resets::default();
             let mut last_error = None;
+            let mut owners: Option<Owners> = None;
             for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
                 for sock in diag.connected_udp(family)? {
-                    if peers.contains(&sock.peer) && ours(sock.cookie, sock.peer) {
+                    if !peers.contains(&sock.peer) {
+                        continue;
+                    }
+                    let Some(frontend) = frontend_of(sock.cookie, sock.peer) else {
+                        continue;
+                    };
+                    let owners = owners.get_or_insert_with(|| Owners::of(&client.pids));
+                    match owners.reconnect(sock.inode, frontend) {
+                        Ok(()) => {
+                            resets.repointed += 1;
+                            continue;
+                        }
+                        Err(e) => tracing::debug!(
+                            %frontend,
+                            "cannot connect a UDP socket of a removed backend again, destroying it: {e}"
+                        ),
+                    }
+                    {
                         match diag.destroy(&sock) {
                             Ok(()) => resets.done += 1,
                             Err(e) => {
@@ -236,6 +277,7 @@ impl DiagSocket {
                 out.push(UdpSocketInfo {
                     cookie: u64::from(msg.id.cookie[0]) | (u64::from(msg.id.cookie[1]) << 32),
                     peer: peer_of(msg.family, &msg.id),
+                    inode: u64::from(msg.inode),
                     id: msg.id,
                     family: msg.family,
                 });

@@ -85,8 +85,9 @@ impl Programmer {
         }
     }
 
-    /// Destroys connected UDP sockets our programs pointed at backends that just left their
-    /// frontend (see [`stale_sockets`]). Returns (destroyed, failed). A reset that cannot be
+    /// Moves connected UDP sockets our programs pointed at backends that just left their
+    /// frontend to live ones, or else destroys them (see [`stale_sockets`]). Returns
+    /// (moved or destroyed, failed). A reset that cannot be
     /// done leaves a client sending into the void, so each one is logged as a warning with
     /// its services and counted (`fastpath_udp_socket_resets_total{result="failed"}`): a
     /// socket the kernel refused counts once, and so does a client namespace that could not
@@ -101,13 +102,13 @@ impl Programmer {
         }
         let peers: BTreeSet<SocketAddr> = departed.keys().map(|(_, b)| *b).collect();
         let maps = &self.maps;
-        let ours = |cookie: u64, peer: SocketAddr| {
+        let frontend_of = |cookie: u64, peer: SocketAddr| {
             maps.translated_from(cookie, peer)
-                .is_some_and(|fe| departed.contains_key(&(fe, peer)))
+                .filter(|fe| departed.contains_key(&(*fe, peer)))
         };
         let services: BTreeSet<String> = departed.values().map(ToString::to_string).collect();
         let services = services.into_iter().collect::<Vec<_>>().join(",");
-        let (mut done, mut failed) = (0, 0);
+        let (mut done, mut failed, mut repointed) = (0, 0, 0);
         let namespaces = stale_sockets::client_namespaces(cgroup);
         if namespaces.hidden > 0 {
             failed += namespaces.hidden;
@@ -131,8 +132,9 @@ impl Programmer {
             );
         }
         for ns in namespaces.found {
-            match stale_sockets::destroy_in(&ns, &peers, &ours) {
+            match stale_sockets::destroy_in(&ns, &peers, &frontend_of) {
                 Ok((r, err)) => {
+                    repointed += r.repointed;
                     done += r.done;
                     failed += r.failed;
                     if let Some(e) = err {
@@ -155,9 +157,12 @@ impl Programmer {
                 }
             }
         }
+        if repointed > 0 {
+            tracing::info!(service = %services, sockets = repointed, "moved connected UDP sockets of removed backends to live ones");
+        }
         if done > 0 {
             tracing::info!(service = %services, sockets = done, "reset connected UDP sockets of removed backends");
         }
-        (done, failed)
+        (done + repointed, failed)
     }
 }
