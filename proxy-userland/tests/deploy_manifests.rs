@@ -301,9 +301,18 @@ fn the_daemonset_runs_as_a_node_proxy_with_probes_on_the_health_port() {
 }
 
 /// The capabilities the daemon's container may have: the ones measured for eBPF mode (BPF,
-/// NET_ADMIN, PERFMON), SYS_ADMIN for the cross-namespace UDP socket reset, NET_RAW for
-/// iptables-legacy. tests/least_privilege.rs runs the binary with exactly the DaemonSet's.
-const ALLOWED_CAPS: [&str; 5] = ["BPF", "NET_ADMIN", "PERFMON", "SYS_ADMIN", "NET_RAW"];
+/// NET_ADMIN, PERFMON), SYS_ADMIN for the cross-namespace UDP socket reset, SYS_PTRACE to
+/// reach clients running as another user and move their sockets (tests/udp_backend_loss.rs
+/// shows both: the move as shipped, the EACCES without it), NET_RAW for iptables-legacy.
+/// tests/least_privilege.rs runs the binary with exactly the DaemonSet's.
+const ALLOWED_CAPS: [&str; 6] = [
+    "BPF",
+    "NET_ADMIN",
+    "PERFMON",
+    "SYS_ADMIN",
+    "SYS_PTRACE",
+    "NET_RAW",
+];
 
 /// Not privileged, the measured capabilities and no others, a read-only root, limits, and
 /// a Localhost seccomp profile shipped in deploy/seccomp/ that lets bpf(2) through; node
