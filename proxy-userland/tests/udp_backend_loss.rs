@@ -127,31 +127,14 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], client_wrapper: &[&str], wh
     .unwrap();
     let metrics_port = free_port();
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
-    let daemon = Daemon::start_wrapped(
+    let daemon = ebpf_daemon(
+        &bed,
         wrapper,
-        bed.cgroup_path(),
-        &[
-            "--proxy-mode",
-            "ebpf",
-            "--manifests",
-            dir.0.to_str().unwrap(),
-            "--manifest-poll-period",
-            "100ms",
-            "--metrics-bind-address",
-            &metrics_addr,
-        ],
-    );
-    assert!(
-        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
-        "the ClusterIP never became reachable; log:\n{}",
-        daemon.log()
+        &dir.0,
+        &["--metrics-bind-address", &metrics_addr],
     );
 
-    let mut cmd = if client_wrapper.is_empty() {
-        bed.client(probe())
-    } else {
-        wrapped_client(&bed, client_wrapper)
-    };
+    let mut cmd = node_client(&bed, client_wrapper);
     cmd.args(["udp", WEB_DNS, "--connected", "--count", "200"]);
     cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
     let client = Client::spawn(cmd);
@@ -190,6 +173,41 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], client_wrapper: &[&str], wh
         "the warning names the service: {warning}"
     );
     assert!(warning.contains(why), "and why ({why}): {warning}");
+}
+
+/// The daemon in eBPF mode, run through `wrapper`, serving the manifests in `dir` (polled
+/// every 100 ms) with `extra` flags; returned once the ClusterIP answers.
+fn ebpf_daemon(
+    bed: &xtask::testbed::Testbed,
+    wrapper: &[&str],
+    dir: &std::path::Path,
+    extra: &[&str],
+) -> Daemon {
+    let mut args = vec![
+        "--proxy-mode",
+        "ebpf",
+        "--manifests",
+        dir.to_str().unwrap(),
+        "--manifest-poll-period",
+        "100ms",
+    ];
+    args.extend_from_slice(extra);
+    let daemon = Daemon::start_wrapped(wrapper, bed.cgroup_path(), &args);
+    assert!(
+        eventually(20, || tcp(bed, WEB, 1)[0].is_ok()),
+        "the ClusterIP never became reachable; log:\n{}",
+        daemon.log()
+    );
+    daemon
+}
+
+/// The probe as a client on the node: itself, or run through `wrapper` when there is one.
+fn node_client(bed: &xtask::testbed::Testbed, wrapper: &[&str]) -> std::process::Command {
+    if wrapper.is_empty() {
+        bed.client(probe())
+    } else {
+        wrapped_client(bed, wrapper)
+    }
 }
 
 /// The probe in the bed's client cgroup and node namespace, run through `wrapper` (e.g.
@@ -384,22 +402,7 @@ fn a_connected_udp_client_keeps_its_terminating_backend_until_it_leaves_the_slic
         std::fs::write(dir.0.join("web.yaml"), web_manifest_with(eps)).unwrap();
     };
     write(&[(pod_ip(1), READY), (pod_ip(2), READY)]);
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--proxy-mode",
-            "ebpf",
-            "--manifests",
-            dir.0.to_str().unwrap(),
-            "--manifest-poll-period",
-            "100ms",
-        ],
-    );
-    assert!(
-        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
-        "the ClusterIP never became reachable; log:\n{}",
-        daemon.log()
-    );
+    let daemon = ebpf_daemon(&bed, &[], &dir.0, &[]);
 
     let mut cmd = bed.client(probe());
     cmd.args(["udp", WEB_DNS, "--connected", "--reconnect-on-error"]);
@@ -508,28 +511,8 @@ fn node_client_moves(tag: &str, wrapper: &[&str], client_wrapper: &[&str]) {
         web_manifest(&[pod_ip(1), pod_ip(2)]),
     )
     .unwrap();
-    let daemon = Daemon::start_wrapped(
-        wrapper,
-        bed.cgroup_path(),
-        &[
-            "--proxy-mode",
-            "ebpf",
-            "--manifests",
-            dir.0.to_str().unwrap(),
-            "--manifest-poll-period",
-            "100ms",
-        ],
-    );
-    assert!(
-        eventually(20, || tcp(&bed, WEB, 1)[0].is_ok()),
-        "the ClusterIP never became reachable; log:\n{}",
-        daemon.log()
-    );
-    let mut cmd = if client_wrapper.is_empty() {
-        bed.client(probe())
-    } else {
-        wrapped_client(&bed, client_wrapper)
-    };
+    let daemon = ebpf_daemon(&bed, wrapper, &dir.0, &[]);
+    let mut cmd = node_client(&bed, client_wrapper);
     cmd.args(["udp", WEB_DNS, "--connected", "--count", "150"]);
     cmd.args(["--interval-ms", "100", "--timeout-ms", "200"]);
     let client = Client::spawn(cmd);

@@ -60,84 +60,101 @@ pub fn hook(
         },
         "iptables" => {
             let c = PortChains::new(&service_port_name(m.svc, m.port), m.port.protocol);
-            let policy_chain = |local: bool| if local { c.svl.clone() } else { c.svc.clone() };
-            match (kind, scope) {
-                ("ClusterIP", _) => format!(
-                    "iptables nat {} -> KUBE-SERVICES -> {} -> KUBE-SEP-*",
-                    if scope == FrontendScope::Socket {
-                        "OUTPUT"
-                    } else {
-                        "PREROUTING"
-                    },
-                    policy_chain(m.svc.internal_policy_local)
-                ),
-                (_, FrontendScope::Socket) => format!(
-                    "iptables nat OUTPUT -> {} -> {} -> {} (local traffic short-circuits to Cluster)",
-                    if kind == "NodePort" {
-                        "KUBE-NODEPORTS"
-                    } else {
-                        "KUBE-SERVICES"
-                    },
-                    c.ext,
-                    c.svc
-                ),
-                (_, FrontendScope::Packet) => format!(
-                    "iptables nat PREROUTING -> {} -> {}{} -> {}",
-                    if kind == "NodePort" {
-                        "KUBE-NODEPORTS"
-                    } else {
-                        "KUBE-SERVICES"
-                    },
-                    if kind == "LoadBalancer" && !m.svc.load_balancer_source_ranges.is_empty() {
-                        format!("{} -> ", c.fw)
-                    } else {
-                        String::new()
-                    },
-                    c.ext,
-                    policy_chain(m.svc.external_policy_local)
-                ),
-            }
+            let hook = if scope == FrontendScope::Socket {
+                "OUTPUT"
+            } else {
+                "PREROUTING"
+            };
+            let names = RuleNames {
+                entry: format!("iptables nat {hook}"),
+                by_address: "KUBE-SERVICES",
+                by_node_port: "KUBE-NODEPORTS",
+                external: c.ext,
+                cluster: c.svc,
+                local: c.svl,
+                firewall: c.fw,
+                firewall_on_path: true,
+                to_endpoints: " -> KUBE-SEP-*",
+            };
+            rule_path(&names, kind, scope, m)
         }
         "nftables" => {
             let c = PortNames::new(m.svc, m.port);
-            let policy_chain = |local: bool| if local { &c.local } else { &c.cluster };
             let hook = if scope == FrontendScope::Socket {
                 "nat-output"
             } else {
                 "nat-prerouting"
             };
-            match (kind, scope) {
-                ("ClusterIP", _) => format!(
-                    "nftables {hook} -> services -> @service-ips -> {}",
-                    policy_chain(m.svc.internal_policy_local)
-                ),
-                (_, FrontendScope::Socket) => format!(
-                    "nftables {hook} -> services -> {} -> {} -> {} (local traffic short-circuits to Cluster)",
-                    if kind == "NodePort" {
-                        "@service-nodeports"
-                    } else {
-                        "@service-ips"
-                    },
-                    c.external,
-                    c.cluster
-                ),
-                (_, FrontendScope::Packet) => format!(
-                    "nftables {hook} -> services -> {} -> {} -> {}{}",
-                    if kind == "NodePort" {
-                        "@service-nodeports"
-                    } else {
-                        "@service-ips"
-                    },
-                    c.external,
-                    policy_chain(m.svc.external_policy_local),
-                    if kind == "LoadBalancer" && !m.svc.load_balancer_source_ranges.is_empty() {
-                        format!(" (sources checked first by {})", c.firewall)
-                    } else {
-                        String::new()
-                    },
-                ),
-            }
+            let names = RuleNames {
+                entry: format!("nftables {hook} -> services"),
+                by_address: "@service-ips",
+                by_node_port: "@service-nodeports",
+                external: c.external,
+                cluster: c.cluster,
+                local: c.local,
+                firewall: c.firewall,
+                firewall_on_path: false,
+                to_endpoints: "",
+            };
+            rule_path(&names, kind, scope, m)
         }
         other => format!("{other} mode: iptables REDIRECT to the proxy's relay for this port"),
+    }
+}
+
+/// The names a rule-based mode gives the way to a service port's backends.
+struct RuleNames {
+    /// Up to the dispatch: `iptables nat OUTPUT`, `nftables nat-output -> services`.
+    entry: String,
+    /// What dispatches by address, and what by node port.
+    by_address: &'static str,
+    by_node_port: &'static str,
+    external: String,
+    cluster: String,
+    local: String,
+    /// The source-range check, and whether traffic passes it on its way (iptables' KUBE-FW)
+    /// or it is checked beside, in a filter chain (nftables).
+    firewall: String,
+    firewall_on_path: bool,
+    /// After a ClusterIP's policy chain, where the endpoints are.
+    to_endpoints: &'static str,
+}
+
+fn rule_path(n: &RuleNames, kind: &str, scope: FrontendScope, m: &ModelFrontend) -> String {
+    let policy = |local: bool| if local { &n.local } else { &n.cluster };
+    let dispatch = if kind == "NodePort" {
+        n.by_node_port
+    } else {
+        n.by_address
+    };
+    let firewalled = kind == "LoadBalancer" && !m.svc.load_balancer_source_ranges.is_empty();
+    match (kind, scope) {
+        ("ClusterIP", _) => format!(
+            "{} -> {} -> {}{}",
+            n.entry,
+            n.by_address,
+            policy(m.svc.internal_policy_local),
+            n.to_endpoints
+        ),
+        (_, FrontendScope::Socket) => format!(
+            "{} -> {dispatch} -> {} -> {} (local traffic short-circuits to Cluster)",
+            n.entry, n.external, n.cluster
+        ),
+        (_, FrontendScope::Packet) => {
+            let (on_path, beside) = match (firewalled, n.firewall_on_path) {
+                (true, true) => (format!("{} -> ", n.firewall), String::new()),
+                (true, false) => (
+                    String::new(),
+                    format!(" (sources checked first by {})", n.firewall),
+                ),
+                (false, _) => (String::new(), String::new()),
+            };
+            format!(
+                "{} -> {dispatch} -> {on_path}{} -> {}{beside}",
+                n.entry,
+                n.external,
+                policy(m.svc.external_policy_local)
+            )
+        }
     }
 }
