@@ -175,6 +175,19 @@ fn reset_cannot_be_done(tag: &str, wrapper: &[&str], client_wrapper: &[&str], wh
     assert!(warning.contains(why), "and why ({why}): {warning}");
 }
 
+/// Up to `n` of the client's next lines (each waited for at most 5 s), with when each came
+/// after `since`.
+fn lines_since(client: &Client, since: Instant, n: usize) -> Vec<(Duration, String)> {
+    let mut out = Vec::new();
+    while let Ok((at, line)) = client.lines.recv_timeout(Duration::from_secs(5)) {
+        out.push((at.duration_since(since), line));
+        if out.len() == n {
+            break;
+        }
+    }
+    out
+}
+
 /// The daemon in eBPF mode, run through `wrapper`, serving the manifests in `dir` (polled
 /// every 100 ms) with `extra` flags; returned once the ClusterIP answers.
 fn ebpf_daemon(
@@ -345,13 +358,7 @@ fn udp_client_moves(
     let survivor = if victim == "pod-1" { 2 } else { 1 };
     let removed_at = Instant::now();
     std::fs::write(dir.0.join("web.yaml"), manifest(&[survivor])).unwrap();
-    let mut after = Vec::new();
-    while let Ok((at, line)) = client.lines.recv_timeout(Duration::from_secs(5)) {
-        after.push((at.duration_since(removed_at), line));
-        if after.len() == 30 {
-            break;
-        }
-    }
+    let after = lines_since(&client, removed_at, 30);
     let parsed: Vec<_> = after
         .iter()
         .map(|(at, l)| (*at, xtask::probe::parse_line(l), l.clone()))
@@ -529,13 +536,7 @@ fn node_client_moves(tag: &str, wrapper: &[&str], client_wrapper: &[&str]) {
 
     let removed_at = Instant::now();
     std::fs::write(dir.0.join("web.yaml"), web_manifest(&[pod_ip(survivor)])).unwrap();
-    let mut after = Vec::new();
-    while let Ok((at, line)) = client.lines.recv_timeout(Duration::from_secs(5)) {
-        after.push((at.duration_since(removed_at), line));
-        if after.len() == 30 {
-            break;
-        }
-    }
+    let after = lines_since(&client, removed_at, 30);
     let parsed: Vec<_> = after
         .iter()
         .map(|(at, l)| {
