@@ -4,6 +4,8 @@
 //!   ClusterIP translation at the socket, before a packet exists.
 //! - [`sock6`]: the same for IPv6.
 //! - [`release`]: cgroup `sock_release`: a closing socket's reverse-NAT entry goes.
+//! - [`refuse`]: a pod's UDP to an unused address of the service ranges, answered with
+//!   ICMP port unreachable on the pod path.
 //! - [`nodeport`]: tc (and XDP) programs on the node's devices: node ports, external and
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
 //!   The same per-packet translation on the pods' devices serves pods whose sockets the
@@ -30,6 +32,7 @@ mod lb;
 mod maps;
 mod nodeport;
 mod packet;
+mod refuse;
 mod release;
 mod sock4;
 mod sock6;

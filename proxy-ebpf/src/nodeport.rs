@@ -28,6 +28,7 @@ use crate::{
     lb::{pick_slot, serves},
     maps::{AFFINITY, Lookup, count},
     packet::{FIB_NOT_FWDED, Packet},
+    refuse,
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -539,6 +540,16 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         return Ok(P::PASS);
     }
     let Some(fe) = frontend::<I>(f, from_pod) else {
+        // A pod's UDP to an address of the service ranges nobody holds: refused at once,
+        // as the socket hooks refuse it (TCP from pods stays with the hooks).
+        if from_pod
+            && f.proto == proto::UDP
+            && I::ETH_P == V4::ETH_P
+            && I::in_service_range(f.daddr)
+        {
+            count(nat::stat::REFUSED_SERVICE_RANGE);
+            return Ok(refuse::port_unreachable4(pkt));
+        }
         return Ok(P::PASS);
     };
     w.frontend = fe;

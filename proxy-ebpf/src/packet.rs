@@ -6,8 +6,11 @@ use core::{ffi::c_void, mem};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
-    helpers::{bpf_redirect, bpf_redirect_neigh},
+    bindings::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode,
+        xdp_action,
+    },
+    helpers::{bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail},
     programs::{TcContext, XdpContext},
 };
 use bytemuck::Pod;
@@ -45,6 +48,12 @@ pub trait Packet {
     fn can_redirect(fib_ret: i64) -> bool;
     /// Sends the packet out of the FIB's device (MACs already set on success).
     fn redirect(&mut self, fib_ret: i64, ifindex: u32) -> i32;
+    /// Cuts the packet to `len` bytes, then makes room for `grow` more right after the
+    /// Ethernet header: the shape of an error that quotes the packet. Err where the hook
+    /// cannot reshape packets (XDP here).
+    fn reshape(&mut self, len: u32, grow: u32) -> Result<(), ()>;
+    /// Sends the packet back out of the device it arrived on (to the sender).
+    fn bounce(&mut self) -> i32;
 }
 
 impl Packet for TcContext {
@@ -114,6 +123,25 @@ impl Packet for TcContext {
             // documents as "look the next hop up"); the rest are plain values.
             return unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 };
         }
+        // SAFETY: plain values; the helper only records where the packet goes next.
+        unsafe { bpf_redirect(ifindex, 0) as i32 }
+    }
+
+    #[inline(always)]
+    fn reshape(&mut self, len: u32, grow: u32) -> Result<(), ()> {
+        // SAFETY: our own __sk_buff context and plain values; the helper resizes the packet
+        // and the verifier drops every packet pointer we hold (we hold none: loads and
+        // stores go through helpers).
+        if unsafe { bpf_skb_change_tail(self.skb.skb, len, 0) } != 0 {
+            return Err(());
+        }
+        let grow = i32::try_from(grow).map_err(drop)?;
+        TcContext::adjust_room(self, grow, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0).map_err(drop)
+    }
+
+    #[inline(always)]
+    fn bounce(&mut self) -> i32 {
+        let ifindex = Packet::ifindex(self);
         // SAFETY: plain values; the helper only records where the packet goes next.
         unsafe { bpf_redirect(ifindex, 0) as i32 }
     }
@@ -204,6 +232,16 @@ impl Packet for XdpContext {
 
     #[inline(always)]
     fn redirect(&mut self, _fib_ret: i64, _ifindex: u32) -> i32 {
+        Self::PASS
+    }
+
+    #[inline(always)]
+    fn reshape(&mut self, _len: u32, _grow: u32) -> Result<(), ()> {
+        Err(())
+    }
+
+    #[inline(always)]
+    fn bounce(&mut self) -> i32 {
         Self::PASS
     }
 }

@@ -457,3 +457,58 @@ fn a_new_pods_device_is_covered_as_it_appears() {
         );
     }
 }
+
+/// Issue 22 point 4 on the pod path: a pod's UDP to an address inside the service range
+/// that no Service holds is answered at once with ICMP port unreachable from its device, so
+/// its connected socket gets ECONNREFUSED, as a node process's connect() does; a held
+/// address still answers from the same socket kind.
+#[test]
+fn a_pods_udp_to_an_unused_service_address_is_refused_at_once() {
+    let s = setup("podrange", &["--service-cluster-ip-range", "198.19.0.0/17"]);
+    let udp = |target: &str| {
+        outside_cgroup(
+            &s,
+            &[
+                "udp",
+                target,
+                "--count",
+                "5",
+                "--timeout-ms",
+                "1000",
+                "--fresh-socket",
+                "--connected",
+            ],
+        )
+    };
+    let started = std::time::Instant::now();
+    let refused = udp("198.19.0.99:53");
+    let took = started.elapsed();
+    assert!(
+        refused.iter().all(|o| o.errno() == Some("ECONNREFUSED")),
+        "{refused:?}\nlog:\n{}",
+        s.daemon.log()
+    );
+    assert!(
+        took < Duration::from_millis(1000),
+        "5 refusals took {took:?}, not at once"
+    );
+    let served = udp(WEB_DNS);
+    assert!(served.iter().all(|o| o.is_ok()), "{served:?}");
+    // Outside the service range: not ours, left alone (no route: a timeout, no refusal).
+    let outside = outside_cgroup(
+        &s,
+        &[
+            "udp",
+            "198.18.250.1:53",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "300",
+            "--connected",
+        ],
+    );
+    assert!(
+        outside.iter().all(|o| o.errno() != Some("ECONNREFUSED")),
+        "{outside:?}"
+    );
+}
