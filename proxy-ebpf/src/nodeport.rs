@@ -542,13 +542,13 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     let Some(fe) = frontend::<I>(f, from_pod) else {
         // A pod's UDP to an address of the service ranges nobody holds: refused at once,
         // as the socket hooks refuse it (TCP from pods stays with the hooks).
-        if from_pod
-            && f.proto == proto::UDP
-            && I::ETH_P == V4::ETH_P
-            && I::in_service_range(f.daddr)
-        {
+        if from_pod && f.proto == proto::UDP && I::in_service_range(f.daddr) {
             count(nat::stat::REFUSED_SERVICE_RANGE);
-            return Ok(refuse::port_unreachable4(pkt));
+            return Ok(if I::ETH_P == V4::ETH_P {
+                refuse::port_unreachable4(pkt)
+            } else {
+                refuse::port_unreachable6(pkt)
+            });
         }
         return Ok(P::PASS);
     };

@@ -465,50 +465,60 @@ fn a_new_pods_device_is_covered_as_it_appears() {
 #[test]
 fn a_pods_udp_to_an_unused_service_address_is_refused_at_once() {
     let s = setup("podrange", &["--service-cluster-ip-range", "198.19.0.0/17"]);
-    let udp = |target: &str| {
+    udp_refused_at_once(&s, "198.19.0.99:53", WEB_DNS, "198.18.250.1:53");
+}
+
+/// The same over IPv6 (ICMPv6 destination unreachable, port unreachable), the IPv4 range
+/// beside it.
+#[test]
+fn a_pods_ipv6_udp_to_an_unused_service_address_is_refused_at_once() {
+    let ranges = "198.19.0.0/17,2001:db8:ff00::/112";
+    let s = setup_for("podrange6", &["--service-cluster-ip-range", ranges], true);
+    udp_refused_at_once(
+        &s,
+        "[2001:db8:ff00::99]:53",
+        WEB6_DNS,
+        "[2001:db8:fe00::1]:53",
+    );
+    udp_refused_at_once(&s, "198.19.0.99:53", WEB_DNS, "198.18.250.1:53");
+}
+
+/// From the client pod: 5 fresh connected UDP sockets to `unheld` are refused within a
+/// second, `served` answers, and `outside` (out of the ranges) is not refused by us.
+fn udp_refused_at_once(s: &Setup, unheld: &str, served: &str, outside: &str) {
+    let udp = |target: &str, count: &str, timeout: &str| {
         outside_cgroup(
-            &s,
+            s,
             &[
                 "udp",
                 target,
                 "--count",
-                "5",
+                count,
                 "--timeout-ms",
-                "1000",
+                timeout,
                 "--fresh-socket",
                 "--connected",
             ],
         )
     };
     let started = std::time::Instant::now();
-    let refused = udp("198.19.0.99:53");
+    let refused = udp(unheld, "5", "1000");
     let took = started.elapsed();
     assert!(
         refused.iter().all(|o| o.errno() == Some("ECONNREFUSED")),
-        "{refused:?}\nlog:\n{}",
+        "{unheld}: {refused:?}\nlog:\n{}",
         s.daemon.log()
     );
     assert!(
         took < Duration::from_millis(1000),
-        "5 refusals took {took:?}, not at once"
+        "{unheld}: 5 refusals took {took:?}, not at once"
     );
-    let served = udp(WEB_DNS);
-    assert!(served.iter().all(|o| o.is_ok()), "{served:?}");
-    // Outside the service range: not ours, left alone (no route: a timeout, no refusal).
-    let outside = outside_cgroup(
-        &s,
-        &[
-            "udp",
-            "198.18.250.1:53",
-            "--count",
-            "1",
-            "--timeout-ms",
-            "300",
-            "--connected",
-        ],
-    );
+    let answered = udp(served, "5", "1000");
+    assert!(answered.iter().all(|o| o.is_ok()), "{served}: {answered:?}");
+    // Not ours: left to the routes (a timeout or another error, not our refusal).
+    let left = udp(outside, "1", "300");
     assert!(
-        outside.iter().all(|o| o.errno() != Some("ECONNREFUSED")),
-        "{outside:?}"
+        left.iter().all(|o| o.errno() != Some("ECONNREFUSED")),
+        "{outside}: {left:?}"
     );
 }
