@@ -148,6 +148,9 @@ pub fn render_service(
     for pe in port_endpoints(svc, eps, node, Some(family.is_v4())) {
         service::render_port(&mut out, svc, &pe, &target);
     }
+    out.hairpin.sort();
+    out.hairpin.dedup();
+    out.hairpin.shrink_to_fit();
     Some(out)
 }
 
@@ -455,15 +458,12 @@ pub struct Rendered {
     pub services: BTreeMap<ServiceKey, Arc<ServiceObjects>>,
     /// How many services hold each hairpin element: a pod often backs several services,
     /// and its element may only go with the last of them.
-    pub(super) hairpin_refs: BTreeMap<String, u32>,
+    pub(super) hairpin_refs: BTreeMap<IpAddr, u32>,
 }
 
-/// The keys of a service's hairpin elements.
-pub(super) fn hairpins(objs: &ServiceObjects) -> impl Iterator<Item = &String> {
-    objs.elements
-        .keys()
-        .filter(|(c, _)| *c == Container::Hairpin)
-        .map(|(_, key)| key)
+/// The `hairpin-endpoints` element of endpoint address `ip`.
+pub(super) fn hairpin_pair(ip: IpAddr) -> String {
+    format!("{ip} . {ip}")
 }
 
 impl Rendered {
@@ -477,10 +477,10 @@ impl Rendered {
                 Some((key.clone(), Arc::new(objs)))
             })
             .collect();
-        let mut hairpin_refs: BTreeMap<String, u32> = BTreeMap::new();
+        let mut hairpin_refs: BTreeMap<IpAddr, u32> = BTreeMap::new();
         for objs in services.values() {
-            for key in hairpins(objs) {
-                *hairpin_refs.entry(key.clone()).or_default() += 1;
+            for &ip in &objs.hairpin {
+                *hairpin_refs.entry(ip).or_default() += 1;
             }
         }
         Rendered {
@@ -508,6 +508,9 @@ impl Rendered {
                     w.element(*c, key, verdict, comment.as_deref());
                 }
             }
+        }
+        for &ip in self.hairpin_refs.keys() {
+            w.element(Container::Hairpin, &hairpin_pair(ip), "", None);
         }
         w.text
     }

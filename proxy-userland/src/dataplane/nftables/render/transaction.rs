@@ -4,7 +4,8 @@
 use std::{collections::BTreeSet, sync::Arc};
 
 use super::{
-    Container, Rendered, ServiceObjects, TABLE, Writer, family_name, hairpins, render_service,
+    Container, Rendered, ServiceObjects, TABLE, Writer, family_name, hairpin_pair,
+    render_service,
 };
 use crate::{
     dataplane::iptables::render::{Family, RenderConfig},
@@ -81,11 +82,11 @@ impl Rendered {
         let gone = previous.into_iter().flat_map(|p| p.hairpin_refs.keys());
         let gone = gone.filter(|p| !self.hairpin_refs.contains_key(*p));
         let pairs = (self.hairpin_refs.keys().map(|p| (p, true))).chain(gone.map(|p| (p, false)));
-        for (pair, wanted) in pairs {
+        for (&ip, wanted) in pairs {
             if wanted {
-                w.element(Container::Hairpin, pair, "", None);
+                w.element(Container::Hairpin, &hairpin_pair(ip), "", None);
             } else {
-                w.delete_element(Container::Hairpin, pair);
+                w.delete_element(Container::Hairpin, &hairpin_pair(ip));
             }
             if w.text.len() >= budget {
                 txs.push(std::mem::take(&mut w.text));
@@ -135,19 +136,20 @@ impl Rendered {
                 &mut deleted_sets,
                 None,
             );
-            for pair in hairpins(n).filter(|k| !hairpins(o).any(|old| old == *k)) {
-                let refs = self.hairpin_refs.entry(pair.clone()).or_default();
+            // Both lists are sorted: what is only in one of them.
+            for &ip in n.hairpin.iter().filter(|ip| o.hairpin.binary_search(ip).is_err()) {
+                let refs = self.hairpin_refs.entry(ip).or_default();
                 *refs += 1;
                 if *refs == 1 {
-                    hairpin_changes.element(Container::Hairpin, pair, "", None);
+                    hairpin_changes.element(Container::Hairpin, &hairpin_pair(ip), "", None);
                 }
             }
-            for pair in hairpins(o).filter(|k| !hairpins(n).any(|new| new == *k)) {
-                if let Some(refs) = self.hairpin_refs.get_mut(pair) {
+            for &ip in o.hairpin.iter().filter(|ip| n.hairpin.binary_search(ip).is_err()) {
+                if let Some(refs) = self.hairpin_refs.get_mut(&ip) {
                     *refs -= 1;
                     if *refs == 0 {
-                        self.hairpin_refs.remove(pair);
-                        hairpin_changes.delete_element(Container::Hairpin, pair);
+                        self.hairpin_refs.remove(&ip);
+                        hairpin_changes.delete_element(Container::Hairpin, &hairpin_pair(ip));
                     }
                 }
             }
@@ -217,9 +219,9 @@ fn partial(
         .iter()
         .any(|(name, t)| o.affinity_sets.get(name).is_some_and(|old| old != t));
     // Elements go first, so no map points at a chain that is about to change shape.
-    // Hairpin elements are shared between services: the caller counts them.
+    // (Hairpin elements are shared between services: the caller counts them.)
     for (k @ (c, key), v) in &o.elements {
-        if *c != Container::Hairpin && n.elements.get(k) != Some(v) {
+        if n.elements.get(k) != Some(v) {
             w.delete_element(*c, key);
         }
     }
@@ -255,9 +257,6 @@ fn partial(
         }
     }
     for (k @ (c, key), v @ (verdict, comment)) in &n.elements {
-        if *c == Container::Hairpin {
-            continue;
-        }
         let write = match refill.as_deref_mut() {
             Some(claimed) => claimed.insert(k.clone()),
             None => o.elements.get(k) != Some(v),
