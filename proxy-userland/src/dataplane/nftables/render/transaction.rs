@@ -1,11 +1,10 @@
 //! Transactions that change a table: a full sync's, in bounded parts, and a partial
 //! sync's, from what a service held to what it holds now.
 
-use std::{collections::BTreeSet, sync::Arc};
+use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use super::{
-    Container, Rendered, ServiceObjects, TABLE, Writer, family_name, hairpin_pair,
-    render_service,
+    Container, Rendered, ServiceObjects, TABLE, Writer, family_name, hairpin_pair, render_service,
 };
 use crate::{
     dataplane::iptables::render::{Family, RenderConfig},
@@ -137,14 +136,20 @@ impl Rendered {
                 None,
             );
             // Both lists are sorted: what is only in one of them.
-            for &ip in n.hairpin.iter().filter(|ip| o.hairpin.binary_search(ip).is_err()) {
+            let only_in = |a: &[IpAddr], b: &[IpAddr]| -> Vec<IpAddr> {
+                a.iter()
+                    .copied()
+                    .filter(|ip| b.binary_search(ip).is_err())
+                    .collect()
+            };
+            for ip in only_in(&n.hairpin, &o.hairpin) {
                 let refs = self.hairpin_refs.entry(ip).or_default();
                 *refs += 1;
                 if *refs == 1 {
                     hairpin_changes.element(Container::Hairpin, &hairpin_pair(ip), "", None);
                 }
             }
-            for &ip in o.hairpin.iter().filter(|ip| n.hairpin.binary_search(ip).is_err()) {
+            for ip in only_in(&o.hairpin, &n.hairpin) {
                 if let Some(refs) = self.hairpin_refs.get_mut(&ip) {
                     *refs -= 1;
                     if *refs == 0 {
