@@ -7,7 +7,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use super::render::{TABLE, family_name};
+use super::{
+    elements,
+    render::{ElementChange, Partial, TABLE, family_name},
+};
 use crate::dataplane::{
     iptables::{
         Family,
@@ -22,6 +25,10 @@ pub trait Nft: Send {
     fn family(&self) -> Family;
     /// `nft -f -`: all of `transaction` or nothing.
     fn run(&self, transaction: &str) -> Result<(), ApplyError>;
+    /// Element changes only, as one transaction: by default through [`Nft::run`].
+    fn run_elements(&self, changes: &[ElementChange]) -> Result<(), ApplyError> {
+        self.run(&Partial::Elements(changes.to_vec()).text(self.family()))
+    }
     /// The node's addresses of this family (loopback included).
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError>;
     /// The UDP entries of this family's conntrack table.
@@ -56,6 +63,19 @@ impl Nft for NftRunner {
         let mut cmd = netns::command(self.netns.as_deref(), "nft");
         cmd.args(["-f", "-"]);
         run_bounded(cmd, Some(transaction)).map(drop)
+    }
+    /// Over netlink, as one batch: an `nft` run would first dump every chain, which costs
+    /// more than the change at 10,000 services (docs/modes.md).
+    fn run_elements(&self, changes: &[ElementChange]) -> Result<(), ApplyError> {
+        if changes.len() > elements::MAX_BATCH {
+            return self.run(&Partial::Elements(changes.to_vec()).text(self.family));
+        }
+        elements::apply(self.netns.as_deref(), self.family, changes).map_err(|source| {
+            ApplyError::Netlink {
+                what: "nf_tables element changes",
+                source,
+            }
+        })
     }
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError> {
         self.other.local_addresses()

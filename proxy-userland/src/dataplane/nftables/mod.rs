@@ -5,13 +5,15 @@
 //! - [`apply`]: running `nft -f -` (optionally in another network namespace) behind the
 //!   [`apply::Nft`] interface, and removing our tables.
 //! - [`sync`]: full and partial transactions, stale chains, UDP conntrack clean-up.
+//! - `elements`: a partial sync that only moves endpoints, as one netlink batch.
 //! - [`listing`]: a table read back, from our statements or from `nft list table`: for
 //!   `inspect` and `explain`, and for the ported kube-proxy tests' tracer.
 //!
-//! Every sync is one `nft -f -` transaction per family: atomic, so a packet sees the old
-//! table or the new one. A sync that changes nothing runs none.
+//! Every sync is one transaction per family (`nft -f -`, or a netlink batch of element
+//! changes): atomic, so a packet sees the old table or the new one. A sync that changes nothing runs none.
 
 pub mod apply;
+mod elements;
 pub mod listing;
 pub mod render;
 pub mod sync;

@@ -1,6 +1,7 @@
 //! One family's sync, as kube-proxy's nftables syncProxyRules: a full sync at start, after
 //! a failed one, when the node's addresses or the service ranges change and once an hour;
-//! otherwise a partial one, one transaction holding only what the changed services changed.
+//! otherwise a partial one, one transaction holding only what the changed services changed:
+//! over netlink when only endpoint and hairpin elements change, else through `nft`.
 //! A full sync is one transaction where the table is small, else several of bounded size
 //! (`Rendered::full_transactions`). Chains a
 //! partial sync leaves unused are flushed at once and deleted a second later (kube-proxy:
@@ -16,7 +17,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     apply::Nft,
-    render::{Rendered, TABLE, family_name},
+    render::{Partial, Rendered, TABLE, family_name},
 };
 use crate::{
     dataplane::iptables::{
@@ -162,9 +163,18 @@ pub fn sync_family(
 
     match f.last.as_mut() {
         Some(last) if !force => {
-            if let Some((text, stale)) = last.rerender(state, node, &cfg, &keys) {
-                debug!(?family, bytes = text.len(), "nft -f (partial)");
-                if let Err(e) = f.nft.run(&text) {
+            if let Some((partial, stale)) = last.rerender(state, node, &cfg, &keys) {
+                let done = match &partial {
+                    Partial::Elements(changes) => {
+                        debug!(?family, elements = changes.len(), "elements (partial)");
+                        f.nft.run_elements(changes)
+                    }
+                    Partial::Text(text) => {
+                        debug!(?family, bytes = text.len(), "nft -f (partial)");
+                        f.nft.run(text)
+                    }
+                };
+                if let Err(e) = done {
                     f.needs_full = true;
                     return Err(e);
                 }
@@ -175,10 +185,10 @@ pub fn sync_family(
             }
         }
         _ => {
-            let rendered = Rendered::new(state, node, family, &cfg);
             // A table we know is written over; after a failure (or with none) it is made
             // anew, since what it holds is not known.
             let previous = f.last.take().filter(|_| !f.needs_full);
+            let mut rendered = Rendered::new_over(state, node, family, &cfg, previous.as_ref());
             let (txs, stale) = rendered.full_transactions(previous.as_ref(), f.budget);
             let bytes: usize = txs.iter().map(String::len).sum();
             debug!(?family, bytes, transactions = txs.len(), "nft -f (full)");

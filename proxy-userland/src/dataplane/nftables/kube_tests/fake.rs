@@ -10,7 +10,7 @@ use crate::{
             kube_tests::node,
             render::{Family, LocalTraffic, RenderConfig},
         },
-        nftables::render::render_full,
+        nftables::{listing::inline_text, render::render_full},
     },
     model::ProxyState,
 };
@@ -81,9 +81,10 @@ impl FakeProxier {
         }
     }
 
-    /// What a full sync writes for `st` (upstream's `nft.Dump()` after syncProxyRules).
+    /// What a full sync writes for `st` (upstream's `nft.Dump()` after syncProxyRules),
+    /// with the endpoint maps read as the spreads they stand for, as upstream writes them.
     pub fn text(&self, st: &ProxyState) -> String {
-        render_full(st, &node(), self.family, &self.config())
+        inline_text(&render_full(st, &node(), self.family, &self.config()))
     }
 
     /// The same, parsed for tracing; the text is shown if it does not parse.

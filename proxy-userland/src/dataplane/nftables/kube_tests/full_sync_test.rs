@@ -43,6 +43,11 @@ fn rendered(fp: &FakeProxier, st: &ProxyState) -> Rendered {
     Rendered::new(st, &node(), fp.family, &fp.config())
 }
 
+/// As the sync builds a table written over `previous`: chains keep their map slots.
+fn rendered_over(fp: &FakeProxier, st: &ProxyState, previous: &Rendered) -> Rendered {
+    Rendered::new_over(st, &node(), fp.family, &fp.config(), Some(previous))
+}
+
 /// The part of the text one service adds: the budget may be passed by that much.
 const LARGEST_SERVICE: usize = 2_000;
 
@@ -50,7 +55,7 @@ const LARGEST_SERVICE: usize = 2_000;
 fn a_table_over_the_budget_is_written_in_parts_that_add_up_to_it() {
     let fp = FakeProxier::v4();
     let st = many(60, 0);
-    let full = rendered(&fp, &st);
+    let mut full = rendered(&fp, &st);
     let budget = 4_000;
     let (txs, stale) = full.full_transactions(None, budget);
     assert!(stale.is_empty(), "{stale:?}");
@@ -80,7 +85,7 @@ fn a_table_over_the_budget_is_written_in_parts_that_add_up_to_it() {
     let want = Dump::parse(&full.text()).unwrap();
     assert_transaction_equal(&want.to_statements(), &played.to_statements());
     // Under the budget: one transaction, atomic as before.
-    let small = rendered(&fp, &many(2, 0));
+    let mut small = rendered(&fp, &many(2, 0));
     let whole = small.full_transaction().len();
     assert_eq!(small.full_transactions(None, 2 * whole).0.len(), 1);
 }
@@ -96,7 +101,8 @@ fn a_full_sync_over_a_known_table_rewrites_it_in_place() {
     let mut s3 = (*st.services[&key]).clone();
     s3.affinity_timeout = Some(10_800);
     st.services.insert(key, std::sync::Arc::new(s3));
-    let new = rendered(&fp, &st);
+    let mut old = old;
+    let mut new = rendered_over(&fp, &st, &old);
     let (txs, stale) = new.full_transactions(Some(&old), 4_000);
     assert!(txs.len() > 3, "{} transactions", txs.len());
     assert!(!txs[0].contains("delete table"), "{}", txs[0]);
@@ -168,11 +174,13 @@ fn the_kernel_takes_a_full_sync_in_parts_over_its_own_table() {
     for (k, v) in many(20, 1).endpoints {
         last_state.endpoints.insert(k, v);
     }
-    let first = rendered(&fp, &first_state);
-    let last = rendered(&fp, &last_state);
+    let mut first = rendered(&fp, &first_state);
     let mut runs = first.full_transactions(None, 4_000).0;
+    let mut last = rendered_over(&fp, &last_state, &first);
     let over = last.full_transactions(Some(&first), 4_000).0;
-    let again = last.full_transactions(Some(&last), 4_000).0;
+    let again = rendered_over(&fp, &last_state, &last)
+        .full_transactions(Some(&last), 4_000)
+        .0;
     assert!(
         over.len() > 2 && again.len() > 2,
         "{} and {}",

@@ -62,6 +62,7 @@ impl Table {
         {
             None => (0, Vec::new()),
             Some((tx, stale)) => {
+                let tx = tx.text(self.fp.family);
                 self.text.push_str(&tx);
                 (tx.lines().count(), stale)
             }
@@ -110,8 +111,9 @@ fn test_sync_proxy_rules_repeated() {
     let (ops, _) = t.sync(&st, &["ns3/svc3"]);
     t.assert_holds(&st, &[]);
     // Upstream: 2 elements, add+flush 2 chains, 2 rules in each (10). Ours has no endpoint
-    // chain: 3 elements (the hairpin pair too), add+flush 1 chain, 2 rules.
-    assert_eq!(ops, 7);
+    // chain: the endpoint map declared, add+flush 1 chain, 2 rules, 4 elements (the
+    // endpoint's in its map and the hairpin pair too).
+    assert_eq!(ops, 9);
 
     // Delete a service: its chains are flushed, not deleted yet.
     st = state(vec![
@@ -128,7 +130,9 @@ fn test_sync_proxy_rules_repeated() {
         "{stale:?}"
     );
     t.assert_holds(&st, &svc2_chains);
-    assert_eq!(ops, 4);
+    // Its 3 elements deleted and its chain flushed, as upstream; and its endpoint's map
+    // element, with the map declared.
+    assert_eq!(ops, 6);
     // (Deleting stale chains once nothing uses them is the sync's job, not the render's.)
     for c in &svc2_chains {
         t.text.push_str(&format!("delete chain ip fastpath {c}\n"));
@@ -147,10 +151,12 @@ fn test_sync_proxy_rules_repeated() {
     ]);
     let (ops, _) = t.sync(&st, &["ns4/svc4"]);
     t.assert_holds(&st, &[]);
-    assert_eq!(ops, 7);
+    // As for svc3, and its no-endpoint element deleted.
+    assert_eq!(ops, 9);
 
     // Change an endpoint of an existing service: upstream's old endpoint chain goes stale;
-    // ours has none, and swaps the hairpin pair.
+    // ours has none, and swaps the endpoint's map element and its hairpin pair: elements
+    // only (with the map declared), no rule.
     let with3 = |eps| {
         state(vec![
             (svc1.clone(), Some(p80("198.18.1.1"))),
@@ -162,7 +168,7 @@ fn test_sync_proxy_rules_repeated() {
     let (ops, stale) = t.sync(&st, &["ns3/svc3"]);
     assert!(stale.is_empty(), "{stale:?}");
     t.assert_holds(&st, &[]);
-    assert_eq!(ops, 6);
+    assert_eq!(ops, 5);
 
     // Add an endpoint to a service.
     let two = || {
@@ -174,9 +180,10 @@ fn test_sync_proxy_rules_repeated() {
     st = with3(Some(two()));
     let (ops, _) = t.sync(&st, &["ns3/svc3"]);
     t.assert_holds(&st, &[]);
-    // Upstream rewrites all 3 chains of the service (12 operations); ours has one, with a
-    // rule per endpoint (docs/modes.md), and adds the new endpoint's hairpin pair.
-    assert_eq!(ops, 6);
+    // Upstream rewrites all 3 chains of the service (12 operations); ours has one, whose
+    // DNAT rule names the new count (map declared, add, flush, 2 rules), and adds the new
+    // endpoint's map element and hairpin pair.
+    assert_eq!(ops, 7);
 
     // Empty a service's endpoints: its chains are flushed (upstream's 3, our 1).
     st = with3(Some(slice(vec![], &[("p80", 80, Tcp)])));
@@ -184,7 +191,9 @@ fn test_sync_proxy_rules_repeated() {
     assert_eq!(stale.len(), 1, "{stale:?}");
     let flushed: Vec<&str> = stale.iter().map(String::as_str).collect();
     t.assert_holds(&st, &flushed);
-    assert_eq!(ops, 5);
+    // The flush, 2 elements swapped, 2 hairpin pairs and 2 map elements deleted (with
+    // the map declared).
+    assert_eq!(ops, 8);
     run_packet_flow_tests(
         "TestSyncProxyRulesRepeated",
         &Dump::parse(&t.text).unwrap(),
@@ -204,9 +213,10 @@ fn test_sync_proxy_rules_repeated() {
     let (ops, stale) = t.sync(&st, &["ns3/svc3"]);
     assert!(stale.is_empty(), "{stale:?}");
     t.assert_holds(&st, &[]);
-    // The service chain (add, flush, 3 rules), its map element swapped back, and both
-    // hairpin pairs: no endpoint chains to write again (docs/modes.md).
-    assert_eq!(ops, 9);
+    // The service chain (add, flush, 2 rules), its elements swapped back, both map elements
+    // (with the map declared) and both hairpin pairs: no endpoint chains to write again
+    // (docs/modes.md).
+    assert_eq!(ops, 11);
     run_packet_flow_tests(
         "TestSyncProxyRulesRepeated",
         &Dump::parse(&t.text).unwrap(),

@@ -22,6 +22,7 @@
 //! upstream's expected dumps map onto ours with the table name changed. [`render_full`] is
 //! the state of one family's table; [`Rendered`] keeps it per service for partial syncs.
 
+pub mod endpoints;
 mod names;
 mod service;
 mod transaction;
@@ -34,8 +35,10 @@ use std::{
 };
 
 pub use self::{
+    endpoints::{ElementChange, Slots},
     names::{PortNames, endpoint_names, is_service_chain},
-    service::ServiceObjects,
+    service::{ServiceObjects, spread},
+    transaction::Partial,
 };
 use crate::{
     dataplane::{
@@ -156,15 +159,28 @@ pub fn render_service(
 
 /// Writes statements for one family's table: `add table ip fastpath ...` and so on.
 pub struct Writer {
+    family: Family,
     prefix: String,
+    /// What must come first (the table made, the fixed objects), ahead of the maps.
+    pub head: String,
     pub text: String,
+    /// Endpoint maps this transaction declared so far.
+    declared: BTreeSet<u8>,
+    decls: String,
+    /// Element changes, written after the text.
+    pub changes: Vec<ElementChange>,
 }
 
 impl Writer {
     pub fn new(family: Family) -> Self {
         Writer {
+            family,
             prefix: format!("{} {TABLE}", family_name(family)),
+            head: String::new(),
             text: String::new(),
+            declared: BTreeSet::new(),
+            decls: String::new(),
+            changes: Vec::new(),
         }
     }
 
@@ -173,15 +189,85 @@ impl Writer {
         let _ = writeln!(self.text, "{verb} {kind} {} {rest}", self.prefix);
     }
 
+    /// Declares endpoint map `shard` once per transaction, ahead of every rule and element
+    /// that names it.
+    fn uses_map(&mut self, shard: u8) {
+        if self.declared.insert(shard) {
+            self.decls
+                .push_str(&endpoints::declaration(self.family, shard));
+        }
+    }
+
+    pub fn change(&mut self, change: ElementChange) {
+        if let ElementChange::Endpoint { shard, .. } = change {
+            self.uses_map(shard);
+        }
+        self.changes.push(change);
+    }
+
+    /// The rule that ends `chain` with its spread: one DNAT through the chain's slot, or a
+    /// rule per endpoint where it has none.
+    pub fn spread(
+        &mut self,
+        chain: &str,
+        spread: &endpoints::Spread,
+        slot: Option<endpoints::Slot>,
+    ) {
+        match slot {
+            Some(slot) => {
+                self.uses_map(slot.shard);
+                let n = spread.endpoints.len();
+                self.rule(chain, &endpoints::rule(self.family, spread.proto, n, slot));
+            }
+            None => {
+                for r in service::inline(spread.proto, &spread.endpoints) {
+                    self.rule(chain, &r);
+                }
+            }
+        }
+    }
+
+    /// Everything written so far as one `nft -f` text (the head, the maps used, the text,
+    /// element changes last), leaving the writer empty.
+    pub fn take(&mut self) -> String {
+        let mut out = std::mem::take(&mut self.head);
+        out.push_str(&std::mem::take(&mut self.decls));
+        out.push_str(&std::mem::take(&mut self.text));
+        for c in std::mem::take(&mut self.changes) {
+            c.write(self.family, &mut out);
+        }
+        self.declared.clear();
+        out
+    }
+
+    /// About how long [`Writer::take`]'s text would be.
+    pub fn len(&self) -> usize {
+        const CHANGE: usize = 64;
+        self.head.len() + self.decls.len() + self.text.len() + CHANGE * self.changes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.head.is_empty() && self.text.is_empty() && self.changes.is_empty()
+    }
+
     /// A service's chains, every one declared before any rule (a rule may go to a chain
-    /// that comes later in name order).
-    pub fn chains(&mut self, objs: &ServiceObjects) {
+    /// that comes later in name order), with their spreads' endpoints.
+    pub fn chains(&mut self, objs: &ServiceObjects, slots: &Slots) {
         for name in objs.chains.keys() {
             self.line("add", "chain", name);
         }
         for (name, rules) in &objs.chains {
             for r in rules {
                 self.rule(name, r);
+            }
+            if let Some(spread) = objs.spreads.get(name) {
+                let slot = slots.get(name);
+                self.spread(name, spread, slot);
+                if let Some(slot) = slot {
+                    for c in endpoints::diff(slot, &[], &spread.endpoints, true) {
+                        self.change(c);
+                    }
+                }
             }
         }
     }
@@ -218,17 +304,6 @@ impl Writer {
 
     pub fn delete_element(&mut self, c: Container, key: &str) {
         self.line("delete", "element", &format!("{} {{ {key} }}", c.name()));
-    }
-
-    /// Everything one service holds.
-    pub fn service(&mut self, objs: &ServiceObjects, family: Family) {
-        for (name, &timeout) in &objs.affinity_sets {
-            self.affinity_set(name, timeout, family);
-        }
-        self.chains(objs);
-        for ((c, key), (verdict, comment)) in &objs.elements {
-            self.element(*c, key, verdict, comment.as_deref());
-        }
     }
 }
 
@@ -459,6 +534,8 @@ pub struct Rendered {
     /// How many services hold each hairpin element: a pod often backs several services,
     /// and its element may only go with the last of them.
     pub(super) hairpin_refs: BTreeMap<IpAddr, u32>,
+    /// The endpoint map slot of every chain with a spread.
+    pub(super) slots: Slots,
 }
 
 /// The `hairpin-endpoints` element of endpoint address `ip`.
@@ -468,6 +545,19 @@ pub(super) fn hairpin_pair(ip: IpAddr) -> String {
 
 impl Rendered {
     pub fn new(state: &ProxyState, node: &NodeInfo, family: Family, cfg: &RenderConfig) -> Self {
+        Self::new_over(state, node, family, cfg, None)
+    }
+
+    /// As [`Rendered::new`], for a table that holds `previous`: chains keep their slots,
+    /// and new ones take slots `previous` does not hold (its chains' elements go only
+    /// when the new table is written).
+    pub fn new_over(
+        state: &ProxyState,
+        node: &NodeInfo,
+        family: Family,
+        cfg: &RenderConfig,
+        previous: Option<&Rendered>,
+    ) -> Self {
         let services: BTreeMap<ServiceKey, Arc<ServiceObjects>> = state
             .services
             .iter()
@@ -483,18 +573,25 @@ impl Rendered {
                 *hairpin_refs.entry(ip).or_default() += 1;
             }
         }
+        let mut slots = previous.map(|p| p.slots.clone()).unwrap_or_default();
+        for objs in services.values() {
+            for chain in objs.spreads.keys() {
+                slots.hold(chain);
+            }
+        }
         Rendered {
             family,
             head: head(family, cfg),
             services,
             hairpin_refs,
+            slots,
         }
     }
 
     /// The table's whole state, as knftables' Fake `Dump()` writes it.
     pub fn text(&self) -> String {
         let mut w = Writer::new(self.family);
-        w.text.push_str(&self.head);
+        w.head.push_str(&self.head);
         // Two services may claim one element (e.g. the same external IP and port): the
         // first in key order has it, as in a partial sync nobody else may take it.
         let mut seen: BTreeSet<(Container, &str)> = BTreeSet::new();
@@ -502,7 +599,7 @@ impl Rendered {
             for (name, &timeout) in &objs.affinity_sets {
                 w.affinity_set(name, timeout, self.family);
             }
-            w.chains(objs);
+            w.chains(objs, &self.slots);
             for ((c, key), (verdict, comment)) in &objs.elements {
                 if seen.insert((*c, key)) {
                     w.element(*c, key, verdict, comment.as_deref());
@@ -512,7 +609,7 @@ impl Rendered {
         for &ip in self.hairpin_refs.keys() {
             w.element(Container::Hairpin, &hairpin_pair(ip), "", None);
         }
-        w.text
+        w.take()
     }
 }
 

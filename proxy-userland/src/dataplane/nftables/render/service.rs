@@ -7,6 +7,7 @@ use std::{
 
 use super::{
     Container, MARK_MASQ, REJECT_CHAIN, Target,
+    endpoints::{SLOT_KEYS, Spread},
     names::{PortNames, endpoint_names},
 };
 use crate::{
@@ -36,6 +37,9 @@ pub struct ServiceObjects {
     /// services share and [`super::Rendered`] counts. Kept as addresses, not as element
     /// text: at 50,000 services of 10 endpoints that text was most of the mode's memory.
     pub hairpin: Vec<IpAddr>,
+    /// Chains that end in a DNAT through an endpoint map, with their endpoints in key
+    /// order (the map's slot is the table's choice: [`super::Rendered`] holds them).
+    pub spreads: BTreeMap<String, Spread>,
 }
 
 impl ServiceObjects {
@@ -267,9 +271,11 @@ fn dnat(proto: &str, to: SocketAddr) -> String {
     format!("meta l4proto {proto} dnat to {to}")
 }
 
-/// Affinity first (a client seen recently goes back to its endpoint), then an even spread:
-/// endpoint i of n is taken with probability 1/(n-i) by the i-th rule, as the iptables
-/// mode's `statistic` rules do, so each gets 1/n.
+/// Affinity first (a client seen recently goes back to its endpoint), then an even spread.
+/// Without affinity, one DNAT through an endpoint map (`numgen random mod n`, see
+/// [`super::endpoints`]). With affinity, a goto per endpoint: endpoint i of n is taken
+/// with probability 1/(n-i) by the i-th rule, as the iptables mode's `statistic` rules
+/// do, so each gets 1/n.
 ///
 /// kube-proxy writes one `numgen random mod n vmap { ... }` to a chain per endpoint. We
 /// differ twice (docs/modes.md):
@@ -290,11 +296,14 @@ fn balance(
     let proto = proto_lower(pe.port.protocol);
     let rules = out.chain(chain);
     if svc.affinity_timeout.is_none() {
-        let dnats: Vec<String> = eps
-            .iter()
-            .map(|e| dnat(proto, SocketAddr::new(e.ip, e.port)))
-            .collect();
-        rules.extend(spread(dnats.iter().map(String::as_str)));
+        let endpoints: Vec<SocketAddr> =
+            eps.iter().map(|e| SocketAddr::new(e.ip, e.port)).collect();
+        if endpoints.len() as u64 > u64::from(SLOT_KEYS) {
+            rules.extend(inline(proto, &endpoints));
+        } else {
+            out.spreads
+                .insert(chain.to_string(), Spread { proto, endpoints });
+        }
         return;
     }
     let chains: Vec<(String, String)> = eps
@@ -308,9 +317,16 @@ fn balance(
     rules.extend(spread(gotos.iter().map(String::as_str)));
 }
 
+/// The spread as one rule per endpoint: for a chain whose endpoints outgrow a slot, or
+/// when every slot is taken.
+pub(super) fn inline(proto: &str, endpoints: &[SocketAddr]) -> Vec<String> {
+    let dnats: Vec<String> = endpoints.iter().map(|&e| dnat(proto, e)).collect();
+    spread(dnats.iter().map(String::as_str))
+}
+
 /// The rules that apply one of `actions` (a DNAT or a goto), each as likely as the others:
 /// nft's listing form of `numgen random mod k == 0 ACTION`, the last action unconditional.
-pub(super) fn spread<'a>(actions: impl ExactSizeIterator<Item = &'a str>) -> Vec<String> {
+pub fn spread<'a>(actions: impl ExactSizeIterator<Item = &'a str>) -> Vec<String> {
     let n = actions.len();
     actions
         .enumerate()

@@ -4,7 +4,8 @@
 use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use super::{
-    Container, Rendered, ServiceObjects, TABLE, Writer, family_name, hairpin_pair, render_service,
+    Container, ElementChange, Rendered, ServiceObjects, Slots, TABLE, Writer, endpoints,
+    family_name, hairpin_pair, render_service,
 };
 use crate::{
     dataplane::iptables::render::{Family, RenderConfig},
@@ -36,17 +37,19 @@ impl Rendered {
     ///
     /// One `nft -f` of the whole table would need about 30 times its text in memory (1.2
     /// GiB at 10,000 services), in the daemon's cgroup (docs/modes.md).
+    ///
+    /// Build `self` with [`Rendered::new_over`] `previous`, so chains keep their slots.
     pub fn full_transactions(
-        &self,
+        &mut self,
         previous: Option<&Rendered>,
         budget: usize,
     ) -> (Vec<String>, Vec<String>) {
         let f = family_name(self.family);
         let mut first = Writer::new(self.family);
         if previous.is_none() {
-            first.text = format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n");
+            first.head = format!("add table {f} {TABLE}\ndelete table {f} {TABLE}\n");
         }
-        first.text.push_str(&refill(&self.head));
+        first.head.push_str(&refill(&self.head));
         let mut txs = Vec::new();
         // A table that fits the budget is still written in one transaction.
         let mut w = first;
@@ -65,8 +68,8 @@ impl Rendered {
             partial(
                 &mut w,
                 self.family,
-                o,
-                n,
+                &self.slots,
+                (o, n),
                 &mut stale,
                 &mut deleted_sets,
                 refill,
@@ -74,8 +77,8 @@ impl Rendered {
             for set in deleted_sets.drain(..) {
                 w.line("delete", "set", &set);
             }
-            if w.text.len() >= budget {
-                txs.push(std::mem::take(&mut w.text));
+            if w.len() >= budget {
+                txs.push(w.take());
             }
         }
         let gone = previous.into_iter().flat_map(|p| p.hairpin_refs.keys());
@@ -87,13 +90,17 @@ impl Rendered {
             } else {
                 w.delete_element(Container::Hairpin, &hairpin_pair(ip));
             }
-            if w.text.len() >= budget {
-                txs.push(std::mem::take(&mut w.text));
+            if w.len() >= budget {
+                txs.push(w.take());
             }
         }
-        if !w.text.is_empty() {
-            txs.push(w.text);
+        if !w.is_empty() {
+            txs.push(w.take());
         }
+        let wanted: BTreeSet<&str> = (self.services.values())
+            .flat_map(|o| o.spreads.keys().map(String::as_str))
+            .collect();
+        self.slots.release_unless(|chain| wanted.contains(chain));
         (txs, stale)
     }
 
@@ -107,11 +114,14 @@ impl Rendered {
         node: &NodeInfo,
         cfg: &RenderConfig,
         keys: impl IntoIterator<Item = &'a ServiceKey>,
-    ) -> Option<(String, Vec<String>)> {
+    ) -> Option<(Partial, Vec<String>)> {
         let mut w = Writer::new(self.family);
         let mut stale = Vec::new();
         let mut deleted_sets = Vec::new();
-        let mut hairpin_changes = Writer::new(self.family);
+        let mut hairpin_changes = Vec::new();
+        // Slots of spreads that went: given back once the transaction is written, so no
+        // other chain takes one in the same transaction.
+        let mut released: Vec<String> = Vec::new();
         for key in keys {
             let new = state.services.get(key).and_then(|svc| {
                 let eps = state.endpoints.get(key).map(|e| &**e);
@@ -126,11 +136,19 @@ impl Rendered {
                 old.as_deref().unwrap_or(&empty),
                 new.as_deref().unwrap_or(&empty),
             );
+            for chain in n.spreads.keys() {
+                self.slots.hold(chain);
+            }
+            released.extend(
+                (o.spreads.keys())
+                    .filter(|c| !n.spreads.contains_key(*c))
+                    .cloned(),
+            );
             partial(
                 &mut w,
                 self.family,
-                o,
-                n,
+                &self.slots,
+                (o, n),
                 &mut stale,
                 &mut deleted_sets,
                 None,
@@ -146,7 +164,7 @@ impl Rendered {
                 let refs = self.hairpin_refs.entry(ip).or_default();
                 *refs += 1;
                 if *refs == 1 {
-                    hairpin_changes.element(Container::Hairpin, &hairpin_pair(ip), "", None);
+                    hairpin_changes.push(ElementChange::Hairpin { ip, add: true });
                 }
             }
             for ip in only_in(&o.hairpin, &n.hairpin) {
@@ -154,7 +172,7 @@ impl Rendered {
                     *refs -= 1;
                     if *refs == 0 {
                         self.hairpin_refs.remove(&ip);
-                        hairpin_changes.delete_element(Container::Hairpin, &hairpin_pair(ip));
+                        hairpin_changes.push(ElementChange::Hairpin { ip, add: false });
                     }
                 }
             }
@@ -163,11 +181,49 @@ impl Rendered {
                 None => self.services.remove(key),
             };
         }
+        self.slots
+            .release_unless(|c| !released.iter().any(|r| r == c));
         for set in deleted_sets {
             w.line("delete", "set", &set);
         }
-        w.text.push_str(&hairpin_changes.text);
-        (!w.text.is_empty()).then_some((w.text, stale))
+        for c in hairpin_changes {
+            w.change(c);
+        }
+        if w.is_empty() {
+            return None;
+        }
+        let partial = if w.text.is_empty() {
+            Partial::Elements(std::mem::take(&mut w.changes))
+        } else {
+            Partial::Text(w.take())
+        };
+        Some((partial, stale))
+    }
+}
+
+/// A partial sync's transaction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Partial {
+    /// Only elements change (endpoints moved within their services' counts): no rule, so
+    /// no `nft` run and no validation of the table.
+    Elements(Vec<ElementChange>),
+    /// Anything else: one `nft -f` text.
+    Text(String),
+}
+
+impl Partial {
+    /// The transaction as `nft -f` text.
+    pub fn text(&self, family: crate::dataplane::iptables::render::Family) -> String {
+        match self {
+            Partial::Text(t) => t.clone(),
+            Partial::Elements(changes) => {
+                let mut w = Writer::new(family);
+                for &c in changes {
+                    w.change(c);
+                }
+                w.take()
+            }
+        }
     }
 }
 
@@ -210,8 +266,8 @@ fn refill(head: &str) -> String {
 fn partial(
     w: &mut Writer,
     family: Family,
-    o: &ServiceObjects,
-    n: &ServiceObjects,
+    slots: &Slots,
+    (o, n): (&ServiceObjects, &ServiceObjects),
     stale: &mut Vec<String>,
     deleted_sets: &mut Vec<String>,
     mut refill: Option<&mut BTreeSet<(Container, String)>>,
@@ -230,11 +286,29 @@ fn partial(
             w.delete_element(*c, key);
         }
     }
+    // An endpoint map's elements change on their own; its rule only with the count.
+    let count =
+        |objs: &ServiceObjects, name: &str| objs.spreads.get(name).map(|s| s.endpoints.len());
     let rewritten: Vec<(&String, &Vec<String>)> = n
         .chains
         .iter()
-        .filter(|(name, rules)| all || sets_remade || o.chains.get(*name) != Some(*rules))
+        .filter(|(name, rules)| {
+            all || sets_remade
+                || o.chains.get(*name) != Some(*rules)
+                || count(o, name) != count(n, name)
+        })
         .collect();
+    let spread_chains: BTreeSet<&String> = o.spreads.keys().chain(n.spreads.keys()).collect();
+    for chain in spread_chains {
+        let Some(slot) = slots.get(chain) else {
+            continue;
+        };
+        let old = o.spreads.get(chain).map_or(&[][..], |s| &s.endpoints);
+        let new = n.spreads.get(chain).map_or(&[][..], |s| &s.endpoints);
+        for c in endpoints::diff(slot, old, new, all) {
+            w.change(c);
+        }
+    }
     for (name, _) in &rewritten {
         w.line("add", "chain", name);
         w.line("flush", "chain", name);
@@ -259,6 +333,9 @@ fn partial(
     for (name, rules) in rewritten {
         for r in rules {
             w.rule(name, r);
+        }
+        if let Some(spread) = n.spreads.get(name) {
+            w.spread(name, spread, slots.get(name));
         }
     }
     for (k @ (c, key), v @ (verdict, comment)) in &n.elements {

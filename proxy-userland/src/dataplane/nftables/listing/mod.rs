@@ -5,6 +5,11 @@
 //! earlier dump. Input that is not an nftables table is an error, never a panic (fuzzed:
 //! `fuzz/fuzz_targets/nft_listing.rs`).
 
+mod endpoint_maps;
+
+#[cfg(test)]
+pub use endpoint_maps::inline_text;
+
 use std::collections::BTreeMap;
 
 /// A base chain's hook: the chain runs for every packet passing `hook`, ordered by
@@ -227,6 +232,8 @@ impl Dump {
                 message,
             })?;
         }
+        dump.inline_endpoint_maps()
+            .map_err(|message| ParseError { line: 0, message })?;
         Ok(dump)
     }
 
