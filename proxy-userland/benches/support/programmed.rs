@@ -172,6 +172,21 @@ const GETRULE: u16 = (10 << 8) | 7;
 const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 
+/// (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM
+const GETSETELEM: u16 = (10 << 8) | 13;
+
+/// A dump request of `kind` with `body` (nfgenmsg and attributes).
+fn request(kind: u16, body: &[u8]) -> Vec<u8> {
+    let mut request = Vec::with_capacity(16 + body.len());
+    request.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
+    request.extend_from_slice(&kind.to_ne_bytes());
+    let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
+    request.extend_from_slice(&flags.to_ne_bytes());
+    request.extend_from_slice(&[0; 8]);
+    request.extend_from_slice(body);
+    request
+}
+
 fn attribute(out: &mut Vec<u8>, kind: u16, value: &[u8]) {
     let len = 4 + value.len();
     out.extend_from_slice(&(len as u16).to_ne_bytes());
@@ -209,31 +224,62 @@ impl NftChain {
         let mut body = vec![libc::AF_INET as u8, 0, 0, 0];
         attribute(&mut body, 1, b"fastpath\0");
         attribute(&mut body, 2, format!("{chain}\0").as_bytes());
-        let mut request = Vec::with_capacity(16 + body.len());
-        request.extend_from_slice(&((16 + body.len()) as u32).to_ne_bytes());
-        request.extend_from_slice(&GETRULE.to_ne_bytes());
-        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16;
-        request.extend_from_slice(&flags.to_ne_bytes());
-        request.extend_from_slice(&[0; 8]);
-        request.extend_from_slice(&body);
+        let request = request(GETRULE, &body);
         Ok(NftChain { socket, request })
     }
 
-    /// Whether a rule of the chain holds `ip` as data (its DNAT's address), and `port`.
+    /// Whether the chain DNATs to `ip`:`port`: a rule holds them as data (a DNAT of its
+    /// own), or the chain's DNAT goes through an endpoint map that holds them.
     pub fn holds(&self, ip: Ipv4Addr, port: u16) -> bool {
-        use std::os::fd::AsRawFd as _;
-        let fd = self.socket.as_raw_fd();
-        // SAFETY: the buffer outlives the call and its length is passed with it.
-        let sent = unsafe { libc::send(fd, self.request.as_ptr().cast(), self.request.len(), 0) };
-        if sent < 0 {
-            return false;
-        }
         // NFTA_DATA_VALUE attributes: the address and the port.
         let mut want_ip = vec![8, 0, 1, 0];
         want_ip.extend_from_slice(&ip.octets());
         let mut want_port = vec![6, 0, 1, 0];
         want_port.extend_from_slice(&port.to_be_bytes());
         let (mut ip_seen, mut port_seen) = (false, false);
+        let mut map: Option<Vec<u8>> = None;
+        let done = self.dump(&self.request, |msg| {
+            ip_seen |= msg.windows(8).any(|w| w == want_ip.as_slice());
+            port_seen |= msg.windows(8).any(|w| w[..6] == want_port[..]);
+            if let Some(at) = msg.windows(10).position(|w| w == b"endpoints-") {
+                map = msg.get(at..at + 12).map(<[u8]>::to_vec);
+            }
+        });
+        if !done {
+            return false;
+        }
+        if ip_seen && port_seen {
+            return true;
+        }
+        let Some(map) = map else { return false };
+        // The map's elements: one of them maps to the address and port (a register's
+        // layout: the port padded to 4 bytes). Each change's address is new, so it is
+        // this service's.
+        let mut want = ip.octets().to_vec();
+        want.extend_from_slice(&port.to_be_bytes());
+        want.extend_from_slice(&[0, 0]);
+        let mut body = vec![libc::AF_INET as u8, 0, 0, 0];
+        attribute(&mut body, 1, b"fastpath\0");
+        let mut name = map;
+        name.push(0);
+        attribute(&mut body, 2, &name);
+        let request = request(GETSETELEM, &body);
+        let mut seen = false;
+        self.dump(&request, |msg| {
+            seen |= msg.windows(want.len()).any(|w| w == want.as_slice());
+        }) && seen
+    }
+
+    /// Sends a dump request and hands each answer message to `each`; false if the dump
+    /// failed or did not end.
+    fn dump(&self, request: &[u8], mut each: impl FnMut(&[u8])) -> bool {
+        use std::os::fd::AsRawFd as _;
+        let fd = self.socket.as_raw_fd();
+        // SAFETY: the buffer outlives the call and its length is passed with it.
+        let sent = unsafe { libc::send(fd, request.as_ptr().cast(), request.len(), 0) };
+        if sent < 0 {
+            return false;
+        }
         let mut buf = vec![0u8; 64 * 1024];
         for _ in 0..1000 {
             // SAFETY: as above.
@@ -249,12 +295,13 @@ impl NftChain {
                 if len < 16 || at + len > n {
                     return false;
                 }
-                if kind == NLMSG_DONE || kind == NLMSG_ERROR {
-                    return ip_seen && port_seen;
+                if kind == NLMSG_DONE {
+                    return true;
                 }
-                let msg = &buf[at..at + len];
-                ip_seen |= msg.windows(8).any(|w| w == want_ip.as_slice());
-                port_seen |= msg.windows(8).any(|w| w[..6] == want_port[..]);
+                if kind == NLMSG_ERROR {
+                    return false;
+                }
+                each(&buf[at..at + len]);
                 at += (len + 3) & !3;
             }
         }
