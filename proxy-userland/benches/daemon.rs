@@ -549,6 +549,16 @@ fn run_row_inner(opts: &Opts, mode: Mode, feed: &Feed, n: u32) -> Result<Result<
         Ok(())
     })?;
     let (rss_end_kib, _) = rss_of(daemon.pid());
+    // A failed sync (and the full one after it) shows in the tail of the latencies: say
+    // what the daemon said.
+    let log = daemon.log();
+    let complaints: Vec<&str> = (log.lines())
+        .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+        .take(10)
+        .collect();
+    for line in &complaints {
+        eprintln!("bench:   daemon: {line}");
+    }
     samples.sort();
     with_write.sort();
     looks.sort();

@@ -16,6 +16,7 @@ const NFNL_MSG_BATCH_BEGIN: u16 = 16;
 const NFNL_MSG_BATCH_END: u16 = 17;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
+const NFT_MSG_GETGEN: u16 = 16;
 const NLM_F_REQUEST: u16 = 1;
 const NLM_F_ACK: u16 = 4;
 const NLM_F_CREATE: u16 = 0x400;
@@ -30,7 +31,8 @@ const NFTA_DATA_VALUE: u16 = 1;
 const NFPROTO_IPV4: u8 = 2;
 const NFPROTO_IPV6: u8 = 10;
 
-/// More changes than this go through `nft` instead: a batch must fit one datagram.
+/// More changes than this go through `nft` instead: a batch must fit one datagram (about
+/// 100 bytes a change).
 pub const MAX_BATCH: usize = 1_000;
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -40,23 +42,36 @@ pub fn apply(netns: Option<&str>, family: Family, changes: &[ElementChange]) -> 
         return Ok(());
     }
     let batch = encode(family, changes, 1)?;
+    // Asked after the batch, and answered after it: the batch is done when this is.
+    let mut probe = Vec::new();
+    let probe_seq = changes.len() as u32 + 3;
+    message(
+        &mut probe,
+        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
+        NLM_F_REQUEST | NLM_F_ACK,
+        probe_seq,
+        0,
+        |_| {},
+    );
     in_netns(netns, || {
         let socket = NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_NETFILTER)?
             .with_recv_timeout(ACK_TIMEOUT)?;
         socket.send(&batch)?;
-        read_acks(&socket, changes.len())
+        socket.send(&probe)?;
+        read_answers(&socket, probe_seq)
     })
     .map_err(|e| io::Error::other(e.to_string()))?
 }
 
-/// Waits for the answer to each of `n` messages; the first error fails the batch (Linux
-/// then applied none of it).
-fn read_acks(socket: &NetlinkSocket, n: usize) -> io::Result<()> {
+/// Reads until the probe `probe_seq` is acknowledged. The batch's messages ask for no
+/// acknowledgement (a thousand of them, each echoing its request, overflow the socket's
+/// buffer: ENOBUFS), so Linux answers only those that failed, and any such error fails the
+/// batch (Linux then applied none of it).
+fn read_answers(socket: &NetlinkSocket, probe_seq: u32) -> io::Result<()> {
     const HDR: usize = size_of::<NlMsgHdr>();
     let mut buf = vec![0u8; 64 * 1024];
-    let mut answered = 0;
     let mut first_error = None;
-    while answered < n {
+    loop {
         let len = socket.recv(&mut buf)?;
         let mut off = 0;
         while off + HDR <= len {
@@ -66,20 +81,17 @@ fn read_acks(socket: &NetlinkSocket, n: usize) -> io::Result<()> {
                 return Err(io::Error::other("truncated nf_tables answer"));
             }
             if hdr.ty == NLMSG_ERROR {
-                answered += 1;
                 let err = error_in(&buf[off + HDR..end]);
+                if hdr.seq == probe_seq {
+                    return first_error.map_or(Ok(()), Err);
+                }
                 if err.raw_os_error() != Some(0) && first_error.is_none() {
                     first_error = Some(err);
                 }
             }
             off += (hdr.len as usize + 3) & !3;
         }
-        // An error ends the batch: Linux answers no further message.
-        if first_error.is_some() {
-            break;
-        }
     }
-    first_error.map_or(Ok(()), Err)
 }
 
 /// The batch: BEGIN, one message per change (in order, so a key deleted and added again
@@ -101,9 +113,9 @@ pub fn encode(family: Family, changes: &[ElementChange], seq: u32) -> io::Result
         seq += 1;
         let (set, key, data, add) = parts(family, change)?;
         let (ty, flags) = if add {
-            (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE)
+            (NFT_MSG_NEWSETELEM, NLM_F_REQUEST | NLM_F_CREATE)
         } else {
-            (NFT_MSG_DELSETELEM, NLM_F_REQUEST | NLM_F_ACK)
+            (NFT_MSG_DELSETELEM, NLM_F_REQUEST)
         };
         message(
             &mut out,

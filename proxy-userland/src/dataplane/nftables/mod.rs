@@ -13,7 +13,7 @@
 //! changes): atomic, so a packet sees the old table or the new one. A sync that changes nothing runs none.
 
 pub mod apply;
-mod elements;
+pub mod elements;
 pub mod listing;
 pub mod render;
 pub mod sync;

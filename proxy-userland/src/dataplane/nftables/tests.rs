@@ -163,7 +163,7 @@ impl Drop for Netns {
 /// the kernel refuses changes nothing. Skipped where namespaces or nft cannot be had.
 #[test]
 fn endpoint_moves_go_over_netlink_and_the_kernel_holds_them() {
-    use super::{apply::NftRunner, listing::Dump, render::ElementChange};
+    use super::{apply::NftRunner, elements, listing::Dump, render::ElementChange};
     for (family, svc_ip, old, new, kept) in [
         (
             Family::V4,
@@ -255,5 +255,26 @@ fn endpoint_moves_go_over_netlink_and_the_kernel_holds_them() {
             !list().contains(&format!("{old} . {old}")),
             "half a batch was applied"
         );
+
+        // The largest batch sent over netlink: every change applied, none lost to a full
+        // socket buffer.
+        let ips: Vec<std::net::IpAddr> = (0..elements::MAX_BATCH as u32)
+            .map(|i| match family {
+                Family::V4 => {
+                    std::net::Ipv4Addr::new(198, 19, 200 + (i / 250) as u8, (i % 250) as u8 + 1)
+                        .into()
+                }
+                Family::V6 => format!("2001:db8:200::{:x}", i + 1).parse().unwrap(),
+            })
+            .collect();
+        let many: Vec<ElementChange> = ips
+            .iter()
+            .map(|&ip| ElementChange::Hairpin { ip, add: true })
+            .collect();
+        super::apply::Nft::run_elements(&runner, &many).unwrap();
+        let listing = list();
+        for ip in [ips[0], ips[ips.len() - 1]] {
+            assert!(listing.contains(&format!("{ip} . {ip}")), "{ip}\n{listing}");
+        }
     }
 }
