@@ -9,9 +9,12 @@
 //!                                        (node address) meta l4proto . th dport vmap @service-nodeports
 //!     service-ips -> goto service-X (Cluster policy) | local-X (Local) | external-X
 //!     external-X  -> mark for masquerade (Cluster policy), short-circuits, goto the policy chain
-//!     service-X   -> affinity sets first, then numgen random mod n vmap { i : goto endpoint-Y }
-//!     endpoint-Y  -> hairpin masquerade, affinity update, dnat to the endpoint
-//! nat-postrouting -> masquerading: masquerade what mark-for-masquerade marked
+//!     service-X   -> dnat to numgen random mod n offset B map @endpoints-XX (no affinity;
+//!                    kube-proxy: numgen random mod n vmap { i : goto endpoint-Y })
+//!                    | affinity sets first, then numgen random mod k 0 goto endpoint-Y
+//!     endpoint-Y  -> affinity update, dnat to the endpoint (with affinity only)
+//! nat-postrouting -> hairpin pairs (@hairpin-endpoints) marked, then masquerading:
+//!                    masquerade what mark-for-masquerade marked
 //! filter-*        -> firewall-check (@firewall-ips: loadBalancerSourceRanges), service- and
 //!                    nodeport-endpoints-check (@no-endpoint-*: reject or drop), cluster-ips-check
 //!                    (a held cluster IP on another port, or an address of the service ranges
