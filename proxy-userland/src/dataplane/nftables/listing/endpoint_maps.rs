@@ -166,7 +166,7 @@ mod tests {
     fn a_map_dnat_reads_as_its_spread_and_stray_keys_are_errors() {
         let table = "add table ip fastpath\n\
             add chain ip fastpath svc\n\
-            add map ip fastpath endpoints-01 { typeof numgen random mod 1 : ip daddr . tcp dport ; }\n\
+            add map ip fastpath endpoints-01 { typeof numgen random mod 1 : ip daddr . th dport ; }\n\
             add rule ip fastpath svc meta l4proto tcp dnat ip addr . port to numgen random mod 2 offset 65536 map @endpoints-01\n\
             add element ip fastpath endpoints-01 { 65536 : 198.18.0.1 . 80 }\n\
             add element ip fastpath endpoints-01 { 65537 : 198.18.0.2 . 8080 }\n";

@@ -171,7 +171,7 @@ impl ElementChange {
 pub fn declaration(family: Family, shard: u8) -> String {
     let f = family_name(family);
     format!(
-        "add map {f} {TABLE} {} {{ typeof numgen random mod 1 : {f} daddr . tcp dport ; comment \"endpoints of the services' chains, by slot\" ; }}\n",
+        "add map {f} {TABLE} {} {{ typeof numgen random mod 1 : {f} daddr . th dport ; comment \"endpoints of the services' chains, by slot\" ; }}\n",
         map_name(shard)
     )
 }
