@@ -242,7 +242,9 @@ impl NftChain {
             ip_seen |= msg.windows(8).any(|w| w == want_ip.as_slice());
             port_seen |= msg.windows(8).any(|w| w[..6] == want_port[..]);
             if let Some(at) = msg.windows(10).position(|w| w == b"endpoints-") {
-                map = msg.get(at..at + 12).map(<[u8]>::to_vec);
+                // The set's name attribute, up to its NUL: `endpoints-tcp-0a`.
+                let name = msg[at..].split(|&b| b == 0).next().unwrap_or_default();
+                map = Some(name.to_vec());
             }
         });
         if !done {

@@ -168,7 +168,12 @@ fn parts(family: Family, change: &ElementChange) -> io::Result<Parts> {
         }
     };
     Ok(match *change {
-        ElementChange::Endpoint { shard, key, to } => {
+        ElementChange::Endpoint {
+            proto,
+            shard,
+            key,
+            to,
+        } => {
             let data = match to {
                 Some(to) => {
                     let mut d = addr(to.ip())?;
@@ -179,7 +184,7 @@ fn parts(family: Family, change: &ElementChange) -> io::Result<Parts> {
                 None => None,
             };
             (
-                map_name(shard),
+                map_name(proto, shard),
                 key.to_ne_bytes().to_vec(),
                 data,
                 to.is_some(),

@@ -244,6 +244,7 @@ fn endpoint_moves_go_over_netlink_and_the_kernel_holds_them() {
         let bad = [
             ElementChange::Hairpin { ip, add: true },
             ElementChange::Endpoint {
+                proto: "tcp",
                 shard: 0,
                 key: 7,
                 to: None,

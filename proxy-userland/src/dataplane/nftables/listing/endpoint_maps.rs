@@ -1,4 +1,4 @@
-//! Reading endpoint maps back: a DNAT through `@endpoints-XX` stands for the spread it
+//! Reading endpoint maps back: a DNAT through `@endpoints-tcp-XX` stands for the spread it
 //! picks from, written out as one rule per endpoint (`numgen random mod k 0 ... dnat to
 //! A:P`, the form a chain whose endpoints outgrow a slot has anyway), so `inspect`, the
 //! ported kube-proxy tests and their tracer read one form. Maps that hold an element no
@@ -166,10 +166,10 @@ mod tests {
     fn a_map_dnat_reads_as_its_spread_and_stray_keys_are_errors() {
         let table = "add table ip fastpath\n\
             add chain ip fastpath svc\n\
-            add map ip fastpath endpoints-01 { typeof numgen random mod 1 : ip daddr . th dport ; }\n\
-            add rule ip fastpath svc meta l4proto tcp dnat ip addr . port to numgen random mod 2 offset 65536 map @endpoints-01\n\
-            add element ip fastpath endpoints-01 { 65536 : 198.18.0.1 . 80 }\n\
-            add element ip fastpath endpoints-01 { 65537 : 198.18.0.2 . 8080 }\n";
+            add map ip fastpath endpoints-tcp-01 { typeof numgen random mod 1 : ip daddr . tcp dport ; }\n\
+            add rule ip fastpath svc meta l4proto tcp dnat ip addr . port to numgen random mod 2 offset 65536 map @endpoints-tcp-01\n\
+            add element ip fastpath endpoints-tcp-01 { 65536 : 198.18.0.1 . 80 }\n\
+            add element ip fastpath endpoints-tcp-01 { 65537 : 198.18.0.2 . 8080 }\n";
         let dump = Dump::parse(table).unwrap();
         assert_eq!(
             dump.chains["svc"].rules,
@@ -182,12 +182,13 @@ mod tests {
         // nft's listing drops `addr . port`.
         let listed = table.replace("dnat ip addr . port to", "dnat ip to");
         assert_eq!(Dump::parse(&listed).unwrap(), dump);
-        let stray =
-            format!("{table}add element ip fastpath endpoints-01 {{ 70000 : 198.18.0.3 . 80 }}\n");
+        let stray = format!(
+            "{table}add element ip fastpath endpoints-tcp-01 {{ 70000 : 198.18.0.3 . 80 }}\n"
+        );
         let err = Dump::parse(&stray).unwrap_err();
         assert!(err.message.contains("70000"), "{err:?}");
         let missing = table.replace(
-            "add element ip fastpath endpoints-01 { 65537 : 198.18.0.2 . 8080 }\n",
+            "add element ip fastpath endpoints-tcp-01 { 65537 : 198.18.0.2 . 8080 }\n",
             "",
         );
         assert!(Dump::parse(&missing).unwrap_err().message.contains("65537"));

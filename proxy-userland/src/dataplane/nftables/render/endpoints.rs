@@ -1,14 +1,17 @@
 //! The endpoint choice as data: a service chain without affinity DNATs through one lookup,
-//! `dnat ip addr . port to numgen random mod N offset BASE map @endpoints-XX`, whose map
+//! `dnat ip addr . port to numgen random mod N offset BASE map @endpoints-tcp-XX`, whose map
 //! holds endpoint i at key BASE + i. Replacing an endpoint is then two element changes,
 //! which Linux commits without validating the table: a rule or a verdict element makes it
 //! walk every chain reachable from the base chains (about 50 ms at 10,000 services), and
 //! an element of a map of plain data does not.
 //!
 //! Each chain holds a slot (a shard and a base) while it has a spread. The slots are
-//! spread over [`SHARDS`] maps, because Linux checks each new element of a map against
-//! every rule that uses the map: one map for 10,000 chains made a full sync take 57 s
-//! instead of 3.5 s. Maps are declared by the transactions that first use them.
+//! spread over [`SHARDS`] maps per protocol, because Linux checks each new element of a
+//! map against every rule that uses the map: one map for 10,000 chains made a full sync
+//! take 57 s instead of 3.5 s. A map per protocol, because nft 1.0.6 types a map's value
+//! by a protocol's header (`typeof ... tcp dport`), and a map typed `th dport` cannot be
+//! named by a rule of a later transaction that matched `meta l4proto tcp`. Maps are
+//! declared by the transactions that first use them.
 
 use std::{
     collections::BTreeMap,
@@ -23,24 +26,26 @@ use crate::dataplane::iptables::Family;
 pub const SHARDS: u16 = 256;
 /// Keys per slot: a chain with more endpoints than this keeps the spread as rules.
 pub const SLOT_KEYS: u32 = 1 << 16;
-/// The endpoint maps' common prefix, `endpoints-00` to `endpoints-ff`.
+/// The endpoint maps' common prefix: `endpoints-tcp-00` to `endpoints-sctp-ff`.
 pub const MAP_PREFIX: &str = "endpoints-";
 
-/// Where one chain's endpoints live: map `endpoints-{shard:02x}`, keys `base..base + n`.
+/// Where one chain's endpoints live: map `endpoints-{proto}-{shard:02x}`, keys
+/// `base..base + n`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Slot {
+    pub proto: &'static str,
     pub shard: u8,
     pub base: u32,
 }
 
 impl Slot {
     pub fn map(self) -> String {
-        map_name(self.shard)
+        map_name(self.proto, self.shard)
     }
 }
 
-pub fn map_name(shard: u8) -> String {
-    format!("{MAP_PREFIX}{shard:02x}")
+pub fn map_name(proto: &str, shard: u8) -> String {
+    format!("{MAP_PREFIX}{proto}-{shard:02x}")
 }
 
 /// One chain's endpoints in the order of the keys (the protocol for its DNAT rule).
@@ -66,8 +71,9 @@ impl Slots {
         self.by_chain.get(chain).copied()
     }
 
-    /// The chain's slot, held from now on; None when every slot is taken.
-    pub fn hold(&mut self, chain: &str) -> Option<Slot> {
+    /// The chain's slot in the maps of `proto` (a chain has one protocol), held from now
+    /// on; None when every slot is taken.
+    pub fn hold(&mut self, chain: &str, proto: &'static str) -> Option<Slot> {
         if let Some(&slot) = self.by_chain.get(chain) {
             return Some(slot);
         }
@@ -87,6 +93,7 @@ impl Slots {
                 }
             };
             let slot = Slot {
+                proto,
                 shard,
                 base: index * SLOT_KEYS,
             };
@@ -117,8 +124,9 @@ impl Slots {
 /// writes, over netlink where it can (`Nft::run_elements`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ElementChange {
-    /// Endpoint `key` of map `shard`: set to `to`, or deleted (None).
+    /// Endpoint `key` of map `proto`, `shard`: set to `to`, or deleted (None).
     Endpoint {
+        proto: &'static str,
         shard: u8,
         key: u32,
         to: Option<SocketAddr>,
@@ -133,24 +141,26 @@ impl ElementChange {
         let f = family_name(family);
         let _ = match *self {
             ElementChange::Endpoint {
+                proto,
                 shard,
                 key,
                 to: Some(to),
             } => writeln!(
                 out,
                 "add element {f} {TABLE} {} {{ {key} : {} . {} }}",
-                map_name(shard),
+                map_name(proto, shard),
                 to.ip(),
                 to.port()
             ),
             ElementChange::Endpoint {
+                proto,
                 shard,
                 key,
                 to: None,
             } => writeln!(
                 out,
                 "delete element {f} {TABLE} {} {{ {key} }}",
-                map_name(shard)
+                map_name(proto, shard)
             ),
             ElementChange::Hairpin { ip, add: true } => writeln!(
                 out,
@@ -168,11 +178,11 @@ impl ElementChange {
 
 /// `add map ip fastpath endpoints-XX { ... }`: written again by every transaction that
 /// uses the map (adding a map that exists changes nothing).
-pub fn declaration(family: Family, shard: u8) -> String {
+pub fn declaration(family: Family, proto: &str, shard: u8) -> String {
     let f = family_name(family);
     format!(
-        "add map {f} {TABLE} {} {{ typeof numgen random mod 1 : {f} daddr . th dport ; comment \"endpoints of the services' chains, by slot\" ; }}\n",
-        map_name(shard)
+        "add map {f} {TABLE} {} {{ typeof numgen random mod 1 : {f} daddr . {proto} dport ; comment \"endpoints of the services' chains, by slot\" ; }}\n",
+        map_name(proto, shard)
     )
 }
 
@@ -194,6 +204,7 @@ pub fn diff(slot: Slot, old: &[SocketAddr], new: &[SocketAddr], all: bool) -> Ve
     for i in 0..old.len().max(new.len()) {
         let key = slot.base + i as u32;
         let change = |to| ElementChange::Endpoint {
+            proto: slot.proto,
             shard: slot.shard,
             key,
             to,
@@ -224,16 +235,16 @@ mod tests {
     #[test]
     fn slots_spread_over_shards_and_are_reused_once_released() {
         let mut s = Slots::default();
-        let a = s.hold("a").unwrap();
-        let b = s.hold("b").unwrap();
+        let a = s.hold("a", "tcp").unwrap();
+        let b = s.hold("b", "tcp").unwrap();
         assert_ne!(a.shard, b.shard);
-        assert_eq!(s.hold("a"), Some(a), "a chain keeps its slot");
+        assert_eq!(s.hold("a", "tcp"), Some(a), "a chain keeps its slot");
         assert_ne!(a.base, 0);
         s.release_unless(|c| c != "a");
         assert_eq!(s.get("a"), None);
         // Round robin comes back to a's shard after SHARDS - 1 more.
         let later: Vec<Slot> = (0..SHARDS)
-            .map(|i| s.hold(&format!("c{i}")).unwrap())
+            .map(|i| s.hold(&format!("c{i}"), "tcp").unwrap())
             .collect();
         assert!(later.contains(&a), "a's slot is handed out again");
         let mut all: Vec<Slot> = later.clone();
@@ -246,12 +257,18 @@ mod tests {
     #[test]
     fn a_replaced_endpoint_is_one_delete_and_one_add() {
         let slot = Slot {
+            proto: "udp",
             shard: 3,
             base: SLOT_KEYS,
         };
         let e = |i: u8| SocketAddr::from(([198, 18, 0, i], 80));
         let changes = diff(slot, &[e(1), e(2), e(3)], &[e(1), e(9), e(3), e(4)], false);
-        let to = |key, to| ElementChange::Endpoint { shard: 3, key, to };
+        let to = |key, to| ElementChange::Endpoint {
+            proto: "udp",
+            shard: 3,
+            key,
+            to,
+        };
         assert_eq!(
             changes,
             [
@@ -266,9 +283,9 @@ mod tests {
         }
         assert_eq!(
             text,
-            "delete element ip fastpath endpoints-03 { 65537 }\n\
-             add element ip fastpath endpoints-03 { 65537 : 198.18.0.9 . 80 }\n\
-             add element ip fastpath endpoints-03 { 65539 : 198.18.0.4 . 80 }\n"
+            "delete element ip fastpath endpoints-udp-03 { 65537 }\n\
+             add element ip fastpath endpoints-udp-03 { 65537 : 198.18.0.9 . 80 }\n\
+             add element ip fastpath endpoints-udp-03 { 65539 : 198.18.0.4 . 80 }\n"
         );
     }
 }

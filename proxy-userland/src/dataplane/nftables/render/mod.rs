@@ -9,7 +9,7 @@
 //!                                        (node address) meta l4proto . th dport vmap @service-nodeports
 //!     service-ips -> goto service-X (Cluster policy) | local-X (Local) | external-X
 //!     external-X  -> mark for masquerade (Cluster policy), short-circuits, goto the policy chain
-//!     service-X   -> dnat to numgen random mod n offset B map @endpoints-XX (no affinity;
+//!     service-X   -> dnat to numgen random mod n offset B map @endpoints-tcp-XX (no affinity;
 //!                    kube-proxy: numgen random mod n vmap { i : goto endpoint-Y })
 //!                    | affinity sets first, then numgen random mod k 0 goto endpoint-Y
 //!     endpoint-Y  -> affinity update, dnat to the endpoint (with affinity only)
@@ -168,7 +168,7 @@ pub struct Writer {
     pub head: String,
     pub text: String,
     /// Endpoint maps this transaction declared so far.
-    declared: BTreeSet<u8>,
+    declared: BTreeSet<(&'static str, u8)>,
     decls: String,
     /// Element changes, written after the text.
     pub changes: Vec<ElementChange>,
@@ -194,16 +194,16 @@ impl Writer {
 
     /// Declares endpoint map `shard` once per transaction, ahead of every rule and element
     /// that names it.
-    fn uses_map(&mut self, shard: u8) {
-        if self.declared.insert(shard) {
+    fn uses_map(&mut self, proto: &'static str, shard: u8) {
+        if self.declared.insert((proto, shard)) {
             self.decls
-                .push_str(&endpoints::declaration(self.family, shard));
+                .push_str(&endpoints::declaration(self.family, proto, shard));
         }
     }
 
     pub fn change(&mut self, change: ElementChange) {
-        if let ElementChange::Endpoint { shard, .. } = change {
-            self.uses_map(shard);
+        if let ElementChange::Endpoint { proto, shard, .. } = change {
+            self.uses_map(proto, shard);
         }
         self.changes.push(change);
     }
@@ -218,7 +218,7 @@ impl Writer {
     ) {
         match slot {
             Some(slot) => {
-                self.uses_map(slot.shard);
+                self.uses_map(slot.proto, slot.shard);
                 let n = spread.endpoints.len();
                 self.rule(chain, &endpoints::rule(self.family, spread.proto, n, slot));
             }
@@ -578,8 +578,8 @@ impl Rendered {
         }
         let mut slots = previous.map(|p| p.slots.clone()).unwrap_or_default();
         for objs in services.values() {
-            for chain in objs.spreads.keys() {
-                slots.hold(chain);
+            for (chain, spread) in &objs.spreads {
+                slots.hold(chain, spread.proto);
             }
         }
         Rendered {

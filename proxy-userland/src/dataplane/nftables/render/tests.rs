@@ -107,8 +107,8 @@ fn a_cluster_ip_service_is_kube_proxys_svc1() {
         format!(
             "add rule ip fastpath {sc} ip daddr 198.19.0.41 ip saddr != 198.18.0.0/16 jump mark-for-masquerade"
         ),
-        format!("add rule ip fastpath {sc} meta l4proto tcp dnat ip addr . port to numgen random mod 1 offset 65536 map @endpoints-00"),
-        "add element ip fastpath endpoints-00 { 65536 : 198.18.180.1 . 80 }".to_string(),
+        format!("add rule ip fastpath {sc} meta l4proto tcp dnat ip addr . port to numgen random mod 1 offset 65536 map @endpoints-tcp-00"),
+        "add element ip fastpath endpoints-tcp-00 { 65536 : 198.18.180.1 . 80 }".to_string(),
         "add element ip fastpath hairpin-endpoints { 198.18.180.1 . 198.18.180.1 }".to_string(),
         "add rule ip fastpath nat-postrouting ct status dnat ip saddr . ip daddr @hairpin-endpoints jump mark-for-masquerade".to_string(),
         "add element ip fastpath cluster-ips { 198.19.0.41 }".to_string(),

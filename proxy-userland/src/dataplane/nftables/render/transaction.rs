@@ -136,8 +136,8 @@ impl Rendered {
                 old.as_deref().unwrap_or(&empty),
                 new.as_deref().unwrap_or(&empty),
             );
-            for chain in n.spreads.keys() {
-                self.slots.hold(chain);
+            for (chain, spread) in &n.spreads {
+                self.slots.hold(chain, spread.proto);
             }
             released.extend(
                 (o.spreads.keys())
