@@ -176,7 +176,7 @@ impl ElementChange {
     }
 }
 
-/// `add map ip fastpath endpoints-XX { ... }`: written again by every transaction that
+/// `add map ip fastpath endpoints-PROTO-XX { ... }`: written again by every transaction that
 /// uses the map (adding a map that exists changes nothing).
 pub fn declaration(family: Family, proto: &str, shard: u8) -> String {
     let f = family_name(family);
