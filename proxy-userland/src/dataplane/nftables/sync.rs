@@ -45,6 +45,11 @@ pub struct FamilyState {
     /// What the table holds, per service, after the last successful transaction.
     pub last: Option<Rendered>,
     pub needs_full: bool,
+    /// Whether the table may hold something other than `last`: a full sync then deletes
+    /// it and writes it anew. A failed partial transaction leaves it known (Linux applied
+    /// none of it), so the full sync after it rewrites the table in place and services
+    /// keep working meanwhile; a failed full sync, or an `nft` killed, does not.
+    pub unknown: bool,
     pub last_full: Option<Instant>,
     /// Flushed chains to delete, and when they were flushed.
     pub stale: BTreeMap<String, Instant>,
@@ -61,6 +66,7 @@ impl FamilyState {
             render: None,
             last: None,
             needs_full: false,
+            unknown: true,
             last_full: None,
             stale: BTreeMap::new(),
             udp: BTreeMap::new(),
@@ -163,7 +169,7 @@ pub fn sync_family(
 
     match f.last.as_mut() {
         Some(last) if !force => {
-            if let Some((partial, stale)) = last.rerender(state, node, &cfg, &keys) {
+            if let Some((partial, stale, undo)) = last.rerender(state, node, &cfg, &keys) {
                 let done = match &partial {
                     Partial::Elements(changes) => {
                         debug!(?family, elements = changes.len(), "elements (partial)");
@@ -176,6 +182,11 @@ pub fn sync_family(
                 };
                 if let Err(e) = done {
                     f.needs_full = true;
+                    if matches!(e, ApplyError::Timeout { .. }) {
+                        f.unknown = true;
+                    } else {
+                        last.undo(undo);
+                    }
                     return Err(e);
                 }
                 written.transactions += 1;
@@ -185,9 +196,9 @@ pub fn sync_family(
             }
         }
         _ => {
-            // A table we know is written over; after a failure (or with none) it is made
-            // anew, since what it holds is not known.
-            let previous = f.last.take().filter(|_| !f.needs_full);
+            // A table we know is written over; after a failed full sync or a killed `nft`
+            // (or with none) it is made anew, since what it holds is not known.
+            let previous = f.last.take().filter(|_| !f.unknown);
             let mut rendered = Rendered::new_over(state, node, family, &cfg, previous.as_ref());
             let (txs, stale) = rendered.full_transactions(previous.as_ref(), f.budget);
             let bytes: usize = txs.iter().map(String::len).sum();
@@ -195,6 +206,7 @@ pub fn sync_family(
             for text in &txs {
                 if let Err(e) = f.nft.run(text) {
                     f.needs_full = true;
+                    f.unknown = true;
                     return Err(e);
                 }
                 written.transactions += 1;
@@ -208,6 +220,7 @@ pub fn sync_family(
             let now = Instant::now();
             f.stale.extend(stale.into_iter().map(|c| (c, now)));
             f.needs_full = false;
+            f.unknown = false;
             f.last_full = Some(Instant::now());
         }
     }

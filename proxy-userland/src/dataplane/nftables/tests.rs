@@ -128,11 +128,40 @@ fn a_full_sync_then_only_what_changed_then_full_after_a_failure() {
     fake.set_fail(false);
     dp.sync(&st, &node(), Scope::Changed(&changed));
     let t = fake.recorded();
+    // Linux applied none of the failed transaction, so the table is known: the full sync
+    // rewrites it in place, and every service keeps working meanwhile.
+    let full = t.last().unwrap();
+    assert!(!full.contains("delete table ip fastpath"), "{full}");
+    assert!(full.contains("198.18.180.3 . 80"), "{full}");
     assert!(
-        t.last().unwrap().contains("delete table ip fastpath"),
-        "{t:?}"
+        full.contains(
+            "delete element ip fastpath hairpin-endpoints { 198.18.180.2 . 198.18.180.2 }"
+        ),
+        "what the table held and no longer should goes: {full}"
     );
-    assert!(!t.last().unwrap().contains("198.18.180.2 . 80"));
+
+    // A failed full sync leaves the table unknown: the next one deletes and rebuilds it.
+    fake.set_fail(true);
+    st.endpoints.insert(key2.clone(), eps(&["198.18.180.5"]));
+    let partial_failed = dp.sync(&st, &node(), Scope::Changed(&changed));
+    assert!(!partial_failed.failed.is_empty());
+    let runs = fake.recorded().len();
+    let full_failed = dp.sync(&st, &node(), Scope::Changed(&changed));
+    assert!(!full_failed.failed.is_empty());
+    assert_eq!(
+        fake.recorded().len(),
+        runs,
+        "the fake recorded a failed run"
+    );
+    fake.set_fail(false);
+    dp.sync(&st, &node(), Scope::Changed(&changed));
+    let t = fake.recorded();
+    let rebuilt = t.last().unwrap();
+    assert!(
+        rebuilt.starts_with("add table ip fastpath\ndelete table ip fastpath\n"),
+        "{rebuilt}"
+    );
+    assert!(rebuilt.contains("198.18.180.5 . 80"), "{rebuilt}");
 
     // The service goes: its elements are deleted and its chains flushed.
     st.services.remove(&key2);

@@ -61,7 +61,7 @@ impl Table {
             .rerender(st, &node(), &self.fp.config(), &keys)
         {
             None => (0, Vec::new()),
-            Some((tx, stale)) => {
+            Some((tx, stale, _)) => {
                 let tx = tx.text(self.fp.family);
                 self.text.push_str(&tx);
                 (tx.lines().count(), stale)

@@ -55,8 +55,9 @@ pub struct Spread {
     pub endpoints: Vec<SocketAddr>,
 }
 
-/// The slots held, by chain. Indices freed are used again, lowest first.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// The slots held, by chain. Indices freed are used again, lowest first. Two are equal
+/// when they hold the same slots, whatever order they handed them out in.
+#[derive(Clone, Debug, Default)]
 pub struct Slots {
     by_chain: BTreeMap<String, Slot>,
     /// Per shard: the next index never used, and the indices given back.
@@ -65,6 +66,14 @@ pub struct Slots {
     /// The shard the next new slot goes to (round robin).
     turn: u16,
 }
+
+impl PartialEq for Slots {
+    fn eq(&self, other: &Self) -> bool {
+        self.by_chain == other.by_chain
+    }
+}
+
+impl Eq for Slots {}
 
 impl Slots {
     pub fn get(&self, chain: &str) -> Option<Slot> {
@@ -101,6 +110,14 @@ impl Slots {
             return Some(slot);
         }
         None
+    }
+
+    /// Holds `slot` for `chain` again, as it was before it was given back.
+    pub fn restore(&mut self, chain: &str, slot: Slot) {
+        if let Some(free) = self.free.get_mut(&slot.shard) {
+            free.retain(|&i| i != slot.base / SLOT_KEYS);
+        }
+        self.by_chain.insert(chain.to_string(), slot);
     }
 
     /// Gives back every slot whose chain `keep` does not want.

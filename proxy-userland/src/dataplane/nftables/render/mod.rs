@@ -41,7 +41,7 @@ pub use self::{
     endpoints::{ElementChange, Slots},
     names::{PortNames, endpoint_names, is_service_chain},
     service::{ServiceObjects, spread},
-    transaction::Partial,
+    transaction::{Partial, Undo},
 };
 use crate::{
     dataplane::{

@@ -247,7 +247,7 @@ fn nft_accepts_full_and_partial_transactions_in_both_families() {
         };
         st2.endpoints
             .insert(key.clone(), Arc::new(eps(vec![ep(e1, "node-a")])));
-        let (changed, stale) = rendered
+        let (changed, stale, _) = rendered
             .rerender(&st2, &node(), &cfg, [&key])
             .expect("a change");
         let changed = changed.text(family);
@@ -262,7 +262,7 @@ fn nft_accepts_full_and_partial_transactions_in_both_families() {
             "nothing changed the second time"
         );
         let gone = ProxyState::default();
-        let (removed, stale2) = rendered.rerender(&gone, &node(), &cfg, [&key]).unwrap();
+        let (removed, stale2, _) = rendered.rerender(&gone, &node(), &cfg, [&key]).unwrap();
         let removed = removed.text(family);
         assert!(removed.contains("delete element"), "{removed}");
         assert!(!stale2.is_empty());
@@ -311,7 +311,7 @@ fn dump_for_timing() {
         let key = ServiceKey::new("ns", "s0");
         let changed = eps(vec![ep("198.18.255.250", "node-b")]);
         st.endpoints.insert(key.clone(), Arc::new(changed));
-        let (text, _) = r.rerender(&st, &node(), &cfg(), [&key]).unwrap();
+        let (text, _, _) = r.rerender(&st, &node(), &cfg(), [&key]).unwrap();
         std::fs::write(format!("{dir}/partial-{n}.nft"), text.text(Family::V4)).unwrap();
     }
 }
@@ -346,4 +346,46 @@ fn the_endpoint_spread_gives_each_endpoint_an_even_share() {
             "{left} of the packets go nowhere: {rules:?}"
         );
     }
+}
+
+/// A partial sync whose transaction failed leaves the table as it was, and the renderer
+/// goes back to it too: its services, hairpin counts and endpoint map slots, so the full
+/// sync after it can rewrite the table in place.
+#[test]
+fn a_failed_partial_is_undone_to_what_the_table_still_holds() {
+    let entries = (0..6u32)
+        .map(|i| {
+            let list = (0..3u32)
+                .map(|e| ep(&format!("198.18.7.{}", i * 3 + e + 1), "node-b"))
+                .collect();
+            (
+                svc("ns", &format!("s{i}"), &format!("198.19.7.{}", i + 1)),
+                Some(eps(list)),
+            )
+        })
+        .collect();
+    let st = state(entries);
+    let mut rendered = Rendered::new(&st, &node(), Family::V4, &cfg());
+    let before = rendered.clone();
+    // One service gone, one with new endpoints (one shared with another service), one new.
+    let mut st2 = st.clone();
+    let gone = ServiceKey::new("ns", "s0");
+    st2.services.remove(&gone);
+    st2.endpoints.remove(&gone);
+    let moved = ServiceKey::new("ns", "s1");
+    let shared = vec![ep("198.18.7.5", "node-b"), ep("198.18.7.9", "node-b")];
+    st2.endpoints.insert(moved.clone(), Arc::new(eps(shared)));
+    let (new_svc, new_eps) = (
+        svc("ns", "s9", "198.19.7.99"),
+        eps(vec![ep("198.18.7.99", "node-b")]),
+    );
+    let added = new_svc.key.clone();
+    st2.services.insert(added.clone(), Arc::new(new_svc));
+    st2.endpoints.insert(added.clone(), Arc::new(new_eps));
+    let (_, _, undo) = rendered
+        .rerender(&st2, &node(), &cfg(), [&gone, &moved, &added])
+        .expect("a change");
+    assert_ne!(rendered, before);
+    rendered.undo(undo);
+    assert_eq!(rendered, before);
 }

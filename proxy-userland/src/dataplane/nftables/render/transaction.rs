@@ -107,14 +107,16 @@ impl Rendered {
     /// Re-renders the services `keys` from `state` (one it lacks: gone) and returns a
     /// partial transaction that turns the table from what `self` held into the new state,
     /// and the chains that went stale (flushed now, to delete once nothing refers to
-    /// them). None when nothing changed.
+    /// them), with what undoes the change to `self` should the transaction fail. None when
+    /// nothing changed.
     pub fn rerender<'a>(
         &mut self,
         state: &ProxyState,
         node: &NodeInfo,
         cfg: &RenderConfig,
         keys: impl IntoIterator<Item = &'a ServiceKey>,
-    ) -> Option<(Partial, Vec<String>)> {
+    ) -> Option<(Partial, Vec<String>, Undo)> {
+        let mut undo = Undo::default();
         let mut w = Writer::new(self.family);
         let mut stale = Vec::new();
         let mut deleted_sets = Vec::new();
@@ -137,7 +139,10 @@ impl Rendered {
                 new.as_deref().unwrap_or(&empty),
             );
             for (chain, spread) in &n.spreads {
-                self.slots.hold(chain, spread.proto);
+                if self.slots.get(chain).is_none() {
+                    self.slots.hold(chain, spread.proto);
+                    undo.held.push(chain.clone());
+                }
             }
             released.extend(
                 (o.spreads.keys())
@@ -161,6 +166,7 @@ impl Rendered {
                     .collect()
             };
             for ip in only_in(&n.hairpin, &o.hairpin) {
+                undo.hairpin.push((ip, self.hairpin_refs.get(&ip).copied()));
                 let refs = self.hairpin_refs.entry(ip).or_default();
                 *refs += 1;
                 if *refs == 1 {
@@ -168,6 +174,7 @@ impl Rendered {
                 }
             }
             for ip in only_in(&o.hairpin, &n.hairpin) {
+                undo.hairpin.push((ip, self.hairpin_refs.get(&ip).copied()));
                 if let Some(refs) = self.hairpin_refs.get_mut(&ip) {
                     *refs -= 1;
                     if *refs == 0 {
@@ -176,10 +183,16 @@ impl Rendered {
                     }
                 }
             }
+            undo.services.push((key.clone(), old));
             match new {
                 Some(n) => self.services.insert(key.clone(), n),
                 None => self.services.remove(key),
             };
+        }
+        for chain in &released {
+            if let Some(slot) = self.slots.get(chain) {
+                undo.released.push((chain.clone(), slot));
+            }
         }
         self.slots
             .release_unless(|c| !released.iter().any(|r| r == c));
@@ -197,8 +210,43 @@ impl Rendered {
         } else {
             Partial::Text(w.take())
         };
-        Some((partial, stale))
+        Some((partial, stale, undo))
     }
+
+    /// Takes `self` back to what it was before the [`Rendered::rerender`] that returned
+    /// `undo`: its transaction failed, and Linux applied none of it, so the table still
+    /// holds that.
+    pub fn undo(&mut self, undo: Undo) {
+        for (key, old) in undo.services.into_iter().rev() {
+            match old {
+                Some(o) => self.services.insert(key, o),
+                None => self.services.remove(&key),
+            };
+        }
+        for (ip, refs) in undo.hairpin.into_iter().rev() {
+            match refs {
+                Some(r) => self.hairpin_refs.insert(ip, r),
+                None => self.hairpin_refs.remove(&ip),
+            };
+        }
+        let held = undo.held;
+        self.slots.release_unless(|c| !held.iter().any(|h| h == c));
+        for (chain, slot) in undo.released {
+            self.slots.restore(&chain, slot);
+        }
+    }
+}
+
+/// What a [`Rendered::rerender`] changed in the `Rendered`, to take back.
+#[derive(Debug, Default)]
+pub struct Undo {
+    /// Each service rendered again, with what it held before (None: it was not there).
+    services: Vec<(ServiceKey, Option<Arc<ServiceObjects>>)>,
+    /// Hairpin counts before each change, in order.
+    hairpin: Vec<(IpAddr, Option<u32>)>,
+    /// Chains that took a slot, and chains that gave theirs back.
+    held: Vec<String>,
+    released: Vec<(String, endpoints::Slot)>,
 }
 
 /// A partial sync's transaction.
