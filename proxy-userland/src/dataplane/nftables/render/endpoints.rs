@@ -120,6 +120,16 @@ impl Slots {
         self.by_chain.insert(chain.to_string(), slot);
     }
 
+    /// Gives back `chain`'s slot, if it holds one.
+    pub fn release(&mut self, chain: &str) {
+        if let Some(slot) = self.by_chain.remove(chain) {
+            let free = self.free.entry(slot.shard).or_default();
+            free.push(slot.base / SLOT_KEYS);
+            // Lowest first, so a table that shrinks and grows again reuses its keys.
+            free.sort_unstable_by(|a, b| b.cmp(a));
+        }
+    }
+
     /// Gives back every slot whose chain `keep` does not want.
     pub fn release_unless(&mut self, keep: impl Fn(&str) -> bool) {
         let gone: Vec<String> = (self.by_chain.keys())
@@ -127,12 +137,7 @@ impl Slots {
             .cloned()
             .collect();
         for chain in gone {
-            if let Some(slot) = self.by_chain.remove(&chain) {
-                let free = self.free.entry(slot.shard).or_default();
-                free.push(slot.base / SLOT_KEYS);
-                // Lowest first, so a table that shrinks and grows again reuses its keys.
-                free.sort_unstable_by(|a, b| b.cmp(a));
-            }
+            self.release(&chain);
         }
     }
 }

@@ -194,8 +194,9 @@ impl Rendered {
                 undo.released.push((chain.clone(), slot));
             }
         }
-        self.slots
-            .release_unless(|c| !released.iter().any(|r| r == c));
+        for chain in &released {
+            self.slots.release(chain);
+        }
         for set in deleted_sets {
             w.line("delete", "set", &set);
         }
@@ -229,8 +230,9 @@ impl Rendered {
                 None => self.hairpin_refs.remove(&ip),
             };
         }
-        let held = undo.held;
-        self.slots.release_unless(|c| !held.iter().any(|h| h == c));
+        for chain in &undo.held {
+            self.slots.release(chain);
+        }
         for (chain, slot) in undo.released {
             self.slots.restore(&chain, slot);
         }
