@@ -9,7 +9,7 @@ use std::{
 
 use super::{
     elements,
-    render::{ElementChange, Partial, TABLE, family_name},
+    render::{ElementChange, TABLE, elements_text, family_name},
 };
 use crate::dataplane::{
     iptables::{
@@ -27,7 +27,7 @@ pub trait Nft: Send {
     fn run(&self, transaction: &str) -> Result<(), ApplyError>;
     /// Element changes only, as one transaction: by default through [`Nft::run`].
     fn run_elements(&self, changes: &[ElementChange]) -> Result<(), ApplyError> {
-        self.run(&Partial::Elements(changes.to_vec()).text(self.family()))
+        self.run(&elements_text(self.family(), changes))
     }
     /// The node's addresses of this family (loopback included).
     fn local_addresses(&self) -> Result<Vec<IpAddr>, ApplyError>;
@@ -68,7 +68,7 @@ impl Nft for NftRunner {
     /// more than the change at 10,000 services (docs/modes.md).
     fn run_elements(&self, changes: &[ElementChange]) -> Result<(), ApplyError> {
         if changes.len() > elements::MAX_BATCH {
-            return self.run(&Partial::Elements(changes.to_vec()).text(self.family));
+            return self.run(&elements_text(self.family, changes));
         }
         elements::apply(self.netns.as_deref(), self.family, changes).map_err(|source| {
             ApplyError::Netlink {

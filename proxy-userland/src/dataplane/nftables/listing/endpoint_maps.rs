@@ -34,6 +34,15 @@ fn map_dnat(rule: &str) -> Option<(&str, u32, u32, &str)> {
     (!map.contains(' ')).then_some((prefix, n.parse().ok()?, offset, map))
 }
 
+/// An endpoint map's value, `A . P`.
+fn endpoint_of(value: &str) -> Option<SocketAddr> {
+    let (ip, port) = value.split_once(" . ")?;
+    Some(SocketAddr::new(
+        ip.trim().parse::<IpAddr>().ok()?,
+        port.trim().parse().ok()?,
+    ))
+}
+
 impl Dump {
     /// Replaces every DNAT through an endpoint map with its spread, and drops the maps.
     pub(super) fn inline_endpoint_maps(&mut self) -> Result<(), String> {
@@ -45,13 +54,7 @@ impl Dump {
             let mut by_key = BTreeMap::new();
             for e in &set.elements {
                 let key = e.key.first().and_then(|k| k.trim().parse::<u32>().ok());
-                let to = e.value.as_deref().and_then(|v| {
-                    let (ip, port) = v.split_once(" . ")?;
-                    Some(SocketAddr::new(
-                        ip.trim().parse::<IpAddr>().ok()?,
-                        port.trim().parse().ok()?,
-                    ))
-                });
+                let to = e.value.as_deref().and_then(endpoint_of);
                 match (key, to) {
                     (Some(k), Some(to)) => by_key.insert(k, to),
                     _ => {
@@ -116,9 +119,7 @@ pub fn inline_text(text: &str) -> String {
         }
         let body = body.strip_prefix("{ ")?.strip_suffix(" }")?;
         let (key, value) = body.split_once(" : ")?;
-        let (ip, port) = value.split_once(" . ")?;
-        let to = SocketAddr::new(ip.parse().ok()?, port.parse().ok()?);
-        Some(((map.to_string(), key.parse().ok()?), to))
+        Some(((map.to_string(), key.parse().ok()?), endpoint_of(value)?))
     };
     let elements: BTreeMap<(String, u32), SocketAddr> = text.lines().filter_map(element).collect();
     let mut out = String::new();

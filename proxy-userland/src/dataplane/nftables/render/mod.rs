@@ -41,7 +41,7 @@ pub use self::{
     endpoints::{ElementChange, Slots},
     names::{PortNames, endpoint_names, is_service_chain},
     service::{ServiceObjects, spread},
-    transaction::{Partial, Undo},
+    transaction::{Partial, Undo, elements_text},
 };
 use crate::{
     dataplane::{

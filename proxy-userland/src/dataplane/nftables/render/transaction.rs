@@ -263,18 +263,21 @@ pub enum Partial {
 
 impl Partial {
     /// The transaction as `nft -f` text.
-    pub fn text(&self, family: crate::dataplane::iptables::render::Family) -> String {
+    pub fn text(&self, family: Family) -> String {
         match self {
             Partial::Text(t) => t.clone(),
-            Partial::Elements(changes) => {
-                let mut w = Writer::new(family);
-                for &c in changes {
-                    w.change(c);
-                }
-                w.take()
-            }
+            Partial::Elements(changes) => elements_text(family, changes),
         }
     }
+}
+
+/// Element changes as one `nft -f` text, the maps they use declared first.
+pub fn elements_text(family: Family, changes: &[ElementChange]) -> String {
+    let mut w = Writer::new(family);
+    for &c in changes {
+        w.change(c);
+    }
+    w.take()
 }
 
 /// The fixed objects written over themselves: declared (which changes nothing where they
