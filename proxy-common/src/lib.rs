@@ -13,12 +13,14 @@
 //!   backends may still be honoured.
 //! - [`nat`]: the packet path's connection tracking and source ranges (node ports,
 //!   external and load-balancer IPs).
+//! - [`maglev`]: Maglev lookup tables and the flow hash every node computes alike.
 //! - [`sockcfg`]: what the socket hooks leave to the pods' devices (per-packet path).
 //! - [`maps`]: names and sizes of the maps, shared so the loader and programs cannot drift.
 #![no_std]
 
 pub mod affinity;
 pub mod backend;
+pub mod maglev;
 pub mod maps;
 pub mod nat;
 pub mod revnat;
@@ -80,4 +82,5 @@ user_pod!(
     SourceRange4,
     SourceRange6,
     SockConfig,
+    maglev::Chunk,
 );

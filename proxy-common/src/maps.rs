@@ -26,6 +26,8 @@ pub const DEVICE_ADDRS6: &str = "FP_DEV_ADDR6";
 pub const SERVICE_RANGES4: &str = "FP_SVC_RANGE4";
 pub const SERVICE_RANGES6: &str = "FP_SVC_RANGE6";
 pub const STATS: &str = "FP_STATS";
+/// Reverse-NAT index -> the frontend's Maglev table (an inner array map; see `maglev`).
+pub const MAGLEV: &str = "FP_MAGLEV";
 /// One entry: what the socket hooks leave to the pods' devices (see `sockcfg`).
 pub const SOCK_CONFIG: &str = "FP_SOCK_CFG";
 
@@ -48,7 +50,7 @@ pub const NODE_ADDRS_MAX: u32 = 256;
 pub const SERVICE_RANGES_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 20] = [
+pub const ALL: [&str; 21] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -69,4 +71,5 @@ pub const ALL: [&str; 20] = [
     SERVICE_RANGES6,
     STATS,
     SOCK_CONFIG,
+    MAGLEV,
 ];

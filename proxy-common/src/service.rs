@@ -80,6 +80,13 @@ pub mod flags {
     pub const SNAT: u16 = 1 << 1;
     /// Packet path: only clients in the service's loadBalancerSourceRanges may use it.
     pub const SOURCE_RANGES: u16 = 1 << 2;
+    /// Packet path: a new flow takes its backend from the frontend's Maglev table (see
+    /// `crate::maglev`), falling back to a uniform pick while the table is missing.
+    pub const MAGLEV: u16 = 1 << 3;
+    /// Packet path: a flow to a backend on another node is sent there with its source kept
+    /// and the frontend in an IP option (IPv4) or destination option (IPv6); the backend's
+    /// node answers the client itself (direct server return). Takes the place of [`SNAT`].
+    pub const DSR: u16 = 1 << 4;
 }
 
 impl Service4Key {

@@ -10,12 +10,12 @@ use aya_ebpf::{
     maps::{LruHashMap, lpm_trie::Key as LpmKey},
 };
 use proxy_common::{
-    Addr6, CtKey, CtValue, FlowAddr, Service4Key, Service6Key, ServiceValue, SourceRange, nat,
-    proto,
+    Addr6, CtKey, CtValue, FlowAddr, Service4Key, Service6Key, ServiceValue, SourceRange, maglev,
+    nat, proto,
 };
 
 use crate::{
-    flow::Scratch,
+    flow::{Flow, Scratch},
     maps::{
         BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, Lookup, NODE_ADDRS4,
         NODE_ADDRS6, SCRATCH4, SCRATCH6, SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6,
@@ -149,6 +149,8 @@ pub trait Ip {
     fn in_source_range(rev_nat_index: u16, saddr: Self::Addr) -> bool;
     /// The affinity map's client for a packet from `saddr`.
     fn affinity_client(saddr: Self::Addr) -> u64;
+    /// The flow's Maglev hash (see `proxy_common::maglev`), alike on every node.
+    fn maglev_hash(f: &Flow<Self::Addr>, seed: u32) -> u32;
 }
 
 /// The fields of a TCP or UDP header start alike: ports first.
@@ -263,6 +265,12 @@ impl Ip for V4 {
     fn affinity_client(saddr: u32) -> u64 {
         nat::affinity_client4(saddr)
     }
+
+    #[inline(always)]
+    fn maglev_hash(f: &Flow<u32>, seed: u32) -> u32 {
+        let w = maglev::words4(f.saddr, f.daddr, f.sport, f.dport, f.proto);
+        maglev::flow_hash(w, seed)
+    }
 }
 
 /// IPv6's fixed header; what follows it is the L4 header only when `next header` says so.
@@ -370,6 +378,12 @@ impl Ip for V6 {
     #[inline(always)]
     fn affinity_client(saddr: Addr6) -> u64 {
         nat::affinity_client6(saddr)
+    }
+
+    #[inline(always)]
+    fn maglev_hash(f: &Flow<Addr6>, seed: u32) -> u32 {
+        let w = maglev::words6(f.saddr, f.daddr, f.sport, f.dport, f.proto);
+        maglev::flow_hash(w, seed)
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
 //! - [`lb`]: backend selection shared by every hook.
+//! - [`maglev`]: a packet-path flow's backend from its frontend's Maglev table.
 //! - [`ip`]: what differs between IPv4 and IPv6, for the socket and the packet hooks.
 //! - [`kernel`]: the BPF helpers whose calls are always sound, as safe functions.
 //! - [`maps`]: the maps, laid out in `proxy-common`.
@@ -29,6 +30,7 @@ mod icmp;
 mod ip;
 mod kernel;
 mod lb;
+mod maglev;
 mod maps;
 mod nodeport;
 mod packet;

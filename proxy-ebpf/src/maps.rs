@@ -3,7 +3,8 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    macros::map,
+    btf_maps::{self, HashOfMaps},
+    macros::{btf_map, map},
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use bytemuck::Pod;
@@ -11,6 +12,7 @@ use proxy_common::{
     Addr6, AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key,
     Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue, SockConfig, SockRevNat4Key,
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
+    maglev::{Chunk, TABLES_MAX},
     maps::{
         AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICE_RANGES_MAX,
         SERVICES_MAX, SOCK_REVNAT_MAX, SOURCE_RANGES_MAX,
@@ -106,6 +108,20 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 
 #[map(name = "FP_SCRATCH6")]
 pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(1, 0);
+
+/// BPF_F_INNER_MAP: inner maps of any size fit the outer map's slot, so a table's size is
+/// the daemon's to choose (`--bpf-lb-maglev-table-size`).
+const BPF_F_INNER_MAP: usize = 1 << 12;
+
+/// Reverse-NAT index -> the frontend's Maglev table, written by the daemon only (see
+/// `proxy_common::maglev`). The inner map here is a template: the daemon makes each
+/// table's array with as many elements as its size needs.
+#[btf_map(name = "FP_MAGLEV")]
+pub static MAGLEV: HashOfMaps<
+    u32,
+    btf_maps::Array<Chunk, 1, BPF_F_INNER_MAP>,
+    { TABLES_MAX as usize },
+> = HashOfMaps::new();
 
 #[map(name = "FP_STATS")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);

@@ -26,6 +26,7 @@ use crate::{
     ip::{Backend, Ip, V4, V6, scratch},
     kernel,
     lb::{pick_slot, serves},
+    maglev,
     maps::{AFFINITY, Lookup, count},
     packet::{FIB_NOT_FWDED, Packet},
     refuse,
@@ -233,8 +234,24 @@ fn slot_backend<I: Ip>(
     I::backend(id).map(|b| (id, b))
 }
 
+/// A fresh pick for a new flow: from the frontend's Maglev table where it has one, else
+/// uniform.
+#[inline(always)]
+fn pick_backend<I: Ip>(
+    fe: FrontendAt<I::Addr>,
+    f: &Flow<I::Addr>,
+    master: &ServiceValue,
+) -> Option<(u32, Backend<I::Addr>)> {
+    if master.flags & flags::MAGLEV != 0
+        && let Some(chosen) = maglev::backend::<I>(f, master)
+    {
+        return Some(chosen);
+    }
+    slot_backend::<I>(fe, f, pick_slot(master.count))
+}
+
 /// A backend for a new flow: the client's previous one under ClientIP affinity, if it
-/// still serves the frontend and within the timeout; else a uniform pick.
+/// still serves the frontend and within the timeout; else a fresh pick.
 #[inline(always)]
 fn choose_backend<I: Ip>(
     fe: FrontendAt<I::Addr>,
@@ -243,7 +260,7 @@ fn choose_backend<I: Ip>(
     now: u64,
 ) -> Option<(u32, Backend<I::Addr>)> {
     if master.flags & flags::AFFINITY == 0 {
-        return slot_backend::<I>(fe, f, pick_slot(master.count));
+        return pick_backend::<I>(fe, f, master);
     }
     let key = AffinityKey {
         client: I::affinity_client(f.saddr),
@@ -261,7 +278,7 @@ fn choose_backend<I: Ip>(
     }
     let chosen = match chosen {
         Some(c) => c,
-        None => slot_backend::<I>(fe, f, pick_slot(master.count))?,
+        None => pick_backend::<I>(fe, f, master)?,
     };
     let value = AffinityValue {
         backend_id: chosen.0,

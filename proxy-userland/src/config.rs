@@ -22,7 +22,7 @@ pub use file::KubeProxyConfiguration;
 pub use values::{Cidr, LogLevel, NodePortAddress};
 
 use self::mode::Mode;
-use crate::node_setup::NodeSetup;
+use crate::{dataplane::bpf::lb::LbMode, model::LbAlgorithm, node_setup::NodeSetup};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -69,6 +69,29 @@ pub struct Args {
     /// with an error and an Event, and the rest keep working.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub bpf_lb_map_max: Option<u32>,
+
+    /// How the packet path (node ports, external and load-balancer IPs) picks a new flow's
+    /// backend: `random`, or `maglev` (every node picks the same backend for a flow, so a
+    /// flow moved between nodes keeps it). A Service's `service.cilium.io/lb-algorithm`
+    /// annotation overrides it.
+    #[arg(long, value_enum, default_value_t = LbAlgorithm::Random)]
+    pub bpf_lb_algorithm: LbAlgorithm,
+
+    /// Entries of each Maglev table: a prime of Cilium's list (251, 509, 1021, 2039, 4093,
+    /// 8191, 16381, 32749, 65521, 131071), well above 100 times a Service's backends.
+    /// Each table costs 4 bytes an entry.
+    #[arg(long, value_name = "M", default_value_t = proxy_common::maglev::DEFAULT_TABLE_SIZE, value_parser = values::maglev_table_size)]
+    pub bpf_lb_maglev_table_size: u32,
+
+    /// Seed of the Maglev hashes; must be the same on every node.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub bpf_lb_maglev_hash_seed: u32,
+
+    /// How traffic from other hosts reaches a backend on another node: `snat` (replies come
+    /// back through the entry node), `dsr` (the backend's node answers the client
+    /// directly), or `hybrid` (DSR for TCP, SNAT for UDP).
+    #[arg(long, value_enum, default_value_t = LbMode::Snat)]
+    pub bpf_lb_mode: LbMode,
 
     /// Remove everything fastpath left on this node (pinned eBPF objects in --bpf-pin-dir
     /// or /sys/fs/bpf/fastpath, iptables chains) and exit, like kube-proxy --cleanup.

@@ -322,6 +322,7 @@ mod tests {
             internal_policy_local: false,
             health_check_node_port: hc,
             prefer_close: false,
+            lb_algorithm: None,
         }
     }
 

@@ -139,6 +139,10 @@ enum Command {
         /// as `nc -u -p PORT` in a loop does).
         #[arg(long, value_name = "PORT")]
         source_port: Option<u16>,
+        /// With --source-port and --fresh-socket: attempt i sends from source port + i, so
+        /// each attempt is a flow of its own, and a second run repeats the same flows.
+        #[arg(long, requires = "source_port", requires = "fresh_socket")]
+        port_step: bool,
     },
 }
 
@@ -231,10 +235,16 @@ fn main() -> ExitCode {
             fresh_socket,
             reconnect_on_error,
             source_port,
+            port_step,
         } => {
             let mut shared = None;
+            let mut next_port = source_port;
             each_attempt(&attempts, |timeout| {
-                let line = udp_attempt(addr, timeout, connected, source_port, &mut shared);
+                let port = next_port;
+                if port_step {
+                    next_port = next_port.and_then(|p| p.checked_add(1));
+                }
+                let line = udp_attempt(addr, timeout, connected, port, &mut shared);
                 let socket_error = line.starts_with("err") && !line.starts_with("err ETIMEDOUT");
                 if fresh_socket || (reconnect_on_error && socket_error) {
                     shared = None;

@@ -222,6 +222,15 @@ impl FromStr for NodePortAddress {
     }
 }
 
+/// `--bpf-lb-maglev-table-size`: one of the primes Cilium accepts.
+pub fn maglev_table_size(s: &str) -> Result<u32, String> {
+    let sizes = proxy_common::maglev::TABLE_SIZES;
+    s.parse::<u32>()
+        .ok()
+        .filter(|m| sizes.contains(m))
+        .ok_or_else(|| format!("{s:?} is not one of the table sizes {sizes:?}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -81,6 +81,12 @@ pub struct DesiredFrontend {
     pub snat: bool,
     /// Packet path: only these clients (loadBalancerSourceRanges); empty: everyone.
     pub source_ranges: Vec<(IpAddr, u8)>,
+    /// Packet path: a new flow's backend comes from a Maglev table (the eBPF dataplane
+    /// sets it from `--bpf-lb-algorithm` and the service's annotation).
+    pub maglev: bool,
+    /// Packet path, with `snat`: other nodes' backends answer the client directly (DSR,
+    /// from `--bpf-lb-mode`) instead of through this node.
+    pub dsr: bool,
 }
 
 pub(crate) fn frontend_name(fe: &Frontend) -> String {
@@ -348,6 +354,7 @@ fn packet_frontends_of(
             affinity_timeout: svc.affinity_timeout,
             snat: !svc.external_policy_local,
             source_ranges: source_ranges.to_vec(),
+            ..Default::default()
         };
         if let Some(np) = port.node_port {
             out.insert(Frontend::packet(any(v4), np, port.protocol), want(&[]));

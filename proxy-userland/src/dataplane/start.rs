@@ -33,6 +33,8 @@ pub struct StartOptions {
     pub bpf_lb_map_max: Option<u32>,
     /// eBPF: per-packet Service translation on the pods' devices; None: off.
     pub pods: Option<PodPathConfig>,
+    /// eBPF: the packet path's backend choice and forwarding mode.
+    pub bpf_lb: super::bpf::lb::LbConfig,
     /// iptables: which tools (the system's, legacy or nft).
     pub iptables_backend: Backend,
     /// iptables and userspace: run in this network namespace instead of our own.
@@ -80,6 +82,7 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 packet: opts.packet.clone(),
                 lb_map_max: opts.bpf_lb_map_max,
                 pods: opts.pods.clone(),
+                lb: opts.bpf_lb,
             };
             let attached = match BpfDataplane::attach_with(&cgroup, &attach) {
                 // Devices nobody named, or a kernel that refuses the packet programs: keep
@@ -208,6 +211,12 @@ impl StartOptions {
             packet,
             packet_auto,
             bpf_lb_map_max: args.bpf_lb_map_max,
+            bpf_lb: super::bpf::lb::LbConfig {
+                algorithm: args.bpf_lb_algorithm,
+                mode: args.bpf_lb_mode,
+                maglev_table_size: args.bpf_lb_maglev_table_size,
+                maglev_seed: args.bpf_lb_maglev_hash_seed,
+            },
             pods: args.pod_devices_named().then(|| PodPathConfig {
                 netns: args.netns.clone(),
                 prefixes: args.pod_interface_name_prefix.clone(),

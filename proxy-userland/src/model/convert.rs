@@ -40,6 +40,9 @@ pub const ANNOTATION_LB_SOURCE_RANGES: &str =
     "service.beta.kubernetes.io/load-balancer-source-ranges";
 /// Topology Aware Routing's opt-in.
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+/// A service's packet-path backend choice, `random` or `maglev` (Cilium's annotation, so
+/// services annotated for Cilium keep their choice).
+pub const ANNOTATION_LB_ALGORITHM: &str = "service.cilium.io/lb-algorithm";
 /// The older spelling of [`ANNOTATION_TOPOLOGY_MODE`].
 pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
 
@@ -408,6 +411,7 @@ pub fn service(
     ) || topology_auto(ANNOTATION_TOPOLOGY_MODE)
         || topology_auto(ANNOTATION_TOPOLOGY_AWARE_HINTS);
 
+    let lb_algorithm = lb_algorithm(&key, meta);
     Ok(Some(super::Service {
         key,
         cluster_ips,
@@ -420,7 +424,22 @@ pub fn service(
         internal_policy_local,
         health_check_node_port,
         prefer_close,
+        lb_algorithm,
     }))
+}
+
+/// The service's own packet-path algorithm (Cilium's annotation). A value that is neither
+/// algorithm is warned about and the node's default used, as Cilium does: a typo in an
+/// optimisation should not take the service down.
+fn lb_algorithm(key: &ServiceKey, meta: &ObjectMeta) -> Option<super::LbAlgorithm> {
+    let value = annotation(meta, ANNOTATION_LB_ALGORITHM)?;
+    match value.trim().parse() {
+        Ok(a) => Some(a),
+        Err(e) => {
+            warn!(service = %key, "annotation {ANNOTATION_LB_ALGORITHM}: {e}; using --bpf-lb-algorithm");
+            None
+        }
+    }
 }
 
 /// Why kube-proxy would not proxy this service at all, if it would not.

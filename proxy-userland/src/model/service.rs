@@ -136,6 +136,44 @@ pub struct Service {
     pub health_check_node_port: Option<u16>,
     /// trafficDistribution: PreferClose (or topology-mode Auto hints).
     pub prefer_close: bool,
+    /// The packet path's backend choice for this service, where its annotation sets one
+    /// (`service.cilium.io/lb-algorithm`); None: the node's `--bpf-lb-algorithm`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lb_algorithm: Option<LbAlgorithm>,
+}
+
+/// How the packet path picks a new flow's backend (Cilium's `--bpf-lb-algorithm`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum LbAlgorithm {
+    /// Uniformly at random: kube-proxy's spread.
+    #[default]
+    Random,
+    /// Maglev consistent hashing: every node picks the same backend for a flow.
+    Maglev,
+}
+
+impl std::str::FromStr for LbAlgorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "random" => Ok(Self::Random),
+            "maglev" => Ok(Self::Maglev),
+            other => Err(format!("{other:?} is neither \"random\" nor \"maglev\"")),
+        }
+    }
 }
 
 impl Service {
@@ -154,6 +192,7 @@ impl Service {
             internal_policy_local: false,
             health_check_node_port: None,
             prefer_close: false,
+            lb_algorithm: None,
         }
     }
 }

@@ -222,6 +222,9 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         // A backend slot of either family's service map can need a match entry.
         loader.map_max_entries(map_names::AFFINITY_MATCH, max.max(1).saturating_mul(2));
     }
+    // Read-only in the programs: the verifier sees the value, and every node of a cluster
+    // hashes flows alike.
+    loader.override_global("MAGLEV_SEED", &opts.lb.maglev_seed, true);
     let mut ebpf = loader.load(object())?;
     // A generation tag keeps this daemon's link pins apart from the previous one's until
     // ours are in place.

@@ -11,7 +11,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{
-        HashMap, IterableMap, MapData, MapError, PerCpuArray,
+        Array, HashMap, HashOfMaps, IterableMap, MapData, MapError, PerCpuArray,
         lpm_trie::{Key as LpmKey, LpmTrie},
     },
 };
@@ -21,6 +21,7 @@ use proxy_common::{
     SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange, SourceRange4,
     SourceRange6,
     backend::flags as backend_flags,
+    maglev::Chunk,
     maps as names,
     nat::{self, addr6, octets6},
     service::scope,
@@ -35,6 +36,7 @@ use crate::{
 mod batch;
 mod census;
 mod deferred;
+mod maglev;
 mod ranges;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
@@ -66,6 +68,8 @@ pub struct ServiceMaps {
     service_ranges4: LpmTrie<MapData, u32, u8>,
     service_ranges6: LpmTrie<MapData, Addr6, u8>,
     stats: PerCpuArray<MapData, u64>,
+    /// Reverse-NAT index -> Maglev table (see `maglev`).
+    maglev: HashOfMaps<MapData, u32, Array<MapData, Chunk>>,
     /// Backends both backend maps hold at most, as the kernel sized them (--bpf-lb-map-max,
     /// the default, or a pinned map's own size).
     backend_capacity: u32,
@@ -261,6 +265,11 @@ impl ServiceMaps {
             device_addrs6: take(ebpf, names::DEVICE_ADDRS6)?,
             service_ranges4: take_trie(ebpf, names::SERVICE_RANGES4)?,
             service_ranges6: take_trie(ebpf, names::SERVICE_RANGES6)?,
+            maglev: {
+                let name = names::MAGLEV;
+                let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+                HashOfMaps::try_from(map).map_err(|source| LoadError::Map { name, source })?
+            },
             stats: {
                 let name = names::STATS;
                 let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;

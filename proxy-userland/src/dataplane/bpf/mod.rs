@@ -11,7 +11,9 @@
 //!   reconnect instead of sending into the void.
 
 pub mod devices;
+pub mod lb;
 pub mod loader;
+pub mod maglev;
 pub mod maps;
 pub mod pods;
 pub mod program;
@@ -40,6 +42,8 @@ pub struct AttachOptions {
     pub lb_map_max: Option<u32>,
     /// Per-packet Service translation on the pods' devices; None: off.
     pub pods: Option<PodPathConfig>,
+    /// The packet path's backend choice and forwarding mode.
+    pub lb: lb::LbConfig,
 }
 
 pub struct BpfDataplane {
@@ -80,6 +84,7 @@ impl BpfDataplane {
         let mut attached = loader::load_and_attach(cgroup, opts)?;
         let maps = ServiceMaps::take(attached.ebpf_mut())?;
         let mut programmer = Programmer::new(maps, Some(cgroup.to_path_buf()));
+        programmer.set_lb(opts.lb);
         if let Some(devices) = &attached.node_devices {
             programmer
                 .maps_mut()

@@ -8,7 +8,7 @@
 //! service as it was and says so, instead of half-programmed.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     net::SocketAddr,
     path::PathBuf,
     time::{Duration, Instant},
@@ -25,6 +25,7 @@ use super::{
 };
 // The frontend types and their derivation from the model are shared with the other
 // dataplanes (see `dataplane::frontends`); re-exported where the eBPF code finds them.
+use super::lb::LbConfig;
 pub use crate::dataplane::frontends::{
     BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_external_socket_frontends,
     desired_frontends, desired_packet_frontends, serving_udp_endpoints,
@@ -33,12 +34,13 @@ pub use crate::dataplane::frontends::{
 use crate::model::{EndpointSet, Service};
 use crate::{
     dataplane::{Scope, SyncReport, frontends::frontend_name},
-    model::{NodeInfo, ProxyState, ServiceKey},
+    model::{LbAlgorithm, NodeInfo, ProxyState, ServiceKey},
 };
 
 mod adopt;
 mod departed;
 mod first;
+mod maglev;
 mod table;
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +79,8 @@ struct FrontendState {
 struct Settings {
     affinity_timeout: Option<u32>,
     snat: bool,
+    maglev: bool,
+    dsr: bool,
     /// Almost always empty: one word, where a `Vec` is three, in each of 50,000 entries.
     source_ranges: ThinVec<(std::net::IpAddr, u8)>,
 }
@@ -86,6 +90,8 @@ impl Settings {
         Self {
             affinity_timeout: want.affinity_timeout,
             snat: want.snat,
+            maglev: want.maglev,
+            dsr: want.dsr,
             source_ranges: want.source_ranges.iter().copied().collect(),
         }
     }
@@ -93,6 +99,8 @@ impl Settings {
     fn matches(&self, want: &DesiredFrontend) -> bool {
         self.affinity_timeout == want.affinity_timeout
             && self.snat == want.snat
+            && self.maglev == want.maglev
+            && self.dsr == want.dsr
             && self.source_ranges[..] == want.source_ranges[..]
     }
 }
@@ -197,6 +205,10 @@ pub struct Programmer {
     /// Whether packet programs are attached, so node ports, external and load-balancer
     /// IPs get packet-scope frontends.
     packet_path: bool,
+    lb: LbConfig,
+    /// Frontends (by reverse-NAT index) whose Maglev table this process wrote: a table
+    /// adopted from pinned maps may have another size or seed, and is rewritten once.
+    maglev_written: HashSet<u16>,
 }
 
 impl Programmer {
@@ -210,6 +222,8 @@ impl Programmer {
             departed_udp: BTreeMap::new(),
             lingering: HashMap::new(),
             packet_path: false,
+            lb: LbConfig::default(),
+            maglev_written: HashSet::new(),
             maps,
             frontends: Default::default(),
             owners: HashMap::new(),
@@ -226,6 +240,12 @@ impl Programmer {
 
     pub fn maps_mut(&mut self) -> &mut ServiceMaps {
         &mut self.maps
+    }
+
+    /// The packet path's backend choice and forwarding mode, for frontends written from now
+    /// on.
+    pub fn set_lb(&mut self, lb: LbConfig) {
+        self.lb = lb;
     }
 
     /// From now on, program the packet-scope frontends too (the tc programs are attached).
@@ -267,6 +287,8 @@ impl Programmer {
             affinity_timeout: st.settings.affinity_timeout,
             snat: st.settings.snat,
             source_ranges: st.settings.source_ranges.to_vec(),
+            maglev: st.settings.maglev,
+            dsr: st.settings.dsr,
         }
     }
 
@@ -327,7 +349,13 @@ impl Programmer {
                     all.extend(desired_external_socket_frontends(svc, eps, node));
                     let serving = serving_udp_endpoints(svc, eps, all.keys());
                     if self.packet_path {
-                        all.extend(desired_packet_frontends(svc, eps, node));
+                        let mut packet = desired_packet_frontends(svc, eps, node);
+                        let algorithm = svc.lb_algorithm.unwrap_or(self.lb.algorithm);
+                        for (fe, want) in &mut packet {
+                            want.maglev = algorithm == LbAlgorithm::Maglev;
+                            want.dsr = want.snat && self.lb.mode.dsr_for(fe.proto);
+                        }
+                        all.extend(packet);
                     }
                     (all, serving)
                 })
@@ -443,6 +471,14 @@ impl Programmer {
         if let Some(old) = self.frontends.get(fe)
             && self.is_programmed_as(old, want)
         {
+            let rev = old.rev_nat_index;
+            if want.maglev && !self.maglev_written.contains(&rev) {
+                let ids = old.ids.to_vec();
+                self.write_maglev(fe, rev, &want.backends, &ids)?;
+            }
+            let Some(old) = self.frontends.get(fe) else {
+                return Ok(false);
+            };
             if old.owner != *key {
                 // Adopted from pinned maps exactly as wanted: claim it, write nothing.
                 let Some(previous) = self.frontends.set_owner(fe, key.clone()) else {
@@ -472,6 +508,7 @@ impl Programmer {
             })
             .unwrap_or_default();
         let old_owner = old.map(|o| o.owner.clone());
+        let had_maglev = old.is_some_and(|o| o.settings.maglev);
         let had_affinity = old.is_some_and(|o| o.settings.affinity_timeout.is_some());
         let (rev_nat_index, new_rev) = match old {
             Some(o) => (o.rev_nat_index, false),
@@ -496,6 +533,12 @@ impl Programmer {
         };
 
         // Readers now use the new set: drop what it no longer needs.
+        if !want.maglev
+            && had_maglev
+            && let Err(e) = self.drop_maglev(fe, rev_nat_index)
+        {
+            tracing::warn!(frontend = %fe, "{e}");
+        }
         let kept: BTreeSet<BackendId> = ids.iter().copied().collect();
         let gone: BTreeSet<BackendId> = old_ids
             .iter()
@@ -556,6 +599,12 @@ impl Programmer {
         old_matched: &[BackendId],
         old_ranges: &[(std::net::IpAddr, u8)],
     ) -> Result<Vec<BackendId>, ProgramError> {
+        // The table this frontend had, to put back if the write fails.
+        let old_maglev: Option<Vec<BackendId>> = self
+            .frontends
+            .get(fe)
+            .filter(|o| o.settings.maglev)
+            .map(|_| old_ids.to_vec());
         let mut ids = Vec::with_capacity(want.backends.len());
         let added_ranges: Vec<_> = want
             .source_ranges
@@ -565,6 +614,9 @@ impl Programmer {
             .collect();
         let mut matched = Vec::new();
         let undo = |this: &mut Self, ids: &[BackendId], matched: &[BackendId], slots_written| {
+            if want.maglev {
+                this.restore_maglev(fe, rev_nat_index, old_maglev.as_deref());
+            }
             this.maps.del_source_ranges(rev_nat_index, &added_ranges);
             this.maps.del_affinity_matches(rev_nat_index, matched);
             for slot in 1..=slots_written {
@@ -627,6 +679,13 @@ impl Programmer {
                 });
             }
         }
+        // Before the master names the table, so new flows find it in place.
+        if want.maglev
+            && let Err(e) = self.write_maglev(fe, rev_nat_index, &want.backends, &ids)
+        {
+            undo(self, &ids, &matched, 0);
+            return Err(e);
+        }
         let (mut flag_bits, timeout) = match want.affinity_timeout {
             Some(t) => (flags::AFFINITY, t),
             None => (0, 0),
@@ -636,6 +695,12 @@ impl Programmer {
         }
         if !want.source_ranges.is_empty() {
             flag_bits |= flags::SOURCE_RANGES;
+        }
+        if want.maglev {
+            flag_bits |= flags::MAGLEV;
+        }
+        if want.dsr {
+            flag_bits |= flags::DSR;
         }
         let master = ServiceValue::master(ids.len() as u16, rev_nat_index, flag_bits, timeout);
         let mut slots: Vec<(u16, ServiceValue)> = ids
@@ -713,6 +778,11 @@ impl Programmer {
         self.note_departed(&st.owner, fe, backends);
         if st.settings.affinity_timeout.is_some() {
             self.maps.del_affinity_matches(st.rev_nat_index, &st.ids);
+        }
+        if st.settings.maglev
+            && let Err(e) = self.drop_maglev(fe, st.rev_nat_index)
+        {
+            tracing::warn!(frontend = %fe, "{e}");
         }
         self.rev_nat_ids.release(u32::from(st.rev_nat_index));
         self.disown(&st.owner, fe);
@@ -810,6 +880,7 @@ mod tests {
             internal_policy_local: false,
             health_check_node_port: None,
             prefer_close: false,
+            lb_algorithm: None,
         }
     }
 

@@ -54,6 +54,8 @@ impl Programmer {
                     affinity_timeout: (master.flags & flags::AFFINITY != 0)
                         .then_some(master.affinity_timeout),
                     snat: master.flags & flags::SNAT != 0,
+                    maglev: master.flags & flags::MAGLEV != 0,
+                    dsr: master.flags & flags::DSR != 0,
                     source_ranges: source_ranges.into(),
                 },
                 ids: ids.into(),

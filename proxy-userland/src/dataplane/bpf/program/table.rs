@@ -95,6 +95,8 @@ mod tests {
             settings: super::super::Settings {
                 affinity_timeout: affinity.then_some(10_800),
                 snat: false,
+                maglev: false,
+                dsr: false,
                 source_ranges: Default::default(),
             },
             ids: (1..=backends).collect(),
