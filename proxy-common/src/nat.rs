@@ -139,6 +139,24 @@ pub mod ct_flags {
     pub const SEEN_REPLY: u16 = 1 << 0;
     /// A FIN or RST went by: the flow is ending, and its SNAT port is soon free again.
     pub const CLOSING: u16 = 1 << 1;
+    /// The flow goes by direct server return: on the entry node its replies never pass, on
+    /// the backend's node the entry was made from the packet's DSR option. Either way it
+    /// counts as answered.
+    pub const DSR: u16 = 1 << 2;
+}
+
+/// The IPv4 option that carries a DSR flow's frontend to the backend's node (Cilium's
+/// layout: type, length 8, port, address, all in network byte order).
+pub mod dsr {
+    /// Copied on fragmentation (bit 7), class 0, number 26: Cilium's.
+    pub const OPT4_TYPE: u8 = 0x9a;
+    pub const OPT4_LEN: u8 = 8;
+    /// The IPv6 destination option carrying the frontend: type 0x1b (skipped by a host
+    /// that does not know it, may not change en route), 20 bytes of data (address, port,
+    /// padding); with the extension header's own two bytes and a PadN option, 24 bytes.
+    pub const OPT6_TYPE: u8 = 0x1b;
+    pub const OPT6_LEN: u8 = 20;
+    pub const EXT6_LEN: usize = 24;
 }
 
 /// Idle time after which a flow's entries no longer count. An established TCP flow's
@@ -155,7 +173,7 @@ pub const CT_CLOSING_TIMEOUT_NS: u64 = 10 * 1_000_000_000;
 pub const fn ct_timeout_ns(proto: u8, flags: u16) -> u64 {
     if flags & ct_flags::CLOSING != 0 {
         CT_CLOSING_TIMEOUT_NS
-    } else if flags & ct_flags::SEEN_REPLY == 0 {
+    } else if flags & (ct_flags::SEEN_REPLY | ct_flags::DSR) == 0 {
         CT_UNANSWERED_TIMEOUT_NS
     } else if proto == crate::proto::TCP {
         CT_TCP_TIMEOUT_NS

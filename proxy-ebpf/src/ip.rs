@@ -310,6 +310,10 @@ impl Ip for V6 {
             return None;
         }
         let next: u8 = pkt.load(at + 6)?;
+        // One extension header is ours to read: a DSR flow's frontend (see `dsr`).
+        if next == 60 {
+            return crate::dsr::skip6(pkt, at);
+        }
         Some((next, at + IP6_HLEN))
     }
 

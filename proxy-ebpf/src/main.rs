@@ -10,6 +10,8 @@
 //!   load-balancer IPs for traffic from other hosts (DNAT, SNAT, reverse NAT, conntrack).
 //!   The same per-packet translation on the pods' devices serves pods whose sockets the
 //!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
+//! - [`dsr`]: direct server return's option, added at the entry node and read at the
+//!   backend's.
 //! - [`flow`]: one packet's tuple and the per-CPU scratch space its translation works in.
 //! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
@@ -25,6 +27,7 @@
 #![no_std]
 #![no_main]
 
+mod dsr;
 mod flow;
 mod icmp;
 mod ip;

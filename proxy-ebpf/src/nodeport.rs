@@ -21,6 +21,7 @@ use proxy_common::{
 };
 
 use crate::{
+    dsr,
     flow::{Flow, Frontend, FrontendAt, Nat, Scratch, Work},
     icmp,
     ip::{Backend, Ip, V4, V6, scratch},
@@ -379,7 +380,12 @@ fn new_flow<P: Packet, I: Ip>(
     // its stack would drop the packet as a martian, so the source becomes the address the
     // pod dialled (kube-proxy masquerades such traffic to the node's address instead).
     let hairpin = I::same(&b.addr, &f.saddr);
-    let snat = hairpin || (master.flags & flags::SNAT != 0 && b.flags & backend::flags::LOCAL == 0);
+    let remote = b.flags & backend::flags::LOCAL == 0;
+    // Direct server return for traffic from other hosts to other nodes' backends (the
+    // caller clears the flag for a pod's own traffic).
+    let dsr = !hairpin && remote && master.flags & flags::DSR != 0;
+    let snat = hairpin || (!dsr && master.flags & flags::SNAT != 0 && remote);
+    let ct_flags = if dsr { nat::ct_flags::DSR } else { 0 };
     let reply = &mut w.reply;
     *reply = CtValue {
         addr: f.daddr,
@@ -387,6 +393,7 @@ fn new_flow<P: Packet, I: Ip>(
         rev_nat_index: master.rev_nat_index,
         backend_id,
         last_seen_ns: now,
+        flags: ct_flags,
         ..Default::default()
     };
     let (mut snat_addr, mut snat_port) = (I::Addr::default(), 0);
@@ -430,6 +437,7 @@ fn new_flow<P: Packet, I: Ip>(
         snat_port,
         backend_id,
         last_seen_ns: now,
+        flags: ct_flags,
         ..Default::default()
     };
     if I::ct()
@@ -540,6 +548,12 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     }
     let f = &*f;
     let now = kernel::now_ns();
+    // A DSR flow's packet from its entry node, for a backend here: remember what the
+    // backend's answers must come from, and deliver it.
+    if !from_pod && let Some(frontend) = dsr::frontend::<P, I>(pkt) {
+        record_dsr_reply::<I>(f, frontend, now, w);
+        return Ok(P::PASS);
+    }
     if let Some((nat, snat)) = reply_nat::<I>(f, now) {
         if from_pod && !snat && restores_node_address::<I>(&nat) {
             // A local backend's reply to a node port (or to any frontend on a node
@@ -569,11 +583,21 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         }
         return Ok(P::PASS);
     };
+    // DSR grows the packet, which XDP cannot: tc takes such frontends' flows whole.
+    if P::XDP && fe.master.flags & flags::DSR != 0 {
+        return Ok(P::PASS);
+    }
     w.frontend = fe;
-    if known_flow::<I>(f, now, &mut w.forward).is_none()
-        && let Err(verdict) = new_flow::<P, I>(pkt, f, now, w)
-    {
-        return Ok(verdict);
+    if from_pod {
+        // A pod's traffic to a node port or external IP keeps the plain path.
+        w.frontend.master.flags &= !flags::DSR;
+    }
+    let mut fresh = false;
+    if known_flow::<I>(f, now, &mut w.forward).is_none() {
+        if let Err(verdict) = new_flow::<P, I>(pkt, f, now, w) {
+            return Ok(verdict);
+        }
+        fresh = true;
     }
     let e = &w.forward;
     let snat = !I::is_zero(&e.snat_addr);
@@ -581,12 +605,83 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         dst: Some((e.addr, e.port)),
         src: snat.then_some((e.snat_addr, e.snat_port)),
     };
+    if e.flags & nat::ct_flags::DSR != 0 {
+        // The first packet here (the backend's node may not know the flow) and every SYN
+        // (a retried or reused connection) carry the frontend.
+        let option = fresh || f.opening();
+        return Ok(dsr_forward::<P, I>(pkt, f, &nat, option, &mut w.fib));
+    }
     if snat {
         return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
     }
     // A local backend: the stack delivers it to the pod as it would any forwarded packet.
     apply::<P, I>(pkt, f, &nat)?;
     Ok(P::PASS)
+}
+
+/// Sends a DSR flow's packet to its backend's node: destination translated, source kept,
+/// the frontend in an option when `option`, out of the device the FIB names. Not inlined,
+/// as [`redirect_from_tc`].
+#[inline(never)]
+fn dsr_forward<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    nat: &Nat<I::Addr>,
+    option: bool,
+    fib: &mut FibParams,
+) -> i32 {
+    let Some((daddr, dport)) = nat.dst else {
+        return P::PASS;
+    };
+    let ret = I::fib_lookup(pkt, fib, f.proto, f.sport, dport, f.saddr, daddr, 0);
+    if !P::can_redirect(ret) {
+        count(nat::stat::DROP_NAT);
+        return P::DROP;
+    }
+    if apply::<P, I>(pkt, f, nat).is_err() {
+        return P::PASS;
+    }
+    // Without its option the backend's answer would come from its own address, which the
+    // client drops: still better sent than dropped here (the backend's node may know the
+    // flow from an earlier packet).
+    if option {
+        let _ = dsr::push::<P, I>(pkt, f.daddr, f.dport);
+    }
+    if ret == crate::packet::FIB_SUCCESS
+        && (pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err())
+    {
+        return P::DROP;
+    }
+    pkt.redirect(ret, fib.ifindex)
+}
+
+/// On the backend's node: the reply entry that turns the backend's answers to the client
+/// back into the frontend's (at this node's egress), from a DSR option.
+#[inline(always)]
+fn record_dsr_reply<I: Ip>(
+    f: &Flow<I::Addr>,
+    frontend: (I::Addr, u16),
+    now: u64,
+    w: &mut Work<I::Addr>,
+) {
+    w.reply = CtValue {
+        addr: frontend.0,
+        port: frontend.1,
+        last_seen_ns: now,
+        flags: nat::ct_flags::DSR,
+        ..Default::default()
+    };
+    let key = CtKey {
+        saddr: f.daddr,
+        daddr: f.saddr,
+        sport: f.dport,
+        dport: f.sport,
+        proto: f.proto,
+        dir: nat::dir::REPLY,
+        _pad: [0; 2],
+    };
+    let reply: &CtValue<I::Addr> = &w.reply;
+    let _ = I::ct().insert(key, reply, 0);
 }
 
 /// tc egress on a node device: replies of local backends leaving for the client. On a

@@ -54,6 +54,9 @@ pub trait Packet {
     fn reshape(&mut self, len: u32, grow: u32) -> Result<(), ()>;
     /// Sends the packet back out of the device it arrived on (to the sender).
     fn bounce(&mut self) -> i32;
+    /// Makes room for `len` bytes right after the fixed IP header (where IPv4 options and
+    /// IPv6 extension headers go). Err where the hook cannot (XDP here).
+    fn grow_net(&mut self, len: u32) -> Result<(), ()>;
 }
 
 impl Packet for TcContext {
@@ -137,6 +140,12 @@ impl Packet for TcContext {
         }
         let grow = i32::try_from(grow).map_err(drop)?;
         TcContext::adjust_room(self, grow, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0).map_err(drop)
+    }
+
+    #[inline(always)]
+    fn grow_net(&mut self, len: u32) -> Result<(), ()> {
+        let len = i32::try_from(len).map_err(drop)?;
+        TcContext::adjust_room(self, len, bpf_adj_room_mode::BPF_ADJ_ROOM_NET, 0).map_err(drop)
     }
 
     #[inline(always)]
@@ -243,6 +252,11 @@ impl Packet for XdpContext {
     #[inline(always)]
     fn bounce(&mut self) -> i32 {
         Self::PASS
+    }
+
+    #[inline(always)]
+    fn grow_net(&mut self, _len: u32) -> Result<(), ()> {
+        Err(())
     }
 }
 

@@ -1,10 +1,8 @@
 //! The packet path's load-balancing across nodes, on the cluster bed (see
 //! xtask/src/cluster): three nodes, one daemon each, run as deploy/ ships it with Maglev as
-//! the default algorithm. The fabric is the outside "ECMP router": it routes a Service's
-//! external IP to one node, then to another, as a router rehashing its next hops does.
-//!
-//! A flow is one UDP client port of the outside client; which backend answered is its
-//! reply. A node sees a flow it never saw before, so its choice is the algorithm's alone.
+//! the default algorithm and direct server return. The fabric is the outside "ECMP
+//! router": it routes a Service's external IP to one node, then to another, as a router
+//! rehashing its next hops does. One bed for the binary; its phases run in order.
 
 mod common;
 
@@ -26,6 +24,9 @@ const WEB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 40);
 const WEB_EXTERNAL: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 40);
 const RND_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 41);
 const RND_EXTERNAL: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 41);
+/// A Service whose pods are all on node-2 and node-3, reached through node-1.
+const FAR_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 42);
+const FAR_EXTERNAL: Ipv4Addr = Ipv4Addr::new(198, 19, 1, 42);
 /// Flows per measurement: one outside client port each.
 const FLOWS: u16 = 300;
 
@@ -49,13 +50,12 @@ fn cluster(tag: &str, extra: &[&str]) -> Cluster {
 fn deployment(
     c: &mut Cluster,
     name: &str,
-    ip: Ipv4Addr,
-    external: Ipv4Addr,
+    (ip, external): (Ipv4Addr, Ipv4Addr),
     shift: u16,
     annotations: serde_json::Value,
+    placement: &dyn Fn(usize) -> usize,
 ) -> Deployment {
-    let nodes = c.nodes.len();
-    let d = Deployment::create(c, name, ip, shift, None, 6, &|k| k % nodes).expect(name);
+    let d = Deployment::create(c, name, ip, shift, None, 6, placement).expect(name);
     let mut svc = objects::service(name, ip, shift, None);
     svc["metadata"]["annotations"] = annotations;
     svc["spec"]["externalIPs"] = json!([external.to_string()]);
@@ -126,20 +126,205 @@ fn share(n: usize) -> f64 {
     n as f64 / f64::from(FLOWS)
 }
 
+/// The bed's workloads: `web` (Maglev, the default) and `rnd` (opted out) with pods on
+/// every node; `far` (Maglev) with pods on node-2 and node-3 only.
+// A live TCP connection moved from one node to another mid-stream (issue 23, point 1) is
+// not tested yet: in this bed the moved connections kept their backend even with random
+// choice, so the test could not fail; see the issue's notes.
+struct Workloads {
+    web: Deployment,
+    _rnd: Deployment,
+    _far: Deployment,
+}
+
 #[test]
-fn maglev_gives_a_flow_the_same_backend_on_every_node_and_a_backend_change_moves_few() {
-    let mut c = cluster("clmaglev", &["--bpf-lb-algorithm=maglev"]);
-    let mut web = deployment(&mut c, "web", WEB_IP, WEB_EXTERNAL, 0, json!({}));
+fn maglev_and_dsr_across_nodes() {
+    let mut c = cluster(
+        "clmaglev",
+        &["--bpf-lb-algorithm=maglev", "--bpf-lb-mode=dsr"],
+    );
+    let nodes = c.nodes.len();
+    let everywhere = move |k: usize| k % nodes;
+    let web = deployment(
+        &mut c,
+        "web",
+        (WEB_IP, WEB_EXTERNAL),
+        0,
+        json!({}),
+        &everywhere,
+    );
     // Opted out by annotation: the kube-proxy spread, for comparison.
     let opt_out = json!({"service.cilium.io/lb-algorithm": "random"});
-    let _rnd = deployment(&mut c, "rnd", RND_IP, RND_EXTERNAL, 300, opt_out);
+    let rnd = deployment(
+        &mut c,
+        "rnd",
+        (RND_IP, RND_EXTERNAL),
+        300,
+        opt_out,
+        &everywhere,
+    );
+    let far = deployment(
+        &mut c,
+        "far",
+        (FAR_IP, FAR_EXTERNAL),
+        600,
+        json!({}),
+        &|k| 1 + k % 2,
+    );
     // Every node hears of the pods and the external IPs.
     std::thread::sleep(Duration::from_secs(2));
+    let mut w = Workloads {
+        web,
+        _rnd: rnd,
+        _far: far,
+    };
+    let results = vec![
+        catch("DSR keeps replies off the entry node", || {
+            dsr_replies_skip_the_entry_node(&c)
+        }),
+        catch("Maglev across nodes and a backend change", || {
+            maglev_agrees_across_nodes_and_moves_few(&mut c, &mut w)
+        }),
+    ];
+    let failed: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    if !failed.is_empty() {
+        let logs: Vec<String> = (0..c.nodes.len())
+            .map(|i| format!("--- {} log:\n{}", c.nodes[i].name, c.daemon_log(i)))
+            .collect();
+        panic!("{}\n{}", failed.join("\n"), logs.join("\n"));
+    }
+}
 
-    let web_1 = flows_through(&c, WEB_EXTERNAL, 0, 40_000);
-    let web_2 = flows_through(&c, WEB_EXTERNAL, 1, 40_000);
-    let rnd_1 = flows_through(&c, RND_EXTERNAL, 0, 41_000);
-    let rnd_2 = flows_through(&c, RND_EXTERNAL, 1, 41_000);
+/// Runs a phase, turning its panic into an error so the next phases still run.
+fn catch(phase: &str, f: impl FnOnce()) -> Result<(), String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|e| {
+        let msg = e
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        format!("{phase}: {msg}")
+    })
+}
+
+/// nft in the fabric's namespace.
+fn fabric_nft(c: &Cluster, args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", c.bed.node_netns(), "nft"])
+        .args(args)
+        .output()
+        .expect("nft");
+    assert!(
+        out.status.success(),
+        "nft {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Packets each node sent towards the outside client since [`count_to_client`] began.
+fn packets_to_client(c: &Cluster) -> Vec<u64> {
+    let listing = fabric_nft(c, &["list", "table", "ip", "fpcount"]);
+    (1..=c.nodes.len())
+        .map(|i| {
+            listing
+                .lines()
+                .find(|l| l.contains(&format!("\"fpn{i}\"")))
+                .and_then(|l| l.split("packets ").nth(1))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no counter for fpn{i} in:\n{listing}"))
+        })
+        .collect()
+}
+
+/// Counts, in the fabric, what each node's uplink sends to the outside client.
+fn count_to_client(c: &Cluster) {
+    fabric_nft(c, &["add", "table", "ip", "fpcount"]);
+    fabric_nft(c, &["flush", "table", "ip", "fpcount"]);
+    fabric_nft(
+        c,
+        &[
+            "add",
+            "chain",
+            "ip",
+            "fpcount",
+            "tally",
+            "{ type filter hook forward priority 0 ; }",
+        ],
+    );
+    for i in 1..=c.nodes.len() {
+        let rule = format!("iifname \"fpn{i}\" ip daddr {} counter", c.outside.ipv4);
+        fabric_nft(c, &["add", "rule", "ip", "fpcount", "tally", &rule]);
+    }
+}
+
+/// Point 2: TCP and UDP through node-1 to pods on node-2 and node-3: every request
+/// answered, UDP answers come from the service address, and node-1 sent the client
+/// nothing (the backends' nodes did).
+fn dsr_replies_skip_the_entry_node(c: &Cluster) {
+    route_to(c, FAR_EXTERNAL, 0);
+    count_to_client(c);
+    let tcp = c
+        .probe_outside()
+        .args(["tcp", &format!("{FAR_EXTERNAL}:80"), "--count", "50"])
+        .output()
+        .expect("probe tcp");
+    let udp = c
+        .probe_outside()
+        .args([
+            "udp",
+            &format!("{FAR_EXTERNAL}:53"),
+            "--count",
+            "50",
+            "--fresh-socket",
+        ])
+        .output()
+        .expect("probe udp");
+    let tcp: Vec<_> = String::from_utf8_lossy(&tcp.stdout)
+        .lines()
+        .filter_map(parse_line)
+        .collect();
+    let udp: Vec<_> = String::from_utf8_lossy(&udp.stdout)
+        .lines()
+        .filter_map(parse_line)
+        .collect();
+    let counts = packets_to_client(c);
+    println!("DSR: packets each node sent the client: {counts:?}");
+    assert!(
+        tcp.len() == 50 && tcp.iter().all(|o| o.is_ok()),
+        "tcp: {tcp:?}"
+    );
+    assert!(
+        udp.len() == 50 && udp.iter().all(|o| o.is_ok()),
+        "udp: {udp:?}"
+    );
+    let service = format!("{FAR_EXTERNAL}:53");
+    for o in &udp {
+        if let xtask::probe::Outcome::Ok { from, .. } = o {
+            assert_eq!(
+                from.as_deref(),
+                Some(service.as_str()),
+                "a UDP answer's source"
+            );
+        }
+    }
+    assert_eq!(
+        counts[0], 0,
+        "the entry node sent the client {} packets",
+        counts[0]
+    );
+    assert!(
+        counts[1] > 0 && counts[2] > 0,
+        "the backends' nodes answered: {counts:?}"
+    );
+}
+
+fn maglev_agrees_across_nodes_and_moves_few(c: &mut Cluster, w: &mut Workloads) {
+    let web_1 = flows_through(c, WEB_EXTERNAL, 0, 40_000);
+    let web_2 = flows_through(c, WEB_EXTERNAL, 1, 40_000);
+    let rnd_1 = flows_through(c, RND_EXTERNAL, 0, 41_000);
+    let rnd_2 = flows_through(c, RND_EXTERNAL, 1, 41_000);
     let backends: std::collections::BTreeSet<&String> = web_1.values().collect();
     let (web_moved, rnd_moved) = (moved(&web_1, &web_2), moved(&rnd_1, &rnd_2));
     println!(
@@ -162,10 +347,11 @@ fn maglev_gives_a_flow_the_same_backend_on_every_node_and_a_backend_change_moves
 
     // One of the six backends leaves (scaled to 5, as a rollout's surplus pod goes).
     let nodes = c.nodes.len();
-    web.scale(&mut c, 5, Timing::default(), &|k| k % nodes)
+    w.web
+        .scale(c, 5, Timing::default(), &|k| k % nodes)
         .expect("scale to 5");
     std::thread::sleep(Duration::from_secs(1));
-    let web_3 = flows_through(&c, WEB_EXTERNAL, 2, 40_000);
+    let web_3 = flows_through(c, WEB_EXTERNAL, 2, 40_000);
     let left: std::collections::BTreeSet<&String> = web_3.values().collect();
     let gone: Vec<&&String> = backends.difference(&left).collect();
     assert_eq!(gone.len(), 1, "one backend left: {backends:?} -> {left:?}");
