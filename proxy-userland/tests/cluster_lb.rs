@@ -128,9 +128,6 @@ fn share(n: usize) -> f64 {
 
 /// The bed's workloads: `web` (Maglev, the default) and `rnd` (opted out) with pods on
 /// every node; `far` (Maglev) with pods on node-2 and node-3 only.
-// A live TCP connection moved from one node to another mid-stream (issue 23, point 1) is
-// not tested yet: in this bed the moved connections kept their backend even with random
-// choice, so the test could not fail; see the issue's notes.
 struct Workloads {
     web: Deployment,
     _rnd: Deployment,
@@ -181,6 +178,9 @@ fn maglev_and_dsr_across_nodes() {
     let results = vec![
         catch("DSR keeps replies off the entry node", || {
             dsr_replies_skip_the_entry_node(&c)
+        }),
+        catch("a live TCP connection moved between nodes", || {
+            a_moved_connection_keeps_its_backend(&mut c)
         }),
         catch("Maglev across nodes and a backend change", || {
             maglev_agrees_across_nodes_and_moves_few(&mut c, &mut w)
@@ -317,6 +317,70 @@ fn dsr_replies_skip_the_entry_node(c: &Cluster) {
     assert!(
         counts[1] > 0 && counts[2] > 0,
         "the backends' nodes answered: {counts:?}"
+    );
+}
+
+/// Point 1: keep-alive HTTP connections through node-1, moved to node-2 mid-stream.
+/// With Maglev (and DSR: the backend sees the client itself on both paths) each keeps
+/// its connection and backend; with random choice (the opted-out service) they reset.
+fn a_moved_connection_keeps_its_backend(c: &mut Cluster) {
+    const CONNECTIONS: usize = 6;
+    let mut reports = Vec::new();
+    for (external, name) in [(FAR_EXTERNAL, "maglev"), (RND_EXTERNAL, "random")] {
+        route_to(c, external, 0);
+        let clients = vec![format!("http={external}:81"); CONNECTIONS];
+        let cmd = c.probe_outside();
+        let load = c
+            .start_load(
+                name,
+                cmd,
+                &clients,
+                Duration::from_millis(50),
+                Duration::from_secs(20),
+            )
+            .expect("load");
+        // Every connection made, and answering, through node-1.
+        let began = std::time::Instant::now();
+        while !(load.latest().len() == CONNECTIONS && load.latest().iter().all(|r| r.ok >= 5)) {
+            assert!(
+                began.elapsed() < Duration::from_secs(10),
+                "{name}: the clients never got going"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let before = load.latest();
+        route_to(c, external, 1);
+        std::thread::sleep(Duration::from_secs(2));
+        let r = load.finish(c).expect("report");
+        println!(
+            "{name}, moved from node-1 to node-2:\n{}",
+            xtask::cluster::load::table(&r)
+        );
+        // Requests after the move: more than before it, for every connection.
+        for (b, a) in before.iter().zip(&r) {
+            assert!(
+                a.requests >= b.requests + 10,
+                "{name}: too few requests after the move: {b:?} then {a:?}"
+            );
+        }
+        reports.push(r);
+    }
+    for r in &reports[0] {
+        assert!(r.ok > 0 && r.failed() == 0, "maglev: {r:?}");
+        assert_eq!(
+            r.backends.len(),
+            1,
+            "maglev: the connection changed backend: {r:?}"
+        );
+    }
+    let broken = reports[1]
+        .iter()
+        .filter(|r| r.failed() > 0 || r.backends.len() > 1)
+        .count();
+    assert!(
+        broken > 0,
+        "random: no connection broke when moved: {:?}",
+        reports[1]
     );
 }
 
