@@ -12,15 +12,12 @@
 use proxy_common::nat::dsr::{EXT6_LEN, OPT4_LEN, OPT4_TYPE, OPT6_LEN, OPT6_TYPE};
 
 use crate::{
-    ip::{ETH_HLEN, Ip, V4},
+    ip::{ETH_HLEN, IP6_HLEN, Ip, NEXTHDR_DEST, V4},
     packet::Packet,
 };
 
-/// IPv6's next-header number of the destination options header.
-const NEXTHDR_DEST: u8 = 60;
-/// IPv4's header without options, and IPv6's fixed header.
+/// IPv4's header without options.
 const IP4_HLEN: usize = 20;
-const IP6_HLEN: usize = 40;
 
 /// The frontend a DSR option in this packet names (address, port in network byte order).
 #[inline(always)]
@@ -90,15 +87,4 @@ pub fn push<P: Packet, I: Ip>(pkt: &mut P, addr: I::Addr, port: u16) -> Result<(
         pkt.store(ETH_HLEN + IP6_HLEN + 4, &addr)?;
         pkt.store(ETH_HLEN + IP6_HLEN + 20, &[port, 0u16])
     }
-}
-
-/// For an IPv6 packet carrying our destination option: its upper protocol and where that
-/// header starts (the stack skips the option, and so does the translation).
-#[inline(always)]
-pub fn skip6<P: Packet>(pkt: &P, at: usize) -> Option<(u8, usize)> {
-    let head: [u8; 4] = pkt.load(at + IP6_HLEN)?;
-    if head[1] != (EXT6_LEN / 8 - 1) as u8 || head[2] != OPT6_TYPE || head[3] != OPT6_LEN {
-        return None;
-    }
-    Some((head[0], at + IP6_HLEN + EXT6_LEN))
 }

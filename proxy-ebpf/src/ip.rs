@@ -11,7 +11,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Addr6, CtKey, CtValue, FlowAddr, Service4Key, Service6Key, ServiceValue, SourceRange, maglev,
-    nat, proto,
+    nat::{self, dsr},
+    proto,
 };
 
 use crate::{
@@ -274,7 +275,9 @@ impl Ip for V4 {
 }
 
 /// IPv6's fixed header; what follows it is the L4 header only when `next header` says so.
-const IP6_HLEN: usize = 40;
+pub const IP6_HLEN: usize = 40;
+/// IPv6's next-header number of the destination options header.
+pub const NEXTHDR_DEST: u8 = 60;
 
 // Word-typed addresses: as bytes (align 1) the compiler moves and spills them a byte at a
 // time, which overflows the stack. The service and backend maps keep bytes, converted at
@@ -310,9 +313,17 @@ impl Ip for V6 {
             return None;
         }
         let next: u8 = pkt.load(at + 6)?;
-        // One extension header is ours to read: a DSR flow's frontend (see `dsr`).
-        if next == 60 {
-            return crate::dsr::skip6(pkt, at);
+        // One extension header is ours to read: a DSR flow's frontend (see `dsr`), which
+        // the stack skips too.
+        if next == NEXTHDR_DEST {
+            let head: [u8; 4] = pkt.load(at + IP6_HLEN)?;
+            if head[1] != (dsr::EXT6_LEN / 8 - 1) as u8
+                || head[2] != dsr::OPT6_TYPE
+                || head[3] != dsr::OPT6_LEN
+            {
+                return None;
+            }
+            return Some((head[0], at + IP6_HLEN + dsr::EXT6_LEN));
         }
         Some((next, at + IP6_HLEN))
     }

@@ -22,7 +22,10 @@ pub use file::KubeProxyConfiguration;
 pub use values::{Cidr, LogLevel, NodePortAddress};
 
 use self::mode::Mode;
-use crate::{dataplane::bpf::lb::LbMode, model::LbAlgorithm, node_setup::NodeSetup};
+use crate::{
+    model::{LbAlgorithm, LbMode},
+    node_setup::NodeSetup,
+};
 
 #[derive(Debug, Clone, Parser)]
 #[command(
@@ -240,6 +243,13 @@ pub struct Args {
     /// packets are translated on their devices (needs --pod-interface-name-prefix).
     #[arg(long, default_value_t = false)]
     pub bpf_socket_lb_host_namespace_only: bool,
+
+    /// eBPF pod path: a pod's translated packet for a pod on this node goes straight into
+    /// that pod's namespace (bpf_redirect_peer, as Cilium's BPF host routing), skipping the
+    /// host's routing and netfilter. Off by default: a CNI that enforces NetworkPolicy with
+    /// iptables on the host would not see that traffic.
+    #[arg(long, default_value_t = false)]
+    pub bpf_host_routing: bool,
 
     /// eBPF: "native" runs the node-port ingress work in XDP ahead of tc on devices whose
     /// driver supports native XDP (the others keep tc); "disabled" uses tc alone.

@@ -16,7 +16,6 @@ use xtask::{
         controller::{Deployment, Timing},
         objects,
     },
-    cmd::ip,
     probe::parse_line,
 };
 
@@ -65,18 +64,7 @@ fn deployment(
 
 /// The fabric sends traffic for `external` to node `i`.
 fn route_to(c: &Cluster, external: Ipv4Addr, i: usize) {
-    let via = c.nodes[i].ipv4.to_string();
-    let dst = format!("{external}/32");
-    ip([
-        "-n",
-        c.bed.node_netns(),
-        "route",
-        "replace",
-        &dst,
-        "via",
-        &via,
-    ])
-    .expect("route");
+    c.route_to_node(external, i).expect("route");
 }
 
 /// Sends the [`FLOWS`] flows (client ports from `base`) to `external`'s UDP port through
@@ -207,64 +195,12 @@ fn catch(phase: &str, f: impl FnOnce()) -> Result<(), String> {
     })
 }
 
-/// nft in the fabric's namespace.
-fn fabric_nft(c: &Cluster, args: &[&str]) -> String {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", c.bed.node_netns(), "nft"])
-        .args(args)
-        .output()
-        .expect("nft");
-    assert!(
-        out.status.success(),
-        "nft {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Packets each node sent towards the outside client since [`count_to_client`] began.
-fn packets_to_client(c: &Cluster) -> Vec<u64> {
-    let listing = fabric_nft(c, &["list", "table", "ip", "fpcount"]);
-    (1..=c.nodes.len())
-        .map(|i| {
-            listing
-                .lines()
-                .find(|l| l.contains(&format!("\"fpn{i}\"")))
-                .and_then(|l| l.split("packets ").nth(1))
-                .and_then(|rest| rest.split_whitespace().next())
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("no counter for fpn{i} in:\n{listing}"))
-        })
-        .collect()
-}
-
-/// Counts, in the fabric, what each node's uplink sends to the outside client.
-fn count_to_client(c: &Cluster) {
-    fabric_nft(c, &["add", "table", "ip", "fpcount"]);
-    fabric_nft(c, &["flush", "table", "ip", "fpcount"]);
-    fabric_nft(
-        c,
-        &[
-            "add",
-            "chain",
-            "ip",
-            "fpcount",
-            "tally",
-            "{ type filter hook forward priority 0 ; }",
-        ],
-    );
-    for i in 1..=c.nodes.len() {
-        let rule = format!("iifname \"fpn{i}\" ip daddr {} counter", c.outside.ipv4);
-        fabric_nft(c, &["add", "rule", "ip", "fpcount", "tally", &rule]);
-    }
-}
-
 /// Point 2: TCP and UDP through node-1 to pods on node-2 and node-3: every request
 /// answered, UDP answers come from the service address, and node-1 sent the client
 /// nothing (the backends' nodes did).
 fn dsr_replies_skip_the_entry_node(c: &Cluster) {
     route_to(c, FAR_EXTERNAL, 0);
-    count_to_client(c);
+    c.count_to_outside().expect("fabric counters");
     let tcp = c
         .probe_outside()
         .args(["tcp", &format!("{FAR_EXTERNAL}:80"), "--count", "50"])
@@ -289,7 +225,7 @@ fn dsr_replies_skip_the_entry_node(c: &Cluster) {
         .lines()
         .filter_map(parse_line)
         .collect();
-    let counts = packets_to_client(c);
+    let counts = c.packets_to_outside().expect("fabric counters");
     println!("DSR: packets each node sent the client: {counts:?}");
     assert!(
         tcp.len() == 50 && tcp.iter().all(|o| o.is_ok()),

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 pub use endpoint::{Endpoint, EndpointSet, SliceInfo, SlicePort};
 use imbl::OrdMap;
-pub use service::{LbAlgorithm, Protocol, Service, ServiceKey, ServicePort};
+pub use service::{LbAlgorithm, LbMode, Protocol, Service, ServiceKey, ServicePort};
 pub use service_cidr::{Cidr, ServiceRanges};
 pub use slices::Slices;
 

@@ -164,6 +164,29 @@ pub enum LbAlgorithm {
     Maglev,
 }
 
+/// How a flow to a backend on another node travels (Cilium's `--bpf-lb-mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LbMode {
+    /// The entry node rewrites the source to itself; replies come back through it.
+    #[default]
+    Snat,
+    /// Direct server return: the backend's node answers the client itself.
+    Dsr,
+    /// DSR for TCP, SNAT for UDP (Cilium's `hybrid`).
+    Hybrid,
+}
+
+impl LbMode {
+    /// Whether flows of `proto` go by DSR.
+    pub fn dsr_for(self, proto: Protocol) -> bool {
+        match self {
+            Self::Snat => false,
+            Self::Dsr => true,
+            Self::Hybrid => proto == Protocol::Tcp,
+        }
+    }
+}
+
 impl std::str::FromStr for LbAlgorithm {
     type Err = String;
 

@@ -462,6 +462,66 @@ impl Cluster {
         Ok(())
     }
 
+    /// Starts counting, in the fabric, the packets each node's uplink sends to the outside
+    /// client (an nftables counter per node; restarted by each call). Read them with
+    /// [`Cluster::packets_to_outside`].
+    pub fn count_to_outside(&self) -> Result<()> {
+        let table = ["table", "ip", "fpcount"];
+        self.fabric_nft(&[&["add"][..], &table].concat())?;
+        self.fabric_nft(&[&["flush"][..], &table].concat())?;
+        let chain = "{ type filter hook forward priority 0 ; }";
+        self.fabric_nft(&["add", "chain", "ip", "fpcount", "tally", chain])?;
+        for n in &self.nodes {
+            let rule = format!(
+                "iifname \"{}\" ip daddr {} counter",
+                n.fabric_veth, self.outside.ipv4
+            );
+            self.fabric_nft(&["add", "rule", "ip", "fpcount", "tally", &rule])?;
+        }
+        Ok(())
+    }
+
+    /// Packets each node sent the outside client since [`Cluster::count_to_outside`].
+    pub fn packets_to_outside(&self) -> Result<Vec<u64>> {
+        let listing = self.fabric_nft(&["list", "table", "ip", "fpcount"])?;
+        self.nodes
+            .iter()
+            .map(|n| {
+                listing
+                    .lines()
+                    .find(|l| l.contains(&format!("\"{}\"", n.fabric_veth)))
+                    .and_then(|l| l.split("packets ").nth(1))
+                    .and_then(|rest| rest.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| anyhow!("no counter for {} in:\n{listing}", n.name))
+            })
+            .collect()
+    }
+
+    /// `nft` in the fabric's namespace.
+    fn fabric_nft(&self, args: &[&str]) -> Result<String> {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", self.bed.node_netns(), "nft"])
+            .args(args);
+        crate::cmd::output(&mut cmd).with_context(|| format!("nft {args:?}"))
+    }
+
+    /// The fabric routes traffic for `addr` to node `i`, as a router in front of the
+    /// nodes (a load balancer, an ECMP next hop) would.
+    pub fn route_to_node(&self, addr: Ipv4Addr, i: usize) -> Result<()> {
+        let (dst, via) = (format!("{addr}/32"), self.nodes[i].ipv4.to_string());
+        ip([
+            "-n",
+            self.bed.node_netns(),
+            "route",
+            "replace",
+            &dst,
+            "via",
+            &via,
+        ])
+        .map(drop)
+    }
+
     /// A daemon counter from node `i`'s /metrics: the sum of the samples of `name` whose
     /// labels contain `labels` (e.g. `result="failed"`).
     pub fn metric(&self, i: usize, name: &str, labels: &str) -> Result<f64> {
