@@ -26,6 +26,10 @@ pub const DEVICE_ADDRS6: &str = "FP_DEV_ADDR6";
 pub const SERVICE_RANGES4: &str = "FP_SVC_RANGE4";
 pub const SERVICE_RANGES6: &str = "FP_SVC_RANGE6";
 pub const STATS: &str = "FP_STATS";
+/// The host ends of the pods' devices the pod path is attached to (ifindex -> 1): where a
+/// translated packet may be redirected into a pod's namespace (see `sockcfg::HOST_ROUTING`).
+pub const POD_DEVICES: &str = "FP_POD_DEVS";
+pub const POD_DEVICES_MAX: u32 = 16_384;
 /// Reverse-NAT index -> the frontend's Maglev table (an inner array map; see `maglev`).
 pub const MAGLEV: &str = "FP_MAGLEV";
 /// One entry: what the socket hooks leave to the pods' devices (see `sockcfg`).
@@ -50,7 +54,7 @@ pub const NODE_ADDRS_MAX: u32 = 256;
 pub const SERVICE_RANGES_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 21] = [
+pub const ALL: [&str; 22] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -72,4 +76,5 @@ pub const ALL: [&str; 21] = [
     STATS,
     SOCK_CONFIG,
     MAGLEV,
+    POD_DEVICES,
 ];

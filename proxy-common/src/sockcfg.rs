@@ -30,4 +30,8 @@ pub mod flags {
     /// Everything: socket load-balancing applies to the host namespace only (Cilium's
     /// socketLB.hostNamespaceOnly), e.g. for meshes that must see the ClusterIP.
     pub const POD_ALL_PER_PACKET: u32 = 1 << 1;
+    /// The pod path sends a translated packet for a pod on this node straight into that
+    /// pod's namespace (bpf_redirect_peer), past the host's routing and netfilter, as
+    /// Cilium's BPF host routing does. Only to devices in the pod device map.
+    pub const HOST_ROUTING: u32 = 1 << 2;
 }

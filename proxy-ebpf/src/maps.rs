@@ -14,8 +14,8 @@ use proxy_common::{
     SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
     maglev::{Chunk, TABLES_MAX},
     maps::{
-        AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, SERVICE_RANGES_MAX,
-        SERVICES_MAX, SOCK_REVNAT_MAX, SOURCE_RANGES_MAX,
+        AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, POD_DEVICES_MAX,
+        SERVICE_RANGES_MAX, SERVICES_MAX, SOCK_REVNAT_MAX, SOURCE_RANGES_MAX,
     },
     nat::stat,
 };
@@ -96,6 +96,10 @@ pub static DEVICE_ADDRS4: HashMap<u32, u32> = HashMap::with_max_entries(NODE_ADD
 
 #[map(name = "FP_DEV_ADDR6")]
 pub static DEVICE_ADDRS6: HashMap<u32, Addr6> = HashMap::with_max_entries(NODE_ADDRS_MAX, 0);
+
+/// The pods' devices the pod path is attached to (see `proxy_common::maps::POD_DEVICES`).
+#[map(name = "FP_POD_DEVS")]
+pub static POD_DEVICES: HashMap<u32, u32> = HashMap::with_max_entries(POD_DEVICES_MAX, 0);
 
 /// What the socket hooks leave to the pods' devices; written by the daemon at start.
 #[map(name = "FP_SOCK_CFG")]

@@ -18,6 +18,7 @@ use aya_ebpf::bindings::{BPF_NOEXIST, bpf_fib_lookup as FibParams};
 use proxy_common::{
     AffinityKey, AffinityValue, CtKey, CtValue, ServiceValue, backend, nat, proto,
     service::{flags, scope},
+    sockcfg,
 };
 
 use crate::{
@@ -28,7 +29,7 @@ use crate::{
     kernel,
     lb::{pick_slot, serves},
     maglev,
-    maps::{AFFINITY, Lookup, count},
+    maps::{AFFINITY, Lookup, POD_DEVICES, SOCK_CONFIG, count},
     packet::{FIB_NOT_FWDED, Packet},
     refuse,
 };
@@ -567,6 +568,9 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         if snat {
             return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
         }
+        if from_pod {
+            return Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib));
+        }
         apply::<P, I>(pkt, f, &nat)?;
         return Ok(P::PASS);
     }
@@ -614,9 +618,50 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     if snat {
         return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
     }
-    // A local backend: the stack delivers it to the pod as it would any forwarded packet.
+    // A local backend: the stack delivers it to the pod as it would any forwarded packet,
+    // or, from a pod with host routing on, we do.
+    if from_pod {
+        return Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib));
+    }
     apply::<P, I>(pkt, f, &nat)?;
     Ok(P::PASS)
+}
+
+/// Whether the daemon turned host routing on (see `proxy_common::sockcfg::flags`).
+#[inline(always)]
+fn host_routing() -> bool {
+    SOCK_CONFIG
+        .get(0)
+        .is_some_and(|c| c.flags & sockcfg::flags::HOST_ROUTING != 0)
+}
+
+/// A pod's translated packet (or a local backend's reply to one): with host routing on
+/// and a destination behind one of the pods' devices, straight into that pod's namespace,
+/// past the host's routing, netfilter and backlog queue; otherwise on through the host's
+/// stack. Not inlined, as [`redirect_from_tc`].
+#[inline(never)]
+fn to_local_pod<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    nat: &Nat<I::Addr>,
+    fib: &mut FibParams,
+) -> i32 {
+    if apply::<P, I>(pkt, f, nat).is_err() {
+        return P::PASS;
+    }
+    if P::XDP || !host_routing() {
+        return P::PASS;
+    }
+    let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
+    let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
+    let ret = I::fib_lookup(pkt, fib, f.proto, sport, dport, saddr, daddr, 0);
+    if ret != crate::packet::FIB_SUCCESS || POD_DEVICES.lookup(fib.ifindex).is_none() {
+        return P::PASS;
+    }
+    if pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err() {
+        return P::PASS;
+    }
+    pkt.redirect_peer(fib.ifindex)
 }
 
 /// Sends a DSR flow's packet to its backend's node: destination translated, source kept,

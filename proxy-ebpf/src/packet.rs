@@ -10,7 +10,7 @@ use aya_ebpf::{
         BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode,
         xdp_action,
     },
-    helpers::{bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail},
+    helpers::{bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer, bpf_skb_change_tail},
     programs::{TcContext, XdpContext},
 };
 use bytemuck::Pod;
@@ -54,6 +54,9 @@ pub trait Packet {
     fn reshape(&mut self, len: u32, grow: u32) -> Result<(), ()>;
     /// Sends the packet back out of the device it arrived on (to the sender).
     fn bounce(&mut self) -> i32;
+    /// Sends the packet into the namespace of the peer of veth `ifindex`, to arrive there
+    /// as if that peer had received it (tc only; XDP passes it on).
+    fn redirect_peer(&mut self, ifindex: u32) -> i32;
     /// Makes room for `len` bytes right after the fixed IP header (where IPv4 options and
     /// IPv6 extension headers go). Err where the hook cannot (XDP here).
     fn grow_net(&mut self, len: u32) -> Result<(), ()>;
@@ -140,6 +143,12 @@ impl Packet for TcContext {
         }
         let grow = i32::try_from(grow).map_err(drop)?;
         TcContext::adjust_room(self, grow, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0).map_err(drop)
+    }
+
+    #[inline(always)]
+    fn redirect_peer(&mut self, ifindex: u32) -> i32 {
+        // SAFETY: plain values; the helper only records where the packet goes next.
+        unsafe { bpf_redirect_peer(ifindex, 0) as i32 }
     }
 
     #[inline(always)]
@@ -251,6 +260,11 @@ impl Packet for XdpContext {
 
     #[inline(always)]
     fn bounce(&mut self) -> i32 {
+        Self::PASS
+    }
+
+    #[inline(always)]
+    fn redirect_peer(&mut self, _ifindex: u32) -> i32 {
         Self::PASS
     }
 

@@ -522,3 +522,60 @@ fn udp_refused_at_once(s: &Setup, unheld: &str, served: &str, outside: &str) {
         "{outside}: {left:?}"
     );
 }
+
+/// `--bpf-host-routing`: a pod's translated traffic to pods on its node goes straight into
+/// their namespace, TCP and UDP, v4 and v6, replies included: once the pods' neighbour
+/// entries are known the host forwards none of it (an nftables counter on the node's
+/// forward hook, which every packet of these flows passes without the flag, stays at 0),
+/// and the clients see the ClusterIP as before.
+#[test]
+fn host_routing_takes_pods_translated_traffic_past_the_hosts_stack() {
+    let s = setup_for("hostrt", &["--bpf-host-routing"], true);
+    // A packet for a pod whose neighbour entry the host has yet to resolve goes through
+    // the stack, which resolves it: a first round makes them known.
+    outside_pod_reaches(&s, WEB, WEB_DNS);
+    outside_pod_reaches(&s, WEB6, WEB6_DNS);
+    let nft = |args: &[&str]| {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", s.bed.node_netns(), "nft"])
+            .args(args)
+            .output()
+            .expect("nft");
+        assert!(
+            out.status.success(),
+            "nft {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    nft(&["add", "table", "inet", "fphr"]);
+    nft(&[
+        "add",
+        "chain",
+        "inet",
+        "fphr",
+        "tally",
+        "{ type filter hook forward priority 0 ; }",
+    ]);
+    nft(&[
+        "add",
+        "rule",
+        "inet",
+        "fphr",
+        "tally",
+        "meta l4proto { tcp, udp } counter",
+    ]);
+    outside_pod_reaches(&s, WEB, WEB_DNS);
+    outside_pod_reaches(&s, WEB6, WEB6_DNS);
+    let listing = nft(&["list", "table", "inet", "fphr"]);
+    let forwarded: u64 = listing
+        .split("packets ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in:\n{listing}"));
+    assert_eq!(
+        forwarded, 0,
+        "the host forwarded {forwarded} packets of the pods' translated flows:\n{listing}"
+    );
+}

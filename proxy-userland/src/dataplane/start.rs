@@ -223,6 +223,7 @@ impl StartOptions {
                 auto: args.pod_interfaces == "auto",
                 node_addresses: args.bind_address.into_iter().collect(),
                 host_namespace_only: args.bpf_socket_lb_host_namespace_only,
+                host_routing: args.bpf_host_routing,
             }),
             iptables_backend: match args.iptables_backend.as_str() {
                 "legacy" => Backend::Legacy,

@@ -370,7 +370,15 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
             let egress = fds.pop().expect("two programs");
             let ingress = fds.pop().expect("two programs");
             let pin_dir = layout.as_ref().map(|l| l.pod_links.as_path());
-            Some(PodDevices::start(cfg, ingress, egress, pin_dir).map_err(LoadError::PodDevices)?)
+            let name = map_names::POD_DEVICES;
+            let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+            let map = aya::maps::HashMap::try_from(map)
+                .map_err(|source| LoadError::Map { name, source })?;
+            let known = pods::KnownDevices::new(map);
+            Some(
+                PodDevices::start(cfg, (ingress, egress), known, pin_dir)
+                    .map_err(LoadError::PodDevices)?,
+            )
         }
         None => None,
     };

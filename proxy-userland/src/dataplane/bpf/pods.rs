@@ -50,6 +50,9 @@ pub struct PodPathConfig {
     /// Socket load-balancing for the host namespace only (Cilium's
     /// socketLB.hostNamespaceOnly): pods' TCP is translated per packet too.
     pub host_namespace_only: bool,
+    /// Translated packets for pods on this node go straight into their namespace
+    /// (`--bpf-host-routing`; see `proxy_common::sockcfg::flags::HOST_ROUTING`).
+    pub host_routing: bool,
 }
 
 impl PodPathConfig {
@@ -155,10 +158,12 @@ impl PodDevices {
     /// Attaches to the matching devices there are now (so the caller knows the programs
     /// work here), then keeps watching from a thread. With `pin_dir` (a bpffs folder) the
     /// links are pinned there and replace those a previous daemon pinned (see [`pins`]).
+    /// `known`: the map of pods' devices the programs may redirect into, kept in step with
+    /// the devices attached to.
     pub fn start(
         cfg: &PodPathConfig,
-        ingress: ProgramFd,
-        egress: ProgramFd,
+        (ingress, egress): (ProgramFd, ProgramFd),
+        known: KnownDevices,
         pin_dir: Option<&Path>,
     ) -> io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -187,8 +192,10 @@ impl PodDevices {
                         })
                         .ok();
                     let mut devices: BTreeMap<u32, PodDevice> = BTreeMap::new();
+                    let mut known = known;
                     let progs = (&ingress, &egress);
-                    let first = rescan(&cfg, progs, &mut devices, pins.as_mut());
+                    let first = rescan(&cfg, progs, &mut devices, pins.as_mut())
+                        .and(known.follow(&devices));
                     attached.store(devices.len(), Ordering::Relaxed);
                     let _ = ready_tx.send(first);
                     while !stop.load(Ordering::Relaxed) {
@@ -200,7 +207,9 @@ impl PodDevices {
                             }
                             None => std::thread::sleep(RESCAN),
                         }
-                        if let Err(e) = rescan(&cfg, progs, &mut devices, pins.as_mut()) {
+                        if let Err(e) = rescan(&cfg, progs, &mut devices, pins.as_mut())
+                            .and(known.follow(&devices))
+                        {
                             tracing::warn!("pod devices: {e}");
                         }
                         attached.store(devices.len(), Ordering::Relaxed);
@@ -222,6 +231,51 @@ impl PodDevices {
     /// How many pod devices carry the programs now.
     pub fn attached(&self) -> usize {
         self.attached.load(Ordering::Relaxed)
+    }
+}
+
+/// The pods' devices map (`FP_POD_DEVS`), as the programs see it.
+pub struct KnownDevices {
+    map: aya::maps::HashMap<aya::maps::MapData, u32, u32>,
+    /// What this process wrote; None until the first look, which clears what a previous
+    /// daemon left (its ifindexes may name other devices now).
+    written: Option<std::collections::BTreeSet<u32>>,
+}
+
+impl KnownDevices {
+    pub fn new(map: aya::maps::HashMap<aya::maps::MapData, u32, u32>) -> Self {
+        Self { map, written: None }
+    }
+
+    /// Brings the map in line with the devices attached to: gone ones first, so a reused
+    /// index never names a device we did not check.
+    fn follow(&mut self, devices: &BTreeMap<u32, PodDevice>) -> io::Result<()> {
+        let written = match &mut self.written {
+            Some(w) => w,
+            None => {
+                let old: Vec<u32> = self.map.keys().filter_map(Result::ok).collect();
+                for k in old {
+                    let _ = self.map.remove(&k);
+                }
+                self.written.insert(Default::default())
+            }
+        };
+        let err = |e: aya::maps::MapError| io::Error::other(format!("the pod device map: {e}"));
+        let gone: Vec<u32> = written
+            .iter()
+            .filter(|i| !devices.contains_key(i))
+            .copied()
+            .collect();
+        for i in gone {
+            self.map.remove(&i).map_err(err)?;
+            written.remove(&i);
+        }
+        for &i in devices.keys() {
+            if written.insert(i) {
+                self.map.insert(i, 1, 0).map_err(err)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -364,6 +418,11 @@ pub fn write_sock_config(ebpf: &mut aya::Ebpf, pods: Option<&PodPathConfig>) -> 
             flags: flags::POD_UDP_PER_PACKET
                 | if cfg.host_namespace_only {
                     flags::POD_ALL_PER_PACKET
+                } else {
+                    0
+                }
+                | if cfg.host_routing {
+                    flags::HOST_ROUTING
                 } else {
                     0
                 },
