@@ -159,6 +159,23 @@ fn main() -> Result<()> {
             )?;
         }
     }
+    // DSR's promise, judged: the entry node sends the client nothing, in every round.
+    let dsr_rounds_ok = series[1].iter().all(|s| s.problems.is_empty());
+    let most: f64 = series[1]
+        .iter()
+        .flat_map(|s| s.entry_packets.iter().copied())
+        .fold(0.0, f64::max);
+    let verdict = if !dsr_rounds_ok {
+        "NOT judged (a round's conditions failed it)"
+    } else if most == 0.0 {
+        "met"
+    } else {
+        "NOT met"
+    };
+    writeln!(
+        table,
+        "\n## Targets\n\n- DSR keeps replies off the entry node: {verdict} (at most {most:.2} of node-1's packets to the client per request, in any round)."
+    )?;
     println!("{table}");
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     std::fs::create_dir_all(&dir)?;

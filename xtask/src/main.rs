@@ -70,7 +70,7 @@ enum Cmd {
         /// Services (x 10 endpoints) of the cluster row, at most 12,000 (the shipped map size).
         #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(2..=12_000))]
         cluster_services: u32,
-        /// Run only these benches: dataplane, nodeport, daemon, cluster.
+        /// Run only these benches: dataplane, nodeport, daemon, cluster, dsr.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },

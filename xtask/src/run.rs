@@ -106,19 +106,20 @@ pub struct BenchOptions {
     /// The cluster row: nodes, and services on each.
     pub cluster_nodes: u32,
     pub cluster_services: u32,
-    /// Benches to run: any of dataplane, nodeport, daemon, cluster.
+    /// Benches to run: any of dataplane, nodeport, daemon, cluster, dsr.
     pub only: Vec<String>,
 }
 
 /// The benches, in the order they run, and the file each writes under target/bench.
-const BENCHES: [(&str, &str); 4] = [
+const BENCHES: [(&str, &str); 5] = [
     ("dataplane", "results.md"),
     ("nodeport", "nodeport.md"),
     ("daemon", "daemon.md"),
     ("cluster", "cluster.md"),
+    ("dsr", "dsr.md"),
 ];
 
-/// `cargo xtask bench`: set-up, then the `dataplane`, `nodeport`, `daemon` and `cluster` benches of
+/// `cargo xtask bench`: set-up, then the `dataplane`, `nodeport`, `daemon`, `cluster` and `dsr` benches of
 /// proxy-userland (plain programs printing tables; see proxy-userland/benches/), each
 /// bounded in count and time; then every bench's Targets, together, printed and written to
 /// target/bench/targets.md. A bench that fails does not stop the others.
