@@ -2,9 +2,9 @@
 //! external IP on node A (the bed's node namespace), whose only endpoint is pod-b on node
 //! B (a peer namespace with its own packet programs, as every node of a DSR cluster has).
 //! Node A sends the flow on with the client's address and the frontend in an option; node
-//! B turns pod-b's answer into the frontend's. The bed routes node B's traffic back
-//! through node A, so here the replies do cross node A, as a router: the cluster bed
-//! (`cluster_lb.rs`) shows that an entry node sends the client nothing, in IPv4.
+//! B turns pod-b's answer into the frontend's and sends it to the client over a link of
+//! its own (the bed would route it back through node A otherwise), as a backend's node
+//! answers over the network in a cluster.
 
 mod common;
 
@@ -98,6 +98,7 @@ fn dsr_to_node_b(tag: &str, v6: bool) {
         .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
         .expect("external client namespace");
     let (b, _pod_b) = node_b(&mut bed);
+    direct_link(&b, &ext);
     let mut dp_a = attach(
         bed.cgroup_path(),
         bed.node_netns(),
@@ -108,7 +109,7 @@ fn dsr_to_node_b(tag: &str, v6: bool) {
     // packet programs matter here, and they need no Service to read an option.
     let cgroup_b: PathBuf = bed.cgroup_root().join("node-b");
     xtask::cgroup::create(&cgroup_b).expect("node B's cgroup");
-    let _dp_b = attach(&cgroup_b, &b.netns, &["eth0"], LbMode::Dsr);
+    let _dp_b = attach(&cgroup_b, &b.netns, &["eth0", B_TO_CLIENT], LbMode::Dsr);
 
     let external: IpAddr = if v6 {
         "2001:db8:ff01::50".parse().unwrap()
@@ -149,6 +150,7 @@ fn dsr_to_node_b(tag: &str, v6: bool) {
             .is_some_and(Outcome::is_ok)),
         "{tcp_target} never answered"
     );
+    count_on_node_a(&bed, &b, client);
     let tcp = probe_from(&ext, &["tcp", &tcp_target, "--count", "20"]);
     let udp = probe_from(
         &ext,
@@ -169,4 +171,110 @@ fn dsr_to_node_b(tag: &str, v6: bool) {
             assert_eq!(answered_from, Some(target), "{what}: {o:?}");
         }
     }
+    // Node A forwarded none of the answers: they went from node B to the client.
+    let from_b = counted_on_node_a(&bed);
+    assert_eq!(
+        from_b, 0,
+        "node A forwarded {from_b} packets from node B to the client"
+    );
+}
+
+/// Node B's end of its own link to the client.
+const B_TO_CLIENT: &str = "fpdb";
+
+/// A link from node B to the client (198.18.99.0/30, 2001:db8:99::/64), and node B's
+/// route to the client over it. The client keeps reaching the external IP through node A.
+fn direct_link(b: &PeerNode, ext: &Pod) {
+    let ip = |args: &[&str]| xtask::cmd::ip(args.iter().copied()).expect("ip");
+    ip(&[
+        "-n",
+        &b.netns,
+        "link",
+        "add",
+        B_TO_CLIENT,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "fpde",
+        "netns",
+        &ext.netns,
+    ]);
+    for (ns, dev, v4, v6) in [
+        (&b.netns, B_TO_CLIENT, "198.18.99.1/30", "2001:db8:99::1/64"),
+        (&ext.netns, "fpde", "198.18.99.2/30", "2001:db8:99::2/64"),
+    ] {
+        ip(&["-n", ns, "addr", "add", v4, "dev", dev]);
+        ip(&["-n", ns, "-6", "addr", "add", v6, "dev", dev, "nodad"]);
+        ip(&["-n", ns, "link", "set", dev, "up"]);
+    }
+    ip(&[
+        "-n",
+        &b.netns,
+        "route",
+        "add",
+        &format!("{}/32", ext.ipv4),
+        "via",
+        "198.18.99.2",
+    ]);
+    ip(&[
+        "-n",
+        &b.netns,
+        "-6",
+        "route",
+        "add",
+        &format!("{EXT6}/128"),
+        "via",
+        "2001:db8:99::2",
+    ]);
+    // The client's answers arrive on a link its route to the external IP does not use.
+    for dev in ["all", "fpde"] {
+        xtask::netns::sysctl(&ext.netns, &format!("net/ipv4/conf/{dev}/rp_filter"), "0")
+            .expect("rp_filter");
+    }
+}
+
+/// Starts counting, on node A's forward hook, packets from node B to `client`.
+fn count_on_node_a(bed: &Testbed, b: &PeerNode, client: IpAddr) {
+    let family = if client.is_ipv4() { "ip" } else { "ip6" };
+    let rule = format!("iifname \"{}\" {family} daddr {client} counter", b.bed_veth);
+    for args in [
+        vec!["add", "table", "inet", "fpdsr"],
+        vec![
+            "add",
+            "chain",
+            "inet",
+            "fpdsr",
+            "tally",
+            "{ type filter hook forward priority 0 ; }",
+        ],
+        vec!["add", "rule", "inet", "fpdsr", "tally", &rule],
+    ] {
+        node_a_nft(bed, &args);
+    }
+}
+
+/// What [`count_on_node_a`] counted.
+fn counted_on_node_a(bed: &Testbed) -> u64 {
+    let listing = node_a_nft(bed, &["list", "table", "inet", "fpdsr"]);
+    listing
+        .split("packets ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in:\n{listing}"))
+}
+
+fn node_a_nft(bed: &Testbed, args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", bed.node_netns(), "nft"])
+        .args(args)
+        .output()
+        .expect("nft");
+    assert!(
+        out.status.success(),
+        "nft {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
