@@ -1,0 +1,140 @@
+//! What the per-packet programs cost on the pod path, measured in the kernel
+//! (`kernel.bpf_stats_enabled`: each tc program's run_time_ns and run_cnt), which a shared,
+//! busy machine disturbs far less than wall-clock rates: a pod outside the socket hooks'
+//! cgroup opens TCP connections to a ClusterIP, translated on its device, with and without
+//! host routing, at 1 and 10,000 services. The cost per run must not grow with the service
+//! count; the numbers are printed for docs/benchmarks.md.
+
+mod common;
+#[path = "../benches/support/synthetic.rs"]
+mod synthetic;
+
+use std::{fs, path::Path};
+
+use common::*;
+use proxy_userland::dataplane::{
+    Dataplane, Scope,
+    bpf::{AttachOptions, BpfDataplane, PodPathConfig},
+};
+
+const CONNECTIONS: usize = 2000;
+const STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+/// BPF_PROG_TYPE_SCHED_CLS: the tc programs.
+const SCHED_CLS: u64 = 3;
+
+/// Turns the kernel's program statistics on and puts the old setting back when dropped.
+struct StatsOn(String);
+
+impl StatsOn {
+    fn new() -> Self {
+        let old = fs::read_to_string(STATS).expect("bpf_stats_enabled readable");
+        fs::write(STATS, "1").expect("bpf_stats_enabled writable");
+        StatsOn(old.trim().to_string())
+    }
+}
+
+impl Drop for StatsOn {
+    fn drop(&mut self) {
+        let _ = fs::write(STATS, &self.0);
+    }
+}
+
+/// (run_time_ns, run_cnt) summed over this process's tc programs.
+fn tc_stats() -> (u64, u64) {
+    let (mut ns, mut cnt) = (0, 0);
+    for fd in fs::read_dir("/proc/self/fd").expect("fd dir").flatten() {
+        if fs::read_link(fd.path()).ok().as_deref() != Some(Path::new("anon_inode:bpf-prog")) {
+            continue;
+        }
+        let Ok(info) = fs::read_to_string(Path::new("/proc/self/fdinfo").join(fd.file_name()))
+        else {
+            continue;
+        };
+        let field = |name: &str| -> Option<u64> {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse().ok())
+        };
+        if field("prog_type:") == Some(SCHED_CLS) {
+            ns += field("run_time_ns:").unwrap_or(0);
+            cnt += field("run_cnt:").unwrap_or(0);
+        }
+    }
+    (ns, cnt)
+}
+
+/// ns per program run and runs per connection over `count` connections from `client`.
+fn measure(client: &xtask::testbed::Pod, count: usize) -> (f64, f64) {
+    let (ns0, cnt0) = tc_stats();
+    let out = std::process::Command::new(probe())
+        .arg("--netns")
+        .arg(&client.netns)
+        .args(["tcp", WEB, "--count", &count.to_string(), "--reset"])
+        .output()
+        .expect("probe runs");
+    let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
+    assert!(
+        outcomes.len() == count && outcomes.iter().all(|o| o.is_ok()),
+        "every connection succeeds: {:?}",
+        outcomes.iter().find(|o| !o.is_ok())
+    );
+    let (ns1, cnt1) = tc_stats();
+    let runs = (cnt1 - cnt0).max(1);
+    ((ns1 - ns0) as f64 / runs as f64, runs as f64 / count as f64)
+}
+
+#[test]
+fn the_pod_paths_cost_per_packet_does_not_grow_with_services() {
+    let (mut bed, _pods) = bed_with_pods("pktcost", 1);
+    let client = bed.add_pod("client", pod_ip(9), None).expect("client pod");
+    let _stats = StatsOn::new();
+    let mut costs = Vec::new();
+    for host_routing in [false, true] {
+        for n in [1u32, 10_000] {
+            let mut state = synthetic::state(n - 1, 0);
+            let eps = web_endpoints(vec![ready(pod_ip(1))]);
+            synthetic::merge(
+                &mut state,
+                state_of(vec![(web_service("web", WEB_IP), Some(eps))]),
+            );
+            let opts = AttachOptions {
+                pods: Some(PodPathConfig {
+                    netns: Some(bed.node_netns().to_string()),
+                    // The bed's pods' host-side devices are fpv0, fpv1, ...
+                    prefixes: vec!["fpv".into()],
+                    host_routing,
+                    ..PodPathConfig::default()
+                }),
+                ..AttachOptions::default()
+            };
+            let mut dp = BpfDataplane::attach_with(bed.cgroup_path(), &opts).expect("attach");
+            let report = dp.sync(&state, &node(), Scope::Full);
+            assert!(report.failed.is_empty(), "{report:?}");
+            // Warm the maps', the neighbours' and the stack's caches before counting.
+            measure(&client, 200);
+            let (ns, runs) = measure(&client, CONNECTIONS);
+            eprintln!(
+                "pod path{}, {n} services: {ns:.0} ns per tc run, {runs:.2} runs per connection \
+                 ({:.0} ns per connection)",
+                if host_routing {
+                    " with host routing"
+                } else {
+                    ""
+                },
+                ns * runs
+            );
+            costs.push(ns);
+            drop(dp);
+        }
+    }
+    // Slack for a shared machine's noise; a lookup that grew with the count would be far
+    // above it.
+    for pair in costs.chunks(2) {
+        assert!(
+            pair[1] < pair[0] * 2.0 + 200.0,
+            "{:.0} ns per run at 10,000 services against {:.0} at 1",
+            pair[1],
+            pair[0]
+        );
+    }
+}
