@@ -20,12 +20,12 @@ use smallvec::SmallVec;
 use thin_vec::ThinVec;
 
 use super::{
+    lb::LbConfig,
     maps::{Occupancy, ServiceMaps},
     stale_sockets,
 };
 // The frontend types and their derivation from the model are shared with the other
 // dataplanes (see `dataplane::frontends`); re-exported where the eBPF code finds them.
-use super::lb::LbConfig;
 pub use crate::dataplane::frontends::{
     BackendAddr, DesiredFrontend, Frontend, FrontendScope, desired_external_socket_frontends,
     desired_frontends, desired_packet_frontends, serving_udp_endpoints,
