@@ -619,12 +619,8 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
     }
     // A local backend: the stack delivers it to the pod as it would any forwarded packet,
-    // or, from a pod with host routing on, we do.
-    if from_pod {
-        return Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib));
-    }
-    apply::<P, I>(pkt, f, &nat)?;
-    Ok(P::PASS)
+    // or, with host routing on, we do.
+    Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib))
 }
 
 /// Whether the daemon turned host routing on (see `proxy_common::sockcfg::flags`).
@@ -635,10 +631,10 @@ fn host_routing() -> bool {
         .is_some_and(|c| c.flags & sockcfg::flags::HOST_ROUTING != 0)
 }
 
-/// A pod's translated packet (or a local backend's reply to one): with host routing on
-/// and a destination behind one of the pods' devices, straight into that pod's namespace,
-/// past the host's routing, netfilter and backlog queue; otherwise on through the host's
-/// stack. Not inlined, as [`redirect_from_tc`].
+/// A translated packet for a local backend (or a local backend's reply to a pod): with
+/// host routing on and a destination behind one of the pods' devices, straight into that
+/// pod's namespace, past the host's routing, netfilter and backlog queue; otherwise on
+/// through the host's stack. Not inlined, as [`redirect_from_tc`].
 #[inline(never)]
 fn to_local_pod<P: Packet, I: Ip>(
     pkt: &mut P,

@@ -22,7 +22,7 @@ use anyhow::{Context as _, Result};
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::{AttachOptions, BpfDataplane, PacketPathConfig},
+        bpf::{AttachOptions, BpfDataplane, PacketPathConfig, PodPathConfig},
         iptables::{Family, IptablesConfig, IptablesDataplane, apply::Backend},
     },
     model::ProxyState,
@@ -73,17 +73,32 @@ fn state(extra: u32) -> ProxyState {
     state
 }
 
-fn attach(bed: &Testbed, ext: &Pod, xdp: bool, state: &ProxyState) -> Result<BpfDataplane> {
+/// The node-port programs on `ext`'s device; with `pods`, also the pod path on those
+/// devices with host routing, so a node port's packets for them skip the host's stack.
+fn attach(
+    bed: &Testbed,
+    ext: &Pod,
+    xdp: bool,
+    pods: Option<&[Pod]>,
+    state: &ProxyState,
+) -> Result<BpfDataplane> {
     let packet = PacketPathConfig {
         netns: Some(bed.node_netns().to_string()),
         devices: vec![ext.node_veth.clone()],
         node_port_cidrs: vec![],
         xdp,
     };
+    let pods = pods.map(|pods| PodPathConfig {
+        netns: Some(bed.node_netns().to_string()),
+        prefixes: pods.iter().map(|p| p.node_veth.clone()).collect(),
+        host_routing: true,
+        ..Default::default()
+    });
     let mut dp = BpfDataplane::attach_with(
         bed.cgroup_path(),
         &AttachOptions {
             packet: Some(packet),
+            pods,
             ..Default::default()
         },
     )?;
@@ -155,7 +170,13 @@ impl Series {
     }
 }
 
-const PATHS: [&str; 4] = ["tc", "XDP + tc", "iptables (DNAT)", "direct to pod IP"];
+const PATHS: [&str; 5] = [
+    "tc",
+    "XDP + tc",
+    "iptables (DNAT)",
+    "direct to pod IP",
+    "tc, host routing (redirect_peer)",
+];
 
 fn main() -> Result<()> {
     let rounds = env_usize("FASTPATH_BENCH_ROUNDS", 5).clamp(1, 50);
@@ -171,7 +192,7 @@ fn main() -> Result<()> {
     let max_load = conditions::max_load();
     // Before the pods' servers start, so they are pinned too.
     let cpu = conditions::pin_to_one_cpu();
-    let (mut bed, _pods) = common::bed_with_pods("npbench", 2);
+    let (mut bed, pods) = common::bed_with_pods("npbench", 2);
     let ext = nat_common::external_client(&mut bed);
     let (mut ipt_bed, _ipt_pods) = common::bed_with_pods("npbenchipt", 2);
     let ipt_ext = nat_common::external_client(&mut ipt_bed);
@@ -216,7 +237,8 @@ fn main() -> Result<()> {
                     _ => (&ext, &tcp_target, &udp_target),
                 };
                 let dp = match which {
-                    0 | 1 => Some(attach(&bed, &ext, which == 1, &state)?),
+                    0 | 1 => Some(attach(&bed, &ext, which == 1, None, &state)?),
+                    4 => Some(attach(&bed, &ext, false, Some(&pods), &state)?),
                     _ => None,
                 };
                 let watch = Watch::start(&[&client.netns]);

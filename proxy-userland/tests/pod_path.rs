@@ -330,29 +330,49 @@ fn names(outcomes: &[xtask::probe::Outcome]) -> BTreeSet<String> {
 /// externalTrafficPolicy Cluster and Local.
 #[test]
 fn node_ports_reach_pods_of_this_node_with_the_pod_path_on_their_devices() {
-    let (mut bed, pods) = bed_with_echoing_pods("podnp", 2);
+    node_ports_reach_local_pods("podnp", false);
+}
+
+/// The same with `--bpf-host-routing`: a node port's packets for pods on this node go from
+/// the node device's tc straight into the pod, past the host's stack (its forward hook
+/// counts none of them once the neighbours are known); answers are as before.
+#[test]
+fn host_routing_takes_node_port_traffic_to_local_pods_past_the_hosts_stack() {
+    node_ports_reach_local_pods("podnphr", true);
+}
+
+fn node_ports_reach_local_pods(tag: &str, host_routing: bool) {
+    let (mut bed, pods) = bed_with_echoing_pods(tag, 2);
     let ext = bed
         .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
         .expect("external client namespace");
-    let dir = manifest_dir("podnp");
+    let dir = manifest_dir(tag);
     std::fs::write(dir.0.join("np.yaml"), node_port_manifest()).unwrap();
     let pod_devices = format!("{},{}", pods[0].node_veth, pods[1].node_veth);
+    let mut extra: Vec<&str> = Vec::new();
+    if host_routing {
+        extra.push("--bpf-host-routing");
+    }
     let daemon = Daemon::start(
         bed.cgroup_path(),
         &[
-            "--proxy-mode",
-            "ebpf",
-            "--netns",
-            bed.node_netns(),
-            "--pod-interface-name-prefix",
-            &pod_devices,
-            "--nodeport-devices",
-            &ext.node_veth,
-            "--manifests",
-            dir.0.to_str().unwrap(),
-            "--manifest-poll-period",
-            "100ms",
-        ],
+            &[
+                "--proxy-mode",
+                "ebpf",
+                "--netns",
+                bed.node_netns(),
+                "--pod-interface-name-prefix",
+                &pod_devices,
+                "--nodeport-devices",
+                &ext.node_veth,
+                "--manifests",
+                dir.0.to_str().unwrap(),
+                "--manifest-poll-period",
+                "100ms",
+            ][..],
+            &extra,
+        ]
+        .concat(),
     );
     let node = bed.node_ipv4();
     let probe = |args: &[&str]| {
@@ -383,38 +403,97 @@ fn node_ports_reach_pods_of_this_node_with_the_pod_path_on_their_devices() {
     );
     let both: BTreeSet<String> = ["pod-1", "pod-2"].map(String::from).into();
     let client = format!("{}:", ext.ipv4);
-    for base in [30080u16, 30180] {
-        let target = format!("{node}:{base}");
-        let tcp = probe(&["tcp", &target, "--count", "16", "--timeout-ms", "1000"]);
-        assert!(
-            tcp.iter()
-                .all(|o| o.is_ok() && peer(o) == Some(target.as_str())),
-            "every connection to {target} succeeds with the node port as its peer: {tcp:?}\n{}",
-            daemon.log()
-        );
-        assert_eq!(names(&tcp), both, "16 connections reach both pods: {tcp:?}");
-        assert!(
-            tcp.iter()
-                .all(|o| o.seen_from().is_some_and(|s| s.starts_with(&client))),
-            "local backends see the client itself (no SNAT): {tcp:?}"
-        );
-        let udp_target = format!("{node}:{}", base - 27);
-        let udp = probe(&[
-            "udp",
-            &udp_target,
-            "--count",
-            "16",
-            "--fresh-socket",
-            "--timeout-ms",
-            "1000",
-        ]);
-        assert!(
-            udp.iter()
-                .all(|o| o.is_ok() && from(o) == Some(udp_target.as_str())),
-            "every datagram to {udp_target} is answered from the node port: {udp:?}"
-        );
-        assert_eq!(names(&udp), both, "16 sockets reach both pods: {udp:?}");
+    // With host routing: a first pass makes the pods' neighbours known, the second is
+    // counted.
+    let passes = if host_routing { 2 } else { 1 };
+    for pass in 0..passes {
+        if host_routing && pass == 1 {
+            count_forwarded(&bed, &format!("iifname \"{}\"", ext.node_veth));
+        }
+        for base in [30080u16, 30180] {
+            let target = format!("{node}:{base}");
+            let tcp = probe(&["tcp", &target, "--count", "16", "--timeout-ms", "1000"]);
+            assert!(
+                tcp.iter()
+                    .all(|o| o.is_ok() && peer(o) == Some(target.as_str())),
+                "every connection to {target} succeeds with the node port as its peer: {tcp:?}\n{}",
+                daemon.log()
+            );
+            assert_eq!(names(&tcp), both, "16 connections reach both pods: {tcp:?}");
+            assert!(
+                tcp.iter()
+                    .all(|o| o.seen_from().is_some_and(|s| s.starts_with(&client))),
+                "local backends see the client itself (no SNAT): {tcp:?}"
+            );
+            let udp_target = format!("{node}:{}", base - 27);
+            let udp = probe(&[
+                "udp",
+                &udp_target,
+                "--count",
+                "16",
+                "--fresh-socket",
+                "--timeout-ms",
+                "1000",
+            ]);
+            assert!(
+                udp.iter()
+                    .all(|o| o.is_ok() && from(o) == Some(udp_target.as_str())),
+                "every datagram to {udp_target} is answered from the node port: {udp:?}"
+            );
+            assert_eq!(names(&udp), both, "16 sockets reach both pods: {udp:?}");
+        }
     }
+    if host_routing {
+        let forwarded = forwarded(&bed);
+        assert_eq!(
+            forwarded, 0,
+            "the host forwarded {forwarded} of the client's packets"
+        );
+    }
+}
+
+/// Starts counting TCP and UDP packets matching `selector` on the node's forward hook.
+fn count_forwarded(bed: &xtask::testbed::Testbed, selector: &str) {
+    let rule = format!("{selector} meta l4proto {{ tcp, udp }} counter");
+    node_nft(bed, &["add", "table", "inet", "fphr"]);
+    node_nft(
+        bed,
+        &[
+            "add",
+            "chain",
+            "inet",
+            "fphr",
+            "tally",
+            "{ type filter hook forward priority 0 ; }",
+        ],
+    );
+    node_nft(bed, &["add", "rule", "inet", "fphr", "tally", &rule]);
+}
+
+/// What [`count_forwarded`] counted.
+fn forwarded(bed: &xtask::testbed::Testbed) -> u64 {
+    let listing = node_nft(bed, &["list", "table", "inet", "fphr"]);
+    listing
+        .split("packets ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in:\n{listing}"))
+}
+
+/// nft in the bed's node namespace.
+fn node_nft(bed: &xtask::testbed::Testbed, args: &[&str]) -> String {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", bed.node_netns(), "nft"])
+        .args(args)
+        .output()
+        .expect("nft");
+    assert!(
+        out.status.success(),
+        "nft {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A new pod's device gets the programs as it appears, not at the next look at the
@@ -535,47 +614,12 @@ fn host_routing_takes_pods_translated_traffic_past_the_hosts_stack() {
     // the stack, which resolves it: a first round makes them known.
     outside_pod_reaches(&s, WEB, WEB_DNS);
     outside_pod_reaches(&s, WEB6, WEB6_DNS);
-    let nft = |args: &[&str]| {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "exec", s.bed.node_netns(), "nft"])
-            .args(args)
-            .output()
-            .expect("nft");
-        assert!(
-            out.status.success(),
-            "nft {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    nft(&["add", "table", "inet", "fphr"]);
-    nft(&[
-        "add",
-        "chain",
-        "inet",
-        "fphr",
-        "tally",
-        "{ type filter hook forward priority 0 ; }",
-    ]);
-    nft(&[
-        "add",
-        "rule",
-        "inet",
-        "fphr",
-        "tally",
-        "meta l4proto { tcp, udp } counter",
-    ]);
+    count_forwarded(&s.bed, "");
     outside_pod_reaches(&s, WEB, WEB_DNS);
     outside_pod_reaches(&s, WEB6, WEB6_DNS);
-    let listing = nft(&["list", "table", "inet", "fphr"]);
-    let forwarded: u64 = listing
-        .split("packets ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in:\n{listing}"));
+    let forwarded = forwarded(&s.bed);
     assert_eq!(
         forwarded, 0,
-        "the host forwarded {forwarded} packets of the pods' translated flows:\n{listing}"
+        "the host forwarded {forwarded} packets of the pods' translated flows"
     );
 }
