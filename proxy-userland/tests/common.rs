@@ -761,3 +761,86 @@ pub fn start_in_node(bed: &Testbed, mode: &str, manifests: &Path, extra: &[&str]
     args.extend_from_slice(extra);
     Daemon::start(bed.cgroup_path(), &args)
 }
+
+/// `nft` in network namespace `netns`; its output.
+pub fn netns_nft(netns: &str, args: &[&str]) -> String {
+    let out = Command::new("ip")
+        .args(["netns", "exec", netns, "nft"])
+        .args(args)
+        .output()
+        .expect("nft");
+    assert!(
+        out.status.success(),
+        "nft {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Starts counting, on `netns`'s forward hook, the TCP and UDP packets `selector` (an nft
+/// match, may be empty) picks out; [`forwarded`] reads the count.
+pub fn count_forwarded(netns: &str, selector: &str) {
+    let rule = format!("{selector} meta l4proto {{ tcp, udp }} counter");
+    let chain = "{ type filter hook forward priority 0 ; }";
+    netns_nft(netns, &["add", "table", "inet", "fpfwd"]);
+    netns_nft(netns, &["add", "chain", "inet", "fpfwd", "tally", chain]);
+    netns_nft(netns, &["add", "rule", "inet", "fpfwd", "tally", &rule]);
+}
+
+/// What [`count_forwarded`] counted in `netns`.
+pub fn forwarded(netns: &str) -> u64 {
+    let listing = netns_nft(netns, &["list", "table", "inet", "fpfwd"]);
+    listing
+        .split("packets ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in:\n{listing}"))
+}
+
+const BPF_STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+/// Turns the kernel's program statistics on and puts the old setting back when dropped.
+pub struct BpfStatsOn(String);
+
+impl BpfStatsOn {
+    pub fn enable() -> Self {
+        let old = std::fs::read_to_string(BPF_STATS).expect("bpf_stats_enabled readable");
+        std::fs::write(BPF_STATS, "1").expect("bpf_stats_enabled writable");
+        BpfStatsOn(old.trim().to_string())
+    }
+}
+
+impl Drop for BpfStatsOn {
+    fn drop(&mut self) {
+        let _ = std::fs::write(BPF_STATS, &self.0);
+    }
+}
+
+/// (run_time_ns, run_cnt) summed over this process's programs of `prog_type`
+/// (`enum bpf_prog_type`), from their descriptors' fdinfo.
+pub fn prog_stats(prog_type: u64) -> (u64, u64) {
+    let (mut ns, mut cnt) = (0, 0);
+    for fd in std::fs::read_dir("/proc/self/fd")
+        .expect("fd dir")
+        .flatten()
+    {
+        if std::fs::read_link(fd.path()).ok().as_deref() != Some(Path::new("anon_inode:bpf-prog")) {
+            continue;
+        }
+        let info_path = Path::new("/proc/self/fdinfo").join(fd.file_name());
+        let Ok(info) = std::fs::read_to_string(info_path) else {
+            continue;
+        };
+        let field = |name: &str| -> Option<u64> {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().parse().ok())
+        };
+        if field("prog_type:") == Some(prog_type) {
+            ns += field("run_time_ns:").unwrap_or(0);
+            cnt += field("run_cnt:").unwrap_or(0);
+        }
+    }
+    (ns, cnt)
+}

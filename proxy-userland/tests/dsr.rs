@@ -7,6 +7,7 @@
 //! answers over the network in a cluster.
 
 mod common;
+mod nat_common;
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
@@ -14,6 +15,7 @@ use std::{
 };
 
 use common::*;
+use nat_common::probe_from;
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
@@ -74,12 +76,6 @@ fn node_b(bed: &mut Testbed) -> (PeerNode, Pod) {
     ];
     bed.serve(probe(), &pod, &args).expect("pod-b serves");
     (b, pod)
-}
-
-fn probe_from(client: &Pod, args: &[&str]) -> Vec<Outcome> {
-    let mut cmd = std::process::Command::new(PROBE);
-    cmd.arg("--netns").arg(&client.netns).args(args);
-    xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
 }
 
 #[test]
@@ -145,15 +141,17 @@ fn dsr_to_node_b(tag: &str, v6: bool) {
     let udp_target = SocketAddr::new(external, 53).to_string();
     // The first IPv6 packets wait on neighbour discovery; count from a path that is up.
     assert!(
-        eventually(10, || probe_from(&ext, &["tcp", &tcp_target])
+        eventually(10, || probe_from(&ext.netns, &["tcp", &tcp_target])
             .first()
             .is_some_and(Outcome::is_ok)),
         "{tcp_target} never answered"
     );
-    count_on_node_a(&bed, &b, client);
-    let tcp = probe_from(&ext, &["tcp", &tcp_target, "--count", "20"]);
+    let family = if client.is_ipv4() { "ip" } else { "ip6" };
+    let from_b = format!("iifname \"{}\" {family} daddr {client}", b.bed_veth);
+    count_forwarded(bed.node_netns(), &from_b);
+    let tcp = probe_from(&ext.netns, &["tcp", &tcp_target, "--count", "20"]);
     let udp = probe_from(
-        &ext,
+        &ext.netns,
         &["udp", &udp_target, "--count", "20", "--fresh-socket"],
     );
     for (what, outcomes, target) in [("tcp", &tcp, &tcp_target), ("udp", &udp, &udp_target)] {
@@ -172,7 +170,7 @@ fn dsr_to_node_b(tag: &str, v6: bool) {
         }
     }
     // Node A forwarded none of the answers: they went from node B to the client.
-    let from_b = counted_on_node_a(&bed);
+    let from_b = forwarded(bed.node_netns());
     assert_eq!(
         from_b, 0,
         "node A forwarded {from_b} packets from node B to the client"
@@ -232,49 +230,4 @@ fn direct_link(b: &PeerNode, ext: &Pod) {
         xtask::netns::sysctl(&ext.netns, &format!("net/ipv4/conf/{dev}/rp_filter"), "0")
             .expect("rp_filter");
     }
-}
-
-/// Starts counting, on node A's forward hook, packets from node B to `client`.
-fn count_on_node_a(bed: &Testbed, b: &PeerNode, client: IpAddr) {
-    let family = if client.is_ipv4() { "ip" } else { "ip6" };
-    let rule = format!("iifname \"{}\" {family} daddr {client} counter", b.bed_veth);
-    for args in [
-        vec!["add", "table", "inet", "fpdsr"],
-        vec![
-            "add",
-            "chain",
-            "inet",
-            "fpdsr",
-            "tally",
-            "{ type filter hook forward priority 0 ; }",
-        ],
-        vec!["add", "rule", "inet", "fpdsr", "tally", &rule],
-    ] {
-        node_a_nft(bed, &args);
-    }
-}
-
-/// What [`count_on_node_a`] counted.
-fn counted_on_node_a(bed: &Testbed) -> u64 {
-    let listing = node_a_nft(bed, &["list", "table", "inet", "fpdsr"]);
-    listing
-        .split("packets ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in:\n{listing}"))
-}
-
-fn node_a_nft(bed: &Testbed, args: &[&str]) -> String {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", bed.node_netns(), "nft"])
-        .args(args)
-        .output()
-        .expect("nft");
-    assert!(
-        out.status.success(),
-        "nft {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }

@@ -9,8 +9,6 @@ mod common;
 #[path = "../benches/support/synthetic.rs"]
 mod synthetic;
 
-use std::{fs, path::Path};
-
 use common::*;
 use proxy_userland::dataplane::{
     Dataplane, Scope,
@@ -18,54 +16,12 @@ use proxy_userland::dataplane::{
 };
 
 const CONNECTIONS: usize = 2000;
-const STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
 /// BPF_PROG_TYPE_SCHED_CLS: the tc programs.
 const SCHED_CLS: u64 = 3;
 
-/// Turns the kernel's program statistics on and puts the old setting back when dropped.
-struct StatsOn(String);
-
-impl StatsOn {
-    fn new() -> Self {
-        let old = fs::read_to_string(STATS).expect("bpf_stats_enabled readable");
-        fs::write(STATS, "1").expect("bpf_stats_enabled writable");
-        StatsOn(old.trim().to_string())
-    }
-}
-
-impl Drop for StatsOn {
-    fn drop(&mut self) {
-        let _ = fs::write(STATS, &self.0);
-    }
-}
-
-/// (run_time_ns, run_cnt) summed over this process's tc programs.
-fn tc_stats() -> (u64, u64) {
-    let (mut ns, mut cnt) = (0, 0);
-    for fd in fs::read_dir("/proc/self/fd").expect("fd dir").flatten() {
-        if fs::read_link(fd.path()).ok().as_deref() != Some(Path::new("anon_inode:bpf-prog")) {
-            continue;
-        }
-        let Ok(info) = fs::read_to_string(Path::new("/proc/self/fdinfo").join(fd.file_name()))
-        else {
-            continue;
-        };
-        let field = |name: &str| -> Option<u64> {
-            info.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim().parse().ok())
-        };
-        if field("prog_type:") == Some(SCHED_CLS) {
-            ns += field("run_time_ns:").unwrap_or(0);
-            cnt += field("run_cnt:").unwrap_or(0);
-        }
-    }
-    (ns, cnt)
-}
-
 /// ns per program run and runs per connection over `count` connections from `client`.
 fn measure(client: &xtask::testbed::Pod, count: usize) -> (f64, f64) {
-    let (ns0, cnt0) = tc_stats();
+    let (ns0, cnt0) = prog_stats(SCHED_CLS);
     let out = std::process::Command::new(probe())
         .arg("--netns")
         .arg(&client.netns)
@@ -78,7 +34,7 @@ fn measure(client: &xtask::testbed::Pod, count: usize) -> (f64, f64) {
         "every connection succeeds: {:?}",
         outcomes.iter().find(|o| !o.is_ok())
     );
-    let (ns1, cnt1) = tc_stats();
+    let (ns1, cnt1) = prog_stats(SCHED_CLS);
     let runs = (cnt1 - cnt0).max(1);
     ((ns1 - ns0) as f64 / runs as f64, runs as f64 / count as f64)
 }
@@ -87,7 +43,7 @@ fn measure(client: &xtask::testbed::Pod, count: usize) -> (f64, f64) {
 fn the_pod_paths_cost_per_packet_does_not_grow_with_services() {
     let (mut bed, _pods) = bed_with_pods("pktcost", 1);
     let client = bed.add_pod("client", pod_ip(9), None).expect("client pod");
-    let _stats = StatsOn::new();
+    let _stats = BpfStatsOn::enable();
     let mut costs = Vec::new();
     for host_routing in [false, true] {
         for n in [1u32, 10_000] {

@@ -408,7 +408,7 @@ fn node_ports_reach_local_pods(tag: &str, host_routing: bool) {
     let passes = if host_routing { 2 } else { 1 };
     for pass in 0..passes {
         if host_routing && pass == 1 {
-            count_forwarded(&bed, &format!("iifname \"{}\"", ext.node_veth));
+            count_forwarded(bed.node_netns(), &format!("iifname \"{}\"", ext.node_veth));
         }
         for base in [30080u16, 30180] {
             let target = format!("{node}:{base}");
@@ -444,56 +444,12 @@ fn node_ports_reach_local_pods(tag: &str, host_routing: bool) {
         }
     }
     if host_routing {
-        let forwarded = forwarded(&bed);
+        let forwarded = forwarded(bed.node_netns());
         assert_eq!(
             forwarded, 0,
             "the host forwarded {forwarded} of the client's packets"
         );
     }
-}
-
-/// Starts counting TCP and UDP packets matching `selector` on the node's forward hook.
-fn count_forwarded(bed: &xtask::testbed::Testbed, selector: &str) {
-    let rule = format!("{selector} meta l4proto {{ tcp, udp }} counter");
-    node_nft(bed, &["add", "table", "inet", "fphr"]);
-    node_nft(
-        bed,
-        &[
-            "add",
-            "chain",
-            "inet",
-            "fphr",
-            "tally",
-            "{ type filter hook forward priority 0 ; }",
-        ],
-    );
-    node_nft(bed, &["add", "rule", "inet", "fphr", "tally", &rule]);
-}
-
-/// What [`count_forwarded`] counted.
-fn forwarded(bed: &xtask::testbed::Testbed) -> u64 {
-    let listing = node_nft(bed, &["list", "table", "inet", "fphr"]);
-    listing
-        .split("packets ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no counter in:\n{listing}"))
-}
-
-/// nft in the bed's node namespace.
-fn node_nft(bed: &xtask::testbed::Testbed, args: &[&str]) -> String {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "exec", bed.node_netns(), "nft"])
-        .args(args)
-        .output()
-        .expect("nft");
-    assert!(
-        out.status.success(),
-        "nft {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A new pod's device gets the programs as it appears, not at the next look at the
@@ -614,10 +570,10 @@ fn host_routing_takes_pods_translated_traffic_past_the_hosts_stack() {
     // the stack, which resolves it: a first round makes them known.
     outside_pod_reaches(&s, WEB, WEB_DNS);
     outside_pod_reaches(&s, WEB6, WEB6_DNS);
-    count_forwarded(&s.bed, "");
+    count_forwarded(s.bed.node_netns(), "");
     outside_pod_reaches(&s, WEB, WEB_DNS);
     outside_pod_reaches(&s, WEB6, WEB6_DNS);
-    let forwarded = forwarded(&s.bed);
+    let forwarded = forwarded(s.bed.node_netns());
     assert_eq!(
         forwarded, 0,
         "the host forwarded {forwarded} packets of the pods' translated flows"

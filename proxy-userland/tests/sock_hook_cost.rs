@@ -8,70 +8,21 @@ mod common;
 #[path = "../benches/support/synthetic.rs"]
 mod synthetic;
 
-use std::{fs, path::Path};
-
 use common::*;
 use proxy_userland::dataplane::{Dataplane, Scope, bpf::BpfDataplane};
 
 const POD: &str = "198.18.1.11:8080";
 const CONNECTIONS: usize = 2000;
-const STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
-
-/// Turns the kernel's program statistics on and puts the old setting back when dropped.
-struct StatsOn(String);
-
-impl StatsOn {
-    fn new() -> Self {
-        let old = fs::read_to_string(STATS).expect("bpf_stats_enabled readable");
-        fs::write(STATS, "1").expect("bpf_stats_enabled writable");
-        StatsOn(old.trim().to_string())
-    }
-}
-
-impl Drop for StatsOn {
-    fn drop(&mut self) {
-        let _ = fs::write(STATS, &self.0);
-    }
-}
-
 /// cgroup sock_addr programs: connect4 and getpeername4 run for a TCP connect.
 const SOCK_ADDR: u64 = 18;
 /// cgroup sock programs: sock_release runs when the socket closes.
 const CGROUP_SOCK: u64 = 9;
 
-/// (run_time_ns, run_cnt) summed over this process's programs of `prog_type`.
-fn hook_stats(prog_type: u64) -> (u64, u64) {
-    let (mut ns, mut cnt) = (0, 0);
-    for fd in fs::read_dir("/proc/self/fd").expect("fd dir").flatten() {
-        let Ok(target) = fs::read_link(fd.path()) else {
-            continue;
-        };
-        if target != Path::new("anon_inode:bpf-prog") {
-            continue;
-        }
-        let info_path = Path::new("/proc/self/fdinfo").join(fd.file_name());
-        let Ok(info) = fs::read_to_string(info_path) else {
-            continue;
-        };
-        let field = |name: &str| -> Option<u64> {
-            info.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim().parse().ok())
-        };
-        if field("prog_type:") != Some(prog_type) {
-            continue;
-        }
-        ns += field("run_time_ns:").unwrap_or(0);
-        cnt += field("run_cnt:").unwrap_or(0);
-    }
-    (ns, cnt)
-}
-
 /// ns per hook run and runs per connection, over `count` connections to `target`; the
 /// sock_release program's ns per run is printed beside them.
 fn measure(bed: &xtask::testbed::Testbed, target: &str, count: usize) -> (f64, f64) {
-    let (ns0, cnt0) = hook_stats(SOCK_ADDR);
-    let (rel_ns0, rel_cnt0) = hook_stats(CGROUP_SOCK);
+    let (ns0, cnt0) = prog_stats(SOCK_ADDR);
+    let (rel_ns0, rel_cnt0) = prog_stats(CGROUP_SOCK);
     let outcomes = run_probe(
         bed,
         &[
@@ -88,8 +39,8 @@ fn measure(bed: &xtask::testbed::Testbed, target: &str, count: usize) -> (f64, f
         outcomes.iter().all(|o| o.is_ok()),
         "every connection succeeds"
     );
-    let (ns1, cnt1) = hook_stats(SOCK_ADDR);
-    let (rel_ns1, rel_cnt1) = hook_stats(CGROUP_SOCK);
+    let (ns1, cnt1) = prog_stats(SOCK_ADDR);
+    let (rel_ns1, rel_cnt1) = prog_stats(CGROUP_SOCK);
     if count >= CONNECTIONS {
         let rel_runs = (rel_cnt1 - rel_cnt0).max(1);
         eprintln!(
@@ -105,7 +56,7 @@ fn measure(bed: &xtask::testbed::Testbed, target: &str, count: usize) -> (f64, f
 #[test]
 fn socket_hook_cost_does_not_grow_with_services() {
     let (bed, _pods) = bed_with_pods("hookcost", 1);
-    let _stats = StatsOn::new();
+    let _stats = BpfStatsOn::enable();
     let mut per_call = Vec::new();
     for n in [1u32, 1_000, 10_000] {
         let mut state = synthetic::state(n - 1, 0);
