@@ -12,7 +12,7 @@
 use proxy_common::nat::dsr::{EXT6_LEN, OPT4_LEN, OPT4_TYPE, OPT6_LEN, OPT6_TYPE};
 
 use crate::{
-    ip::{ETH_HLEN, IP6_HLEN, Ip, NEXTHDR_DEST, V4},
+    ip::{self, ETH_HLEN, IP6_HLEN, Ip, NEXTHDR_DEST, V4},
     packet::Packet,
 };
 
@@ -39,10 +39,7 @@ pub fn frontend<P: Packet, I: Ip>(pkt: &P) -> Option<(I::Addr, u16)> {
         if next != NEXTHDR_DEST {
             return None;
         }
-        let head: [u8; 4] = pkt.load(ETH_HLEN + IP6_HLEN)?;
-        if head[1] != (EXT6_LEN / 8 - 1) as u8 || head[2] != OPT6_TYPE || head[3] != OPT6_LEN {
-            return None;
-        }
+        ip::dsr_option6(pkt, ETH_HLEN)?;
         let addr: I::Addr = pkt.load(ETH_HLEN + IP6_HLEN + 4)?;
         let port: u16 = pkt.load(ETH_HLEN + IP6_HLEN + 20)?;
         Some((addr, port))

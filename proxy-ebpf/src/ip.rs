@@ -316,14 +316,8 @@ impl Ip for V6 {
         // One extension header is ours to read: a DSR flow's frontend (see `dsr`), which
         // the stack skips too.
         if next == NEXTHDR_DEST {
-            let head: [u8; 4] = pkt.load(at + IP6_HLEN)?;
-            if head[1] != (dsr::EXT6_LEN / 8 - 1) as u8
-                || head[2] != dsr::OPT6_TYPE
-                || head[3] != dsr::OPT6_LEN
-            {
-                return None;
-            }
-            return Some((head[0], at + IP6_HLEN + dsr::EXT6_LEN));
+            let upper = dsr_option6(pkt, at)?;
+            return Some((upper, at + IP6_HLEN + dsr::EXT6_LEN));
         }
         Some((next, at + IP6_HLEN))
     }
@@ -409,6 +403,17 @@ fn range<A>(rev_nat_index: u16, addr: A) -> SourceRange<A> {
         _pad: 0,
         addr,
     }
+}
+
+/// For the IPv6 header at `at`, followed by a destination options header: the protocol
+/// after it, if that header is exactly our DSR option (see `dsr`).
+#[inline(always)]
+pub fn dsr_option6<P: Packet>(pkt: &P, at: usize) -> Option<u8> {
+    let head: [u8; 4] = pkt.load(at + IP6_HLEN)?;
+    let ours = head[1] == (dsr::EXT6_LEN / 8 - 1) as u8
+        && head[2] == dsr::OPT6_TYPE
+        && head[3] == dsr::OPT6_LEN;
+    ours.then_some(head[0])
 }
 
 /// The same 16 bytes as four words, as the FIB and the socket context hold an IPv6
