@@ -1,6 +1,6 @@
 //! The packet path's load-balancing across nodes, on the cluster bed (see
 //! xtask/src/cluster): three nodes, one daemon each, run as deploy/ ships it with Maglev as
-//! the default algorithm and direct server return. The fabric is the outside "ECMP
+//! the default algorithm, direct server return and host routing. The fabric is the outside "ECMP
 //! router": it routes a Service's external IP to one node, then to another, as a router
 //! rehashing its next hops does. One bed for the binary; its phases run in order.
 
@@ -8,7 +8,7 @@ mod common;
 
 use std::{collections::BTreeMap, net::Ipv4Addr, path::Path, time::Duration};
 
-use common::{FASTPATH, PROBE};
+use common::{FASTPATH, PROBE, count_forwarded, forwarded};
 use serde_json::json;
 use xtask::{
     cluster::{
@@ -126,7 +126,11 @@ struct Workloads {
 fn maglev_and_dsr_across_nodes() {
     let mut c = cluster(
         "clmaglev",
-        &["--bpf-lb-algorithm=maglev", "--bpf-lb-mode=dsr"],
+        &[
+            "--bpf-lb-algorithm=maglev",
+            "--bpf-lb-mode=dsr",
+            "--bpf-host-routing",
+        ],
     );
     let nodes = c.nodes.len();
     let everywhere = move |k: usize| k % nodes;
@@ -321,7 +325,19 @@ fn a_moved_connection_keeps_its_backend(c: &mut Cluster) {
 }
 
 fn maglev_agrees_across_nodes_and_moves_few(c: &mut Cluster, w: &mut Workloads) {
+    // Host routing, under the DaemonSet's capabilities: once node-1 knows its pods'
+    // neighbours (other flows first), its stack forwards none of the flows' packets for its
+    // own pods (its pod range); tc delivers them.
+    flows_through(c, WEB_EXTERNAL, 0, 42_000);
+    let node_1 = c.nodes[0].clone();
+    let own_pods = format!("iifname \"eth0\" ip daddr {}/24", node_1.pod_gateway());
+    count_forwarded(&node_1.netns, &own_pods);
     let web_1 = flows_through(c, WEB_EXTERNAL, 0, 40_000);
+    let stack_forwarded = forwarded(&node_1.netns);
+    assert_eq!(
+        stack_forwarded, 0,
+        "node-1's stack forwarded {stack_forwarded} packets to its own pods"
+    );
     let web_2 = flows_through(c, WEB_EXTERNAL, 1, 40_000);
     let rnd_1 = flows_through(c, RND_EXTERNAL, 0, 41_000);
     let rnd_2 = flows_through(c, RND_EXTERNAL, 1, 41_000);
