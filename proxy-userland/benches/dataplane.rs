@@ -9,7 +9,9 @@
 //! iptables mode, against the same pod dialled directly (with no programs attached, and with
 //! the socket programs attached, which look the pod up and let it pass), with 1 service and
 //! at every size; and from a pod outside the socket hooks' cgroup, the ClusterIP translated per packet on
-//! the pod's device (the pod path) against that pod dialling the pod IP.
+//! the pod's device (the pod path) against a pod dialling a pod IP with no programs on
+//! either device, the two taking turns connection by connection in one run (on this VM,
+//! separate runs of one path differ by up to 2x).
 //! The paths take turns in every round (in a rotating order), and only one dataplane
 //! is installed at a time, so noise and drift hit all alike; the table has the median of
 //! the rounds and their spread, and eBPF against direct round by round. Every run checks
@@ -170,6 +172,9 @@ struct DataRow {
     sockets: usize,
     ports: usize,
     max_load_seen: f64,
+    /// For a path measured by taking turns with its direct baseline (see
+    /// [`pod_path_pair`]): the baseline's rate in each of this row's runs.
+    paired_base: Vec<f64>,
 }
 
 impl DataRow {
@@ -185,6 +190,7 @@ impl DataRow {
             sockets: 0,
             ports: 0,
             max_load_seen: 0.0,
+            paired_base: vec![],
         }
     }
 
@@ -217,7 +223,8 @@ impl DataRow {
 /// `count` connections, one probe process, timed per attempt by the probe itself; the rate
 /// is over the attempts' own time, so the probe's start-up does not count.
 fn connections(bed: &Testbed, target: &str, count: usize) -> Result<Attempts> {
-    connections_with(bed.client(Path::new(PROBE)), target, count)
+    let out = probe_tcp(bed.client(Path::new(PROBE)), target, count, &[])?;
+    Ok(Attempts::parse(&out))
 }
 
 /// As [`connections`], from a pod's namespace: outside the cgroup the socket hooks are
@@ -225,14 +232,40 @@ fn connections(bed: &Testbed, target: &str, count: usize) -> Result<Attempts> {
 fn connections_from_pod(pod: &Pod, target: &str, count: usize) -> Result<Attempts> {
     let mut probe = std::process::Command::new(PROBE);
     probe.arg("--netns").arg(&pod.netns);
-    connections_with(probe, target, count)
+    Ok(Attempts::parse(&probe_tcp(probe, target, count, &[])?))
 }
 
-fn connections_with(
+/// The pods of the pod-path comparison. The translated arm runs from `client` to the
+/// ClusterIP, whose one backend is the bed's first pod; the direct arm from `direct_client`
+/// to `direct_server`, a second pair of pods whose devices carry no programs: the baseline
+/// is a pod's connection with nothing of ours on its way, as on a node without fastpath.
+struct PodPair {
+    client: Pod,
+    direct_client: Pod,
+    direct_server: String,
+}
+
+/// `count` connections from each arm of `pods`, taking turns connection by connection
+/// (`fastpath-probe tcp --alternate`): returns (translated arm, direct arm).
+fn pod_path_pair(pods: &PodPair, count: usize) -> Result<(Attempts, Attempts)> {
+    let mut probe = std::process::Command::new(PROBE);
+    probe.arg("--netns").arg(&pods.client.netns);
+    let direct = format!("{}={}", pods.direct_client.netns, pods.direct_server);
+    let out = probe_tcp(probe, CLUSTER_IP, count, &["--alternate", &direct])?;
+    let mut arms = Attempts::parse_arms(&out, 2).into_iter();
+    match (arms.next(), arms.next()) {
+        (Some(path), Some(direct)) => Ok((path, direct)),
+        _ => anyhow::bail!("the probe reported fewer than two arms"),
+    }
+}
+
+/// The probe's output for `count` TCP connections to `target` (`extra`: more flags).
+fn probe_tcp(
     mut probe: std::process::Command,
     target: &str,
     count: usize,
-) -> Result<Attempts> {
+    extra: &[&str],
+) -> Result<String> {
     let out = probe
         // --reset: each connection closes with a RST, so none lingers in TIME_WAIT holding
         // an ephemeral port (thousands per run to one destination would exhaust them).
@@ -245,9 +278,15 @@ fn connections_with(
             "1000",
             "--reset",
         ])
+        .args(extra)
         .output()
         .context("running the probe")?;
-    Ok(Attempts::parse(&String::from_utf8_lossy(&out.stdout)))
+    anyhow::ensure!(
+        out.status.success(),
+        "the probe failed: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 const DATA_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
@@ -294,10 +333,12 @@ enum PathKind {
     DirectHooked,
     Ebpf,
     Iptables,
-    /// From a pod outside the socket hooks' cgroup, straight to the pod IP: the pod path's
-    /// baseline, one veth hop longer than the node's own sockets take.
+    /// From a pod outside the socket hooks' cgroup, straight to a pod IP with nothing of
+    /// ours on the way: the pod path's baseline, one veth hop longer than the node's own
+    /// sockets take. Not a run of its own: measured taking turns with the pod path's
+    /// connections (see [`pod_path_pair`]).
     PodDirect,
-    /// The same pod to the ClusterIP, translated per packet on its device
+    /// A pod to the ClusterIP, translated per packet on its device
     /// (`--pod-interface-name-prefix`).
     PodPath,
     /// The same with `--bpf-host-routing`: translated packets go straight into the other
@@ -306,6 +347,7 @@ enum PathKind {
 }
 
 impl PathKind {
+    /// The rows of the table, in order.
     const ALL: [PathKind; 7] = [
         PathKind::Direct,
         PathKind::DirectHooked,
@@ -343,11 +385,23 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
     let max_load = conditions::max_load();
     let (mut bed, _pods) = common::bed_with_pods("bench", 1);
     let client_pod = bed.add_pod("client", common::pod_ip(9), None)?;
+    let direct_server = bed.add_pod("plain", common::pod_ip(2), None)?;
+    bed.serve(
+        Path::new(PROBE),
+        &direct_server,
+        &["--name", "plain", "--tcp", "0.0.0.0:8080"],
+    )?;
+    let pods = PodPair {
+        client: client_pod,
+        direct_client: bed.add_pod("plainclient", common::pod_ip(8), None)?,
+        direct_server: format!("{}:8080", direct_server.ipv4),
+    };
     let pod_path = AttachOptions {
         pods: Some(PodPathConfig {
             netns: Some(bed.node_netns().to_string()),
-            // The bed's pods' host-side devices are fpv0, fpv1, ...
-            prefixes: vec!["fpv".into()],
+            // The bed's pods' host-side devices are fpv0 (the backend), fpv1 (the client),
+            // fpv2 and fpv3 (the direct pair, which must stay bare).
+            prefixes: vec!["fpv0".into(), "fpv1".into()],
             host_namespace_only: false,
             ..PodPathConfig::default()
         }),
@@ -363,7 +417,8 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
     // Warm up (page cache, neighbour entries) so the first round is not penalised.
     connections(&bed, POD, conns.min(200))?;
     connections(&ipt_bed, POD, conns.min(200))?;
-    connections_from_pod(&client_pod, POD, conns.min(200))?;
+    connections_from_pod(&pods.client, POD, conns.min(200))?;
+    pod_path_pair(&pods, conns.min(200))?;
     let node = NodeInfo::default();
     let mut rows = Vec::new();
     for &n in sizes {
@@ -381,9 +436,16 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
             .iter()
             .map(|p| DataRow::new(p.label(), n))
             .collect();
+        let runs: Vec<usize> = (0..PathKind::ALL.len())
+            .filter(|&k| PathKind::ALL[k] != PathKind::PodDirect)
+            .collect();
+        let pod_direct = PathKind::ALL
+            .iter()
+            .position(|&k| k == PathKind::PodDirect)
+            .expect("a row of ALL");
         for round in 0..rounds {
-            for k in 0..paths.len() {
-                let which = (round + k) % paths.len();
+            for k in 0..runs.len() {
+                let which = runs[(round + k) % runs.len()];
                 let (attempts, watch) = match PathKind::ALL[which] {
                     PathKind::Direct => {
                         let watch = Watch::start(&[bed.node_netns()]);
@@ -403,10 +465,7 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         let watch = Watch::start(&[ipt_bed.node_netns()]);
                         (connections(&ipt_bed, CLUSTER_IP, conns)?, watch)
                     }
-                    PathKind::PodDirect => {
-                        let watch = Watch::start(&[&client_pod.netns]);
-                        (connections_from_pod(&client_pod, POD, conns)?, watch)
-                    }
+                    PathKind::PodDirect => unreachable!("measured with the pod path's runs"),
                     kind @ (PathKind::PodPath | PathKind::PodHostRouted) => {
                         let opts = if kind == PathKind::PodPath {
                             &pod_path
@@ -415,8 +474,9 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         };
                         let dp =
                             synced(BpfDataplane::attach_with(bed.cgroup_path(), opts)?, &state)?;
-                        let watch = Watch::start(&[&client_pod.netns]);
-                        let attempts = connections_from_pod(&client_pod, CLUSTER_IP, conns)?;
+                        let watch =
+                            Watch::start(&[&pods.client.netns, &pods.direct_client.netns]);
+                        let (attempts, direct) = pod_path_pair(&pods, conns)?;
                         // Every connection must have been translated on the pod's device,
                         // or the row measures something else.
                         let flows = dp.programmer().maps().packet_stats().new_flows;
@@ -424,7 +484,13 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                             flows >= (conns - attempts.failures) as u64,
                             "the pod path translated {flows} of {conns} connections"
                         );
-                        (attempts, watch)
+                        let c = watch.finish(attempts.failures + direct.failures);
+                        paths[which].paired_base.push(direct.rate());
+                        if kind == PathKind::PodPath {
+                            paths[pod_direct].add(&direct, &c, max_load);
+                        }
+                        paths[which].add(&attempts, &c, max_load);
+                        continue;
                     }
                 };
                 let c = watch.finish(attempts.failures);
@@ -611,9 +677,19 @@ fn baseline(path: &str) -> &'static str {
     }
 }
 
-/// `row`'s rate over its direct baseline's, round by round (the runs of a round are
-/// neighbours in time).
+/// `row`'s rate over its direct baseline's, round by round: over the baseline measured in
+/// the same run where the row has one (taking turns connection by connection), else over
+/// the baseline's run of the same round (neighbours in time).
 fn ratios(row: &DataRow, data: &[DataRow]) -> Vec<f64> {
+    if !row.paired_base.is_empty() {
+        return row
+            .rates
+            .iter()
+            .zip(&row.paired_base)
+            .filter(|(_, d)| **d > 0.0)
+            .map(|(r, d)| r / d)
+            .collect();
+    }
     let base = baseline(row.path);
     let Some(direct) = data
         .iter()

@@ -20,18 +20,36 @@ pub struct Attempts {
 }
 
 impl Attempts {
-    /// Parses the probe's lines (`ok ... us=N` or `err ...`).
+    /// Parses the probe's lines (`ok ... us=N` or `err ...`; `ns=N` where the probe gives
+    /// it, as a connection of ~20 us is too short for whole microseconds).
     pub fn parse(output: &str) -> Self {
+        Self::of_arm(output, None)
+    }
+
+    /// The attempts of each of `arms` arms of a probe run with `--alternate` (lines ending
+    /// `arm=K ...`).
+    pub fn parse_arms(output: &str, arms: usize) -> Vec<Self> {
+        (0..arms).map(|k| Self::of_arm(output, Some(k))).collect()
+    }
+
+    fn of_arm(output: &str, arm: Option<usize>) -> Self {
         let mut latencies = Vec::new();
         let mut failures = 0;
         for line in output.lines() {
+            let field = |name: &str| line.split_whitespace().find_map(|w| w.strip_prefix(name));
+            if arm.is_some() && field("arm=").and_then(|k| k.parse().ok()) != arm {
+                continue;
+            }
             if !line.starts_with("ok ") {
                 failures += usize::from(line.starts_with("err "));
                 continue;
             }
-            if let Some(us) = line.split_whitespace().find_map(|w| w.strip_prefix("us=")) {
-                latencies.push(Duration::from_micros(us.parse().unwrap_or(0)));
-            }
+            let took = match (field("ns="), field("us=")) {
+                (Some(ns), _) => Duration::from_nanos(ns.parse().unwrap_or(0)),
+                (None, Some(us)) => Duration::from_micros(us.parse().unwrap_or(0)),
+                (None, None) => continue,
+            };
+            latencies.push(took);
         }
         latencies.sort();
         Attempts {

@@ -32,6 +32,8 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
+#[path = "probe/alternate.rs"]
+mod alternate;
 #[path = "probe/http.rs"]
 mod http;
 #[path = "probe/load.rs"]
@@ -119,6 +121,11 @@ enum Command {
         /// destination then cannot run out of ephemeral ports.
         #[arg(long)]
         reset: bool,
+        /// Take turns with attempts from this network namespace to this address
+        /// (repeatable), each line then saying which arm made it (see the `alternate`
+        /// module): two paths measured in the same moments.
+        #[arg(long = "alternate", value_name = "NETNS=ADDR")]
+        alternate: Vec<alternate::ArmSpec>,
     },
     /// Send "ping", wait for the reply, report its source; once per attempt.
     Udp {
@@ -224,6 +231,26 @@ fn main() -> ExitCode {
             addr,
             attempts,
             reset,
+            alternate,
+        } if !alternate.is_empty() => {
+            let turns = alternate::Turns {
+                rounds: attempts.count,
+                timeout: Duration::from_millis(attempts.timeout_ms),
+                interval: Duration::from_millis(attempts.interval_ms),
+            };
+            match alternate::run(addr, &alternate, &turns, |a, t| tcp_attempt(a, t, reset)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("fastpath-probe: {e:#}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        Command::Tcp {
+            addr,
+            attempts,
+            reset,
+            ..
         } => {
             each_attempt(&attempts, |timeout| tcp_attempt(addr, timeout, reset));
             ExitCode::SUCCESS

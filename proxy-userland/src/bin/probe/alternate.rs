@@ -1,0 +1,143 @@
+//! `fastpath-probe tcp ADDR --alternate NETNS=ADDR ...`: attempts that take turns between
+//! several (network namespace, address) "arms", so that a benchmark comparing two paths
+//! measures both in the same moments.
+//!
+//! Separate runs of each path, even interleaved round by round, leave every run at the
+//! mercy of what the machine does during it: on a VM, runs of one path a second apart
+//! differ by up to 2x, far more than the few percent a comparison must resolve. Taking
+//! turns attempt by attempt, a slow moment falls on both arms alike. The turns go A B, B A,
+//! A B, ..., so neither arm always follows the other.
+//!
+//! The namespace is switched between attempts, outside the timed part: a socket belongs to
+//! the namespace its thread was in when it was made.
+
+use std::{
+    fs::File,
+    io::{self, Write as _},
+    net::SocketAddr,
+    os::fd::{AsRawFd as _, OwnedFd},
+    path::Path,
+    str::FromStr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// One `--alternate` value: where the attempt's socket lives and what it dials.
+#[derive(Debug, Clone)]
+pub struct ArmSpec {
+    pub netns: String,
+    pub addr: SocketAddr,
+}
+
+impl FromStr for ArmSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (netns, addr) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: expected NETNS=ADDR:PORT"))?;
+        if netns.is_empty() || netns.contains('/') || netns == "." || netns == ".." {
+            return Err(format!("bad network namespace name {netns:?}"));
+        }
+        let addr = addr
+            .parse()
+            .map_err(|e| format!("{addr:?}: not an address and port ({e})"))?;
+        Ok(ArmSpec {
+            netns: netns.to_string(),
+            addr,
+        })
+    }
+}
+
+struct Arm {
+    netns: OwnedFd,
+    addr: SocketAddr,
+}
+
+/// How many turns, and each attempt's time limit.
+pub struct Turns {
+    /// Rounds in which every arm makes one attempt (`--count`).
+    pub rounds: u32,
+    pub timeout: Duration,
+    /// Pause between rounds.
+    pub interval: Duration,
+}
+
+/// `turns.rounds` rounds; in each, every arm makes one attempt (`attempt` given the
+/// address), printed as the attempt's line followed by `arm=K ns=N us=N` (K: 0 for ADDR in
+/// the namespace the probe started in, then the `--alternate` arms in order).
+pub fn run(
+    addr: SocketAddr,
+    others: &[ArmSpec],
+    turns: &Turns,
+    mut attempt: impl FnMut(SocketAddr, Duration) -> String,
+) -> Result<()> {
+    let mut arms = vec![Arm {
+        netns: File::open("/proc/self/ns/net")
+            .context("opening this process's network namespace")?
+            .into(),
+        addr,
+    }];
+    for spec in others {
+        let path = Path::new("/run/netns").join(&spec.netns);
+        let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        arms.push(Arm {
+            netns: file.into(),
+            addr: spec.addr,
+        });
+    }
+    let mut stdout = io::stdout().lock();
+    let mut order: Vec<usize> = (0..arms.len()).collect();
+    for round in 0..turns.rounds {
+        if round > 0 {
+            order.reverse();
+            if !turns.interval.is_zero() {
+                std::thread::sleep(turns.interval);
+            }
+        }
+        for &k in &order {
+            let arm = &arms[k];
+            enter(arm).with_context(|| format!("entering the namespace of arm {k}"))?;
+            let started = Instant::now();
+            let line = attempt(arm.addr, turns.timeout);
+            let took = started.elapsed();
+            let written = writeln!(
+                stdout,
+                "{line} arm={k} ns={} us={}",
+                took.as_nanos(),
+                took.as_micros()
+            );
+            if written.and_then(|()| stdout.flush()).is_err() {
+                return Ok(()); // stdout closed: nobody is listening
+            }
+        }
+    }
+    Ok(())
+}
+
+fn enter(arm: &Arm) -> Result<()> {
+    // SAFETY: the fd is a namespace file we hold open for the call; setns has no
+    // memory-safety preconditions, and this thread holds no socket that could straddle.
+    if unsafe { libc::setns(arm.netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        bail!("{}", io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arm_specs_parse_or_say_what_is_wrong() {
+        let arm: ArmSpec = "bench-p-client=198.18.1.11:8080".parse().unwrap();
+        assert_eq!(arm.netns, "bench-p-client");
+        assert_eq!(arm.addr, "198.18.1.11:8080".parse().unwrap());
+        let v6: ArmSpec = "ns=[2001:db8::1]:80".parse().unwrap();
+        assert_eq!(v6.addr.port(), 80);
+        for bad in ["198.18.1.11:8080", "=198.18.1.11:80", "../x=198.18.1.11:80", "ns=nope"] {
+            assert!(bad.parse::<ArmSpec>().is_err(), "{bad} parsed");
+        }
+    }
+}
