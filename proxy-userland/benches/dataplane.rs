@@ -474,8 +474,7 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         };
                         let dp =
                             synced(BpfDataplane::attach_with(bed.cgroup_path(), opts)?, &state)?;
-                        let watch =
-                            Watch::start(&[&pods.client.netns, &pods.direct_client.netns]);
+                        let watch = Watch::start(&[&pods.client.netns, &pods.direct_client.netns]);
                         let (attempts, direct) = pod_path_pair(&pods, conns)?;
                         // Every connection must have been translated on the pod's device,
                         // or the row measures something else.

@@ -136,7 +136,12 @@ mod tests {
         assert_eq!(arm.addr, "198.18.1.11:8080".parse().unwrap());
         let v6: ArmSpec = "ns=[2001:db8::1]:80".parse().unwrap();
         assert_eq!(v6.addr.port(), 80);
-        for bad in ["198.18.1.11:8080", "=198.18.1.11:80", "../x=198.18.1.11:80", "ns=nope"] {
+        for bad in [
+            "198.18.1.11:8080",
+            "=198.18.1.11:80",
+            "../x=198.18.1.11:80",
+            "ns=nope",
+        ] {
             assert!(bad.parse::<ArmSpec>().is_err(), "{bad} parsed");
         }
     }
