@@ -559,10 +559,15 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         if from_pod && !snat && restores_node_address::<I>(&nat) {
             // A local backend's reply to a node port (or to any frontend on a node
             // address): from the node's own address, the stack routing it from here would
-            // drop it as a martian. It goes on as the backend sent it, and the egress of the
-            // device it leaves by (the node device's, or the client pod's) turns it back,
-            // as it does without the pod path.
-            return Ok(P::PASS);
+            // drop it as a martian. With host routing it goes out of the device the FIB
+            // names, past the host's stack as the request came in. Otherwise it goes on as
+            // the backend sent it, and the egress of the device it leaves by (the node
+            // device's, or the client pod's) turns it back, as it does without the pod path.
+            if !host_routing() {
+                return Ok(P::PASS);
+            }
+            count(nat::stat::TRANSLATED);
+            return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
         }
         count(nat::stat::TRANSLATED);
         if snat {
