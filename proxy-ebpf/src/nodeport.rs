@@ -155,6 +155,7 @@ fn redirect_translated<P: Packet, I: Ip>(
     let ret = I::fib_lookup(pkt, fib, f.proto, sport, dport, saddr, daddr, tot_len);
     if ret == FIB_NOT_FWDED {
         apply::<P, I>(pkt, f, nat)?;
+        pkt.note_translated(true);
         return Ok(P::PASS);
     }
     if P::XDP {
@@ -169,6 +170,7 @@ fn redirect_translated<P: Packet, I: Ip>(
         pkt.store(0, &fib.dmac)?;
         pkt.store(6, &fib.smac)?;
     }
+    pkt.note_translated(true);
     Ok(pkt.redirect(ret, fib.ifindex))
 }
 
@@ -523,6 +525,7 @@ fn eth_proto<P: Packet>(pkt: &P) -> u16 {
 
 #[inline(always)]
 fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> {
+    pkt.note_translated(false);
     match eth_proto(pkt) {
         // XDP cannot send the translated error on (see `Packet::can_redirect`): tc does.
         V4::ETH_P if icmp::is_icmp::<P, V4>(pkt) && !P::XDP => {
@@ -577,6 +580,7 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
             return Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib));
         }
         apply::<P, I>(pkt, f, &nat)?;
+        pkt.note_translated(true);
         return Ok(P::PASS);
     }
     let Some(fe) = frontend::<I>(f, from_pod) else {
@@ -650,6 +654,7 @@ fn to_local_pod<P: Packet, I: Ip>(
     if apply::<P, I>(pkt, f, nat).is_err() {
         return P::PASS;
     }
+    pkt.note_translated(true);
     if P::XDP || !host_routing() {
         return P::PASS;
     }
@@ -693,6 +698,7 @@ fn dsr_forward<P: Packet, I: Ip>(
     if option {
         let _ = dsr::push::<P, I>(pkt, f.daddr, f.dport);
     }
+    pkt.note_translated(true);
     if ret == crate::packet::FIB_SUCCESS
         && (pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err())
     {
@@ -734,6 +740,10 @@ fn record_dsr_reply<I: Ip>(
 /// pod's device: replies to the pod, from wherever its backend is.
 #[inline(always)]
 pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
+    // Translated at ingress: nothing here can be a reply still to turn back.
+    if pkt.was_translated() {
+        return Ok(P::PASS);
+    }
     match eth_proto(pkt) {
         V4::ETH_P if icmp::is_icmp::<P, V4>(pkt) => Ok(icmp::translate::<P, V4>(pkt, false)),
         V6::ETH_P if icmp::is_icmp::<P, V6>(pkt) => Ok(icmp::translate::<P, V6>(pkt, false)),

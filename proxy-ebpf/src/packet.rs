@@ -19,6 +19,16 @@ pub const FIB_SUCCESS: i64 = 0;
 pub const FIB_NOT_FWDED: i64 = 4;
 pub const FIB_NO_NEIGH: i64 = 7;
 
+/// The bit of the socket buffer's `tc_index` that says "translated on its way in": tc
+/// ingress sets it on a packet it translated and passed on, and the egress program of the
+/// device the packet leaves by (a pod's, a node's) then skips its flow-table lookup, which
+/// found nothing for every such packet. The host's routing between the two leaves the
+/// field alone, but tc sets it when an ingress program passes a packet: to the class id
+/// the program left (`tc_classid`; TCX and clsact alike), so the bit is written there as
+/// well as in `tc_index` (which a redirected packet keeps), and ingress sets both to 0 for
+/// every other packet.
+const TC_INDEX_TRANSLATED: u32 = 1 << 9;
+
 pub trait Packet {
     /// Whether this is the XDP hook (for the counters).
     const XDP: bool;
@@ -60,6 +70,12 @@ pub trait Packet {
     /// Makes room for `len` bytes right after the fixed IP header (where IPv4 options and
     /// IPv6 extension headers go). Err where the hook cannot (XDP here).
     fn grow_net(&mut self, len: u32) -> Result<(), ()>;
+    /// Ingress: notes on the packet whether this program translated it (see
+    /// [`TC_INDEX_TRANSLATED`]); a no-op where the hook has no such field (XDP, whose
+    /// packets tc ingress sees next anyway).
+    fn note_translated(&mut self, translated: bool);
+    /// Egress: whether ingress translated the packet.
+    fn was_translated(&self) -> bool;
 }
 
 impl Packet for TcContext {
@@ -165,6 +181,24 @@ impl Packet for TcContext {
         let ifindex = Packet::ifindex(self);
         // SAFETY: plain values; the helper only records where the packet goes next.
         unsafe { bpf_redirect(ifindex, 0) as i32 }
+    }
+
+    #[inline(always)]
+    fn note_translated(&mut self, translated: bool) {
+        let class = if translated { TC_INDEX_TRANSLATED } else { 0 };
+        // SAFETY: the __sk_buff context the kernel passed this program, valid for its whole
+        // run; tc programs may write tc_classid and tc_index, which the verifier checks.
+        let skb = unsafe { &mut *self.skb.skb };
+        // tc copies the class id into tc_index for a packet passed on; a redirected one
+        // keeps tc_index as written.
+        skb.tc_classid = class;
+        skb.tc_index = class;
+    }
+
+    #[inline(always)]
+    fn was_translated(&self) -> bool {
+        // SAFETY: as in `ifindex`.
+        unsafe { (*self.skb.skb).tc_index & TC_INDEX_TRANSLATED != 0 }
     }
 }
 
@@ -274,6 +308,14 @@ impl Packet for XdpContext {
     #[inline(always)]
     fn grow_net(&mut self, _len: u32) -> Result<(), ()> {
         Err(())
+    }
+
+    #[inline(always)]
+    fn note_translated(&mut self, _translated: bool) {}
+
+    #[inline(always)]
+    fn was_translated(&self) -> bool {
+        false
     }
 }
 

@@ -820,7 +820,33 @@ impl Drop for BpfStatsOn {
 /// (run_time_ns, run_cnt) summed over this process's programs of `prog_type`
 /// (`enum bpf_prog_type`), from their descriptors' fdinfo.
 pub fn prog_stats(prog_type: u64) -> (u64, u64) {
-    let (mut ns, mut cnt) = (0, 0);
+    own_programs()
+        .iter()
+        .filter(|p| p.prog_type == prog_type)
+        .fold((0, 0), |(ns, cnt), p| (ns + p.run_time_ns, cnt + p.run_cnt))
+}
+
+/// (run_time_ns, run_cnt) summed over this process's programs named `name`.
+pub fn prog_stats_named(name: &str) -> (u64, u64) {
+    let ids: std::collections::BTreeSet<u64> = own_programs().iter().map(|p| p.id).collect();
+    aya::programs::loaded_programs()
+        .flatten()
+        .filter(|p| ids.contains(&u64::from(p.id())) && p.name_as_str() == Some(name))
+        .fold((0, 0), |(ns, cnt), p| {
+            (ns + p.run_time().as_nanos() as u64, cnt + p.run_count())
+        })
+}
+
+struct OwnProgram {
+    id: u64,
+    prog_type: u64,
+    run_time_ns: u64,
+    run_cnt: u64,
+}
+
+/// The BPF programs this process holds a descriptor of, from their fdinfo.
+fn own_programs() -> Vec<OwnProgram> {
+    let mut programs = Vec::new();
     for fd in std::fs::read_dir("/proc/self/fd")
         .expect("fd dir")
         .flatten()
@@ -832,15 +858,18 @@ pub fn prog_stats(prog_type: u64) -> (u64, u64) {
         let Ok(info) = std::fs::read_to_string(info_path) else {
             continue;
         };
-        let field = |name: &str| -> Option<u64> {
+        let field = |name: &str| -> u64 {
             info.lines()
                 .find_map(|l| l.strip_prefix(name))
                 .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
         };
-        if field("prog_type:") == Some(prog_type) {
-            ns += field("run_time_ns:").unwrap_or(0);
-            cnt += field("run_cnt:").unwrap_or(0);
-        }
+        programs.push(OwnProgram {
+            id: field("prog_id:"),
+            prog_type: field("prog_type:"),
+            run_time_ns: field("run_time_ns:"),
+            run_cnt: field("run_cnt:"),
+        });
     }
-    (ns, cnt)
+    programs
 }
