@@ -13,8 +13,12 @@
 //! either device, the two taking turns connection by connection in one run (on this VM,
 //! separate runs of one path differ by up to 2x).
 //! The paths take turns in every round (in a rotating order), and only one dataplane
-//! is installed at a time, so noise and drift hit all alike; the table has the median of
-//! the rounds and their spread, and eBPF against direct round by round. Every run checks
+//! is installed at a time; within each run, the path's connections take turns with direct
+//! connections to the pod IP, connection by connection (`fastpath-probe tcp --alternate`:
+//! the socket paths' direct arm makes its sockets outside the hooked cgroup, iptables' in
+//! the bed without rules), and each row is compared with the direct arm of its own runs.
+//! On this VM separate runs of one path differ by up to 2x; the two arms of a run, by a
+//! few percent. The table has the median of the rounds and their spread. Every run checks
 //! its own conditions (support/conditions.rs: failed connections, ports held in the client
 //! namespace, the load average against FASTPATH_BENCH_MAX_LOAD, default the CPU count) and
 //! a row with a bad run is FAILED with the reason instead of reported as a number. The data
@@ -251,7 +255,36 @@ fn pod_path_pair(pods: &PodPair, count: usize) -> Result<(Attempts, Attempts)> {
     let mut probe = std::process::Command::new(PROBE);
     probe.arg("--netns").arg(&pods.client.netns);
     let direct = format!("{}={}", pods.direct_client.netns, pods.direct_server);
-    let out = probe_tcp(probe, CLUSTER_IP, count, &["--alternate", &direct])?;
+    paired(probe, CLUSTER_IP, &direct, count)
+}
+
+/// `count` connections from `bed`'s client to `target`, taking turns with connections to
+/// the pod IP in `clean`'s node namespace (which never has iptables rules) from a socket
+/// made in `direct_cgroup` (one without socket programs; None: the client's own): returns
+/// (the path's arm, the direct arm).
+fn paired_with_direct(
+    bed: &Testbed,
+    target: &str,
+    clean: &Testbed,
+    direct_cgroup: Option<&Path>,
+    count: usize,
+) -> Result<(Attempts, Attempts)> {
+    let mut direct = format!("{}={POD}", clean.node_netns());
+    if let Some(cgroup) = direct_cgroup {
+        direct = format!("{direct}@{}", cgroup.display());
+    }
+    paired(bed.client(Path::new(PROBE)), target, &direct, count)
+}
+
+/// `count` connections from `probe` to `target` taking turns with the `direct` arm
+/// (`--alternate` syntax).
+fn paired(
+    probe: std::process::Command,
+    target: &str,
+    direct: &str,
+    count: usize,
+) -> Result<(Attempts, Attempts)> {
+    let out = probe_tcp(probe, target, count, &["--alternate", direct])?;
     let mut arms = Attempts::parse_arms(&out, 2).into_iter();
     match (arms.next(), arms.next()) {
         (Some(path), Some(direct)) => Ok((path, direct)),
@@ -451,19 +484,26 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         let watch = Watch::start(&[bed.node_netns()]);
                         (connections(&bed, POD, conns)?, watch)
                     }
-                    kind @ (PathKind::DirectHooked | PathKind::Ebpf) => {
-                        let _dp = synced(BpfDataplane::attach(bed.cgroup_path())?, &state)?;
-                        let to = if kind == PathKind::Ebpf {
-                            CLUSTER_IP
-                        } else {
-                            POD
+                    kind @ (PathKind::DirectHooked | PathKind::Ebpf | PathKind::Iptables) => {
+                        // The direct arm: the eBPF bed's namespace (no iptables rules), its
+                        // sockets made outside the cgroup the socket programs are attached to.
+                        let (run_bed, to, bare) = match kind {
+                            PathKind::Ebpf => (&bed, CLUSTER_IP, Some(bed.helper_cgroup())),
+                            PathKind::DirectHooked => (&bed, POD, Some(bed.helper_cgroup())),
+                            _ => (&ipt_bed, CLUSTER_IP, None),
                         };
-                        let watch = Watch::start(&[bed.node_netns()]);
-                        (connections(&bed, to, conns)?, watch)
-                    }
-                    PathKind::Iptables => {
-                        let watch = Watch::start(&[ipt_bed.node_netns()]);
-                        (connections(&ipt_bed, CLUSTER_IP, conns)?, watch)
+                        let _dp = if kind == PathKind::Iptables {
+                            None
+                        } else {
+                            Some(synced(BpfDataplane::attach(bed.cgroup_path())?, &state)?)
+                        };
+                        let watch = Watch::start(&[run_bed.node_netns(), bed.node_netns()]);
+                        let (attempts, direct) =
+                            paired_with_direct(run_bed, to, &bed, bare, conns)?;
+                        let c = watch.finish(attempts.failures + direct.failures);
+                        paths[which].paired_base.push(direct.rate());
+                        paths[which].add(&attempts, &c, max_load);
+                        continue;
                     }
                     PathKind::PodDirect => unreachable!("measured with the pod path's runs"),
                     kind @ (PathKind::PodPath | PathKind::PodHostRouted) => {

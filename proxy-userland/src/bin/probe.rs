@@ -121,10 +121,11 @@ enum Command {
         /// destination then cannot run out of ephemeral ports.
         #[arg(long)]
         reset: bool,
-        /// Take turns with attempts from this network namespace to this address
-        /// (repeatable), each line then saying which arm made it (see the `alternate`
-        /// module): two paths measured in the same moments.
-        #[arg(long = "alternate", value_name = "NETNS=ADDR")]
+        /// Take turns with attempts from this network namespace (and, with @CGROUP, from a
+        /// socket made in that cgroup v2) to this address (repeatable), each line then
+        /// saying which arm made it (see the `alternate` module): two paths measured in the
+        /// same moments.
+        #[arg(long = "alternate", value_name = "NETNS=ADDR[@CGROUP]")]
         alternate: Vec<alternate::ArmSpec>,
     },
     /// Send "ping", wait for the reply, report its source; once per attempt.
@@ -238,7 +239,10 @@ fn main() -> ExitCode {
                 timeout: Duration::from_millis(attempts.timeout_ms),
                 interval: Duration::from_millis(attempts.interval_ms),
             };
-            match alternate::run(addr, &alternate, &turns, |a, t| tcp_attempt(a, t, reset)) {
+            let own_cgroup = cli.cgroup.as_deref();
+            match alternate::run(addr, own_cgroup, &alternate, &turns, |a, t| {
+                tcp_attempt(a, t, reset)
+            }) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("fastpath-probe: {e:#}");

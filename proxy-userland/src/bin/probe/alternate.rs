@@ -8,35 +8,43 @@
 //! turns attempt by attempt, a slow moment falls on both arms alike. The turns go A B, B A,
 //! A B, ..., so neither arm always follows the other.
 //!
-//! The namespace is switched between attempts, outside the timed part: a socket belongs to
-//! the namespace its thread was in when it was made.
+//! The namespace (and, where an arm names one, the cgroup) is switched between attempts,
+//! outside the timed part: a socket belongs to the namespace its thread was in when it was
+//! made, and to the cgroup its process was in, which decides which socket programs see it.
 
 use std::{
-    fs::File,
+    fs::{self, File},
     io::{self, Write as _},
     net::SocketAddr,
     os::fd::{AsRawFd as _, OwnedFd},
-    path::Path,
+    path::{Path, PathBuf},
     str::FromStr,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 
-/// One `--alternate` value: where the attempt's socket lives and what it dials.
+/// One `--alternate` value, `NETNS=ADDR[@CGROUP]`: where the attempt's socket lives (and,
+/// with `@CGROUP`, the cgroup v2 it is made in) and what it dials.
 #[derive(Debug, Clone)]
 pub struct ArmSpec {
     pub netns: String,
     pub addr: SocketAddr,
+    pub cgroup: Option<PathBuf>,
 }
 
 impl FromStr for ArmSpec {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (netns, addr) = s
+        let (netns, rest) = s
             .split_once('=')
-            .ok_or_else(|| format!("{s:?}: expected NETNS=ADDR:PORT"))?;
+            .ok_or_else(|| format!("{s:?}: expected NETNS=ADDR:PORT[@CGROUP]"))?;
+        let (addr, cgroup) = match rest.split_once('@') {
+            Some((addr, cgroup)) if !cgroup.is_empty() => (addr, Some(PathBuf::from(cgroup))),
+            Some(_) => return Err(format!("{s:?}: an empty cgroup after '@'")),
+            None => (rest, None),
+        };
         if netns.is_empty() || netns.contains('/') || netns == "." || netns == ".." {
             return Err(format!("bad network namespace name {netns:?}"));
         }
@@ -46,6 +54,7 @@ impl FromStr for ArmSpec {
         Ok(ArmSpec {
             netns: netns.to_string(),
             addr,
+            cgroup,
         })
     }
 }
@@ -53,6 +62,8 @@ impl FromStr for ArmSpec {
 struct Arm {
     netns: OwnedFd,
     addr: SocketAddr,
+    /// The cgroup's `cgroup.procs`, where arms differ in cgroup.
+    procs: Option<PathBuf>,
 }
 
 /// How many turns, and each attempt's time limit.
@@ -66,18 +77,30 @@ pub struct Turns {
 
 /// `turns.rounds` rounds; in each, every arm makes one attempt (`attempt` given the
 /// address), printed as the attempt's line followed by `arm=K ns=N us=N` (K: 0 for ADDR in
-/// the namespace the probe started in, then the `--alternate` arms in order).
+/// the namespace and cgroup (`own_cgroup`, the probe's `--cgroup`) the probe started in,
+/// then the `--alternate` arms in order).
 pub fn run(
     addr: SocketAddr,
+    own_cgroup: Option<&Path>,
     others: &[ArmSpec],
     turns: &Turns,
     mut attempt: impl FnMut(SocketAddr, Duration) -> String,
 ) -> Result<()> {
+    let switches_cgroup = others.iter().any(|o| o.cgroup.is_some());
+    if switches_cgroup && own_cgroup.is_none() {
+        bail!("an --alternate arm names a cgroup: the probe needs --cgroup for its own arm");
+    }
+    let procs = |cgroup: Option<&Path>| {
+        switches_cgroup
+            .then(|| cgroup.or(own_cgroup).map(|c| c.join("cgroup.procs")))
+            .flatten()
+    };
     let mut arms = vec![Arm {
         netns: File::open("/proc/self/ns/net")
             .context("opening this process's network namespace")?
             .into(),
         addr,
+        procs: procs(None),
     }];
     for spec in others {
         let path = Path::new("/run/netns").join(&spec.netns);
@@ -85,6 +108,7 @@ pub fn run(
         arms.push(Arm {
             netns: file.into(),
             addr: spec.addr,
+            procs: procs(spec.cgroup.as_deref()),
         });
     }
     let mut stdout = io::stdout().lock();
@@ -117,6 +141,10 @@ pub fn run(
 }
 
 fn enter(arm: &Arm) -> Result<()> {
+    if let Some(procs) = &arm.procs {
+        fs::write(procs, format!("{}\n", std::process::id()))
+            .with_context(|| format!("joining the cgroup of {}", procs.display()))?;
+    }
     // SAFETY: the fd is a namespace file we hold open for the call; setns has no
     // memory-safety preconditions, and this thread holds no socket that could straddle.
     if unsafe { libc::setns(arm.netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
@@ -136,11 +164,18 @@ mod tests {
         assert_eq!(arm.addr, "198.18.1.11:8080".parse().unwrap());
         let v6: ArmSpec = "ns=[2001:db8::1]:80".parse().unwrap();
         assert_eq!(v6.addr.port(), 80);
+        assert_eq!(v6.cgroup, None);
+        let hooked: ArmSpec = "ns=198.18.1.11:80@/sys/fs/cgroup/x".parse().unwrap();
+        assert_eq!(
+            hooked.cgroup.as_deref(),
+            Some(Path::new("/sys/fs/cgroup/x"))
+        );
         for bad in [
             "198.18.1.11:8080",
             "=198.18.1.11:80",
             "../x=198.18.1.11:80",
             "ns=nope",
+            "ns=198.18.1.11:80@",
         ] {
             assert!(bad.parse::<ArmSpec>().is_err(), "{bad} parsed");
         }
