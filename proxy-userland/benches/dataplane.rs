@@ -285,11 +285,7 @@ fn paired(
     count: usize,
 ) -> Result<(Attempts, Attempts)> {
     let out = probe_tcp(probe, target, count, &["--alternate", direct])?;
-    let mut arms = Attempts::parse_arms(&out, 2).into_iter();
-    match (arms.next(), arms.next()) {
-        (Some(path), Some(direct)) => Ok((path, direct)),
-        _ => anyhow::bail!("the probe reported fewer than two arms"),
-    }
+    Attempts::parse_pair(&out, count)
 }
 
 /// The probe's output for `count` TCP connections to `target` (`extra`: more flags).

@@ -163,11 +163,7 @@ fn probe_paired(
             &direct,
         ],
     )?;
-    let mut arms = Attempts::parse_arms(&out, 2).into_iter();
-    match (arms.next(), arms.next()) {
-        (Some(path), Some(direct)) => Ok((path, direct)),
-        _ => anyhow::bail!("the probe reported fewer than two arms"),
-    }
+    Attempts::parse_pair(&out, count.parse()?)
 }
 
 #[derive(Default)]

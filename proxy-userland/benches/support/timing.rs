@@ -26,10 +26,19 @@ impl Attempts {
         Self::of_arm(output, None)
     }
 
-    /// The attempts of each of `arms` arms of a probe run with `--alternate` (lines ending
-    /// `arm=K ...`).
-    pub fn parse_arms(output: &str, arms: usize) -> Vec<Self> {
-        (0..arms).map(|k| Self::of_arm(output, Some(k))).collect()
+    /// The two arms of a probe run with one `--alternate` and `--count count` (lines with
+    /// `arm=0` or `arm=1`): (the probe's own target's, the other's). Err unless each arm
+    /// reported every attempt, which a comparison needs.
+    pub fn parse_pair(output: &str, count: usize) -> anyhow::Result<(Self, Self)> {
+        let (own, other) = (Self::of_arm(output, Some(0)), Self::of_arm(output, Some(1)));
+        for (arm, a) in [("first", &own), ("second", &other)] {
+            let reported = a.latencies.len() + a.failures;
+            anyhow::ensure!(
+                reported == count,
+                "the probe's {arm} arm reported {reported} of {count} attempts"
+            );
+        }
+        Ok((own, other))
     }
 
     fn of_arm(output: &str, arm: Option<usize>) -> Self {

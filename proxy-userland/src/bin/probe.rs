@@ -198,36 +198,24 @@ fn main() -> ExitCode {
             udp,
             http,
             drain_ms,
-        } => match serve::serve(
+        } => exit_code(serve::serve(
             &serve::Replier { name, echo_peer },
             &serve::Listen { tcp, udp, http },
             drain_ms.map(Duration::from_millis),
-        ) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("fastpath-probe: {e:#}");
-                ExitCode::from(2)
-            }
-        },
+        )),
         Command::Load {
             clients,
             duration_ms,
             interval_ms,
             timeout_ms,
             report_ms,
-        } => match load::run(load::LoadOptions {
+        } => exit_code(load::run(load::LoadOptions {
             clients,
             duration: Duration::from_millis(duration_ms),
             interval: Duration::from_millis(interval_ms),
             timeout: Duration::from_millis(timeout_ms),
             report: Duration::from_millis(report_ms),
-        }) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("fastpath-probe: {e:#}");
-                ExitCode::from(2)
-            }
-        },
+        })),
         Command::Tcp {
             addr,
             attempts,
@@ -240,15 +228,13 @@ fn main() -> ExitCode {
                 interval: Duration::from_millis(attempts.interval_ms),
             };
             let own_cgroup = cli.cgroup.as_deref();
-            match alternate::run(addr, own_cgroup, &alternate, &turns, |a, t| {
-                tcp_attempt(a, t, reset)
-            }) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("fastpath-probe: {e:#}");
-                    ExitCode::from(2)
-                }
-            }
+            exit_code(alternate::run(
+                addr,
+                own_cgroup,
+                &alternate,
+                &turns,
+                |a, t| tcp_attempt(a, t, reset),
+            ))
         }
         Command::Tcp {
             addr,
@@ -283,6 +269,17 @@ fn main() -> ExitCode {
                 line
             });
             ExitCode::SUCCESS
+        }
+    }
+}
+
+/// 0 for done, 2 (with the error on stderr) for a setup that failed.
+fn exit_code(result: Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fastpath-probe: {e:#}");
+            ExitCode::from(2)
         }
     }
 }
