@@ -70,7 +70,7 @@ mod timing;
 
 use conditions::{Conditions, Watch};
 use synthetic::{ENDPOINTS_PER_SERVICE, endpoint_ip};
-use timing::{Attempts, median, percentile};
+use timing::{Attempts, median, percentile, spread};
 
 fn synthetic_state(n: u32, salt: u32) -> ProxyState {
     synthetic::state(n, salt)
@@ -738,13 +738,6 @@ fn ratios(row: &DataRow, data: &[DataRow]) -> Vec<f64> {
         .filter(|(_, d)| **d > 0.0)
         .map(|(r, d)| r / d)
         .collect()
-}
-
-fn spread(xs: &[f64]) -> (f64, f64) {
-    (
-        xs.iter().copied().fold(f64::INFINITY, f64::min),
-        xs.iter().copied().fold(0.0, f64::max),
-    )
 }
 
 fn data_table(out: &mut String, data: &[DataRow], rounds: usize, conns: usize, cpu: Option<usize>) {

@@ -24,7 +24,7 @@ mod conditions;
 mod timing;
 
 use conditions::Watch;
-use timing::{Attempts, median};
+use timing::{Attempts, median, spread};
 
 const FASTPATH: &str = env!("CARGO_BIN_EXE_fastpath");
 const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
@@ -134,8 +134,7 @@ fn main() -> Result<()> {
         .collect();
     for (m, per_mode) in series.iter_mut().enumerate() {
         for (w, s) in per_mode.iter_mut().enumerate() {
-            let lo = s.rate.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = s.rate.iter().copied().fold(0.0, f64::max);
+            let (lo, hi) = spread(&s.rate);
             let rate = median(&mut s.rate);
             let vs = if m == 0 || snat_rates[w] <= 0.0 {
                 String::new()

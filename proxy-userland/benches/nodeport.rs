@@ -47,7 +47,7 @@ mod synthetic;
 mod timing;
 
 use conditions::Watch;
-use timing::{Attempts, median};
+use timing::{Attempts, median, spread};
 
 const PROBE: &str = env!("CARGO_BIN_EXE_fastpath-probe");
 const NODE_PORT: u16 = 30080;
@@ -192,10 +192,7 @@ impl Series {
     }
 
     fn row(&mut self, path: &str, workload: &str, services: u32, direct: Option<f64>) -> String {
-        let (lo, hi) = (
-            self.rate.iter().copied().fold(f64::INFINITY, f64::min),
-            self.rate.iter().copied().fold(0.0, f64::max),
-        );
+        let (lo, hi) = spread(&self.rate);
         let rate = median(&mut self.rate);
         let pct = |x: f64| format!("{:+.1}%", (x - 1.0) * 100.0);
         let vs = if self.paired.is_empty() {
@@ -203,10 +200,7 @@ impl Series {
                 .filter(|d| *d > 0.0)
                 .map_or(String::new(), |d| pct(rate / d))
         } else {
-            let (lo, hi) = (
-                self.paired.iter().copied().fold(f64::INFINITY, f64::min),
-                self.paired.iter().copied().fold(0.0, f64::max),
-            );
+            let (lo, hi) = spread(&self.paired);
             format!(
                 "{} (paired; {} to {})",
                 pct(median(&mut self.paired)),

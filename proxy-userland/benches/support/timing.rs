@@ -86,6 +86,14 @@ impl Attempts {
     }
 }
 
+/// The smallest and the largest of some numbers (infinity and 0 for none).
+pub fn spread(xs: &[f64]) -> (f64, f64) {
+    (
+        xs.iter().copied().fold(f64::INFINITY, f64::min),
+        xs.iter().copied().fold(0.0, f64::max),
+    )
+}
+
 /// The median of some numbers (sorted in place); zero for none.
 pub fn median(xs: &mut [f64]) -> f64 {
     if xs.is_empty() {

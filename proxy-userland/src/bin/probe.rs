@@ -22,7 +22,7 @@ use std::{
     io::{self, ErrorKind, Read as _, Write as _},
     mem,
     net::{SocketAddr, TcpStream, UdpSocket},
-    os::fd::AsRawFd as _,
+    os::fd::AsRawFd,
     path::{Path, PathBuf},
     process::ExitCode,
     thread,
@@ -301,26 +301,51 @@ fn check_name(name: &str) -> Result<()> {
 /// exists yet, so everything made afterwards lives in the namespace.
 fn enter(cgroup: Option<&Path>, netns: Option<&str>) -> Result<()> {
     if let Some(cgroup) = cgroup {
-        let procs = cgroup.join("cgroup.procs");
-        fs::write(&procs, format!("{}\n", std::process::id())).with_context(|| {
-            format!(
-                "joining cgroup {} (writing {})",
-                cgroup.display(),
-                procs.display()
-            )
-        })?;
+        join_cgroup(cgroup)?;
     }
     if let Some(name) = netns {
-        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        if !valid_netns_name(name) {
             bail!("bad --netns name {name:?}");
         }
-        let path = Path::new("/run/netns").join(name);
-        let file = fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: the fd is valid for the call; setns has no memory-safety preconditions.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            let err = io::Error::last_os_error();
-            bail!("entering network namespace {name}: {err}");
-        }
+        let file = open_netns(name)?;
+        enter_netns(&file).with_context(|| format!("entering network namespace {name}"))?;
+    }
+    Ok(())
+}
+
+/// Moves this process into the cgroup v2 at `cgroup`: sockets made afterwards belong to it.
+fn join_cgroup(cgroup: &Path) -> Result<()> {
+    let procs = cgroup.join("cgroup.procs");
+    fs::write(&procs, format!("{}\n", std::process::id())).with_context(|| {
+        format!(
+            "joining cgroup {} (writing {})",
+            cgroup.display(),
+            procs.display()
+        )
+    })
+}
+
+/// The named network namespace /run/netns/NAME, opened.
+fn open_netns(name: &str) -> Result<fs::File> {
+    if !valid_netns_name(name) {
+        bail!("bad network namespace name {name:?}");
+    }
+    let path = Path::new("/run/netns").join(name);
+    fs::File::open(&path).with_context(|| format!("opening {}", path.display()))
+}
+
+/// A name of a file in /run/netns, and nothing that leads out of it.
+fn valid_netns_name(name: &str) -> bool {
+    !(name.is_empty() || name.contains('/') || name == "." || name == "..")
+}
+
+/// Moves this thread into the network namespace `ns` refers to: sockets made afterwards
+/// live there.
+fn enter_netns(ns: &impl AsRawFd) -> io::Result<()> {
+    // SAFETY: the fd is valid for the call (`ns` holds it open); setns has no memory-safety
+    // preconditions.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

@@ -13,16 +13,17 @@
 //! made, and to the cgroup its process was in, which decides which socket programs see it.
 
 use std::{
-    fs::{self, File},
+    fs::File,
     io::{self, Write as _},
     net::SocketAddr,
-    os::fd::{AsRawFd as _, OwnedFd},
     path::{Path, PathBuf},
     str::FromStr,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
+
+use super::{enter_netns, join_cgroup, open_netns, valid_netns_name};
 
 /// One `--alternate` value, `NETNS=ADDR[@CGROUP]`: where the attempt's socket lives (and,
 /// with `@CGROUP`, the cgroup v2 it is made in) and what it dials.
@@ -45,7 +46,7 @@ impl FromStr for ArmSpec {
             Some(_) => return Err(format!("{s:?}: an empty cgroup after '@'")),
             None => (rest, None),
         };
-        if netns.is_empty() || netns.contains('/') || netns == "." || netns == ".." {
+        if !valid_netns_name(netns) {
             return Err(format!("bad network namespace name {netns:?}"));
         }
         let addr = addr
@@ -60,10 +61,10 @@ impl FromStr for ArmSpec {
 }
 
 struct Arm {
-    netns: OwnedFd,
+    netns: File,
     addr: SocketAddr,
-    /// The cgroup's `cgroup.procs`, where arms differ in cgroup.
-    procs: Option<PathBuf>,
+    /// The arm's cgroup, where arms differ in cgroup.
+    cgroup: Option<PathBuf>,
 }
 
 /// How many turns, and each attempt's time limit.
@@ -90,25 +91,22 @@ pub fn run(
     if switches_cgroup && own_cgroup.is_none() {
         bail!("an --alternate arm names a cgroup: the probe needs --cgroup for its own arm");
     }
-    let procs = |cgroup: Option<&Path>| {
+    let cgroup = |arm: Option<&Path>| {
         switches_cgroup
-            .then(|| cgroup.or(own_cgroup).map(|c| c.join("cgroup.procs")))
+            .then(|| arm.or(own_cgroup).map(Path::to_path_buf))
             .flatten()
     };
     let mut arms = vec![Arm {
         netns: File::open("/proc/self/ns/net")
-            .context("opening this process's network namespace")?
-            .into(),
+            .context("opening this process's network namespace")?,
         addr,
-        procs: procs(None),
+        cgroup: cgroup(None),
     }];
     for spec in others {
-        let path = Path::new("/run/netns").join(&spec.netns);
-        let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
         arms.push(Arm {
-            netns: file.into(),
+            netns: open_netns(&spec.netns)?,
             addr: spec.addr,
-            procs: procs(spec.cgroup.as_deref()),
+            cgroup: cgroup(spec.cgroup.as_deref()),
         });
     }
     let mut stdout = io::stdout().lock();
@@ -141,16 +139,10 @@ pub fn run(
 }
 
 fn enter(arm: &Arm) -> Result<()> {
-    if let Some(procs) = &arm.procs {
-        fs::write(procs, format!("{}\n", std::process::id()))
-            .with_context(|| format!("joining the cgroup of {}", procs.display()))?;
+    if let Some(cgroup) = &arm.cgroup {
+        join_cgroup(cgroup)?;
     }
-    // SAFETY: the fd is a namespace file we hold open for the call; setns has no
-    // memory-safety preconditions, and this thread holds no socket that could straddle.
-    if unsafe { libc::setns(arm.netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        bail!("{}", io::Error::last_os_error());
-    }
-    Ok(())
+    Ok(enter_netns(&arm.netns)?)
 }
 
 #[cfg(test)]
