@@ -52,6 +52,11 @@ impl<A: Copy> Flow<A> {
         self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
     }
 
+    /// A SYN-ACK: a server accepting a connection.
+    pub(crate) fn accepting(&self) -> bool {
+        self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK
+    }
+
     /// The flags an entry of this flow carries after this packet.
     pub(crate) fn mark(&self, flags: u16) -> u16 {
         if self.ending() {
@@ -72,9 +77,11 @@ pub struct Scratch<A> {
     pub(crate) work: Work<A>,
 }
 
-/// The parts of [`Scratch`] a new flow and a redirect fill in.
+/// The parts of [`Scratch`] a new flow, a reply and a redirect fill in.
 pub(crate) struct Work<A> {
     pub(crate) frontend: Frontend<A>,
+    /// A reply's translation.
+    pub(crate) nat: Nat<A>,
     pub(crate) fib: FibParams,
     pub(crate) reply: CtValue<A>,
     pub(crate) forward: CtValue<A>,

@@ -155,7 +155,7 @@ fn redirect_translated<P: Packet, I: Ip>(
     let ret = I::fib_lookup(pkt, fib, f.proto, sport, dport, saddr, daddr, tot_len);
     if ret == FIB_NOT_FWDED {
         apply::<P, I>(pkt, f, nat)?;
-        pkt.note_translated(true);
+        pkt.note_settled(true);
         return Ok(P::PASS);
     }
     if P::XDP {
@@ -170,15 +170,18 @@ fn redirect_translated<P: Packet, I: Ip>(
         pkt.store(0, &fib.dmac)?;
         pkt.store(6, &fib.smac)?;
     }
-    pkt.note_translated(true);
+    pkt.note_settled(true);
     Ok(pkt.redirect(ret, fib.ifindex))
 }
 
 /// A reply (backend -> client, or -> our SNAT address) of a flow we translate: what it
-/// must become, and whether it was SNATed (then it is addressed to us and must be sent on).
+/// must become, into `out` (with a `dst` when the flow was SNATed: then the reply is
+/// addressed to us and must be sent on).
 #[inline(always)]
-fn reply_nat<I: Ip>(f: &Flow<I::Addr>, now: u64) -> Option<(Nat<I::Addr>, bool)> {
+fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>) -> Option<()> {
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::REPLY))?;
+    // The clock only for entries found: most packets a device sees are no flow of ours.
+    let now = kernel::now_ns();
     // SAFETY: a non-null lookup result is an 8-aligned CtValue that stays allocated while
     // we run (see `maps::Lookup`), and ours is the only reference into it in this program.
     // Other CPUs may update the same entry at the same time, as every BPF program sharing a
@@ -188,14 +191,22 @@ fn reply_nat<I: Ip>(f: &Flow<I::Addr>, now: u64) -> Option<(Nat<I::Addr>, bool)>
     if f.expired(e.last_seen_ns, e.flags, now) {
         return None;
     }
+    // A SYN-ACK to a connection that ended answers another one on the same tuple, which
+    // is not ours: the client dialled the backend itself from the port it had used for
+    // the Service (a new connection to the Service would have renewed the entry). The
+    // entry goes, or that connection's later packets would be turned back too.
+    if f.accepting() && e.flags & nat::ct_flags::CLOSING != 0 {
+        let _ = I::ct().remove(&f.key(nat::dir::REPLY));
+        return None;
+    }
     e.last_seen_ns = now;
     e.flags = f.mark(e.flags | nat::ct_flags::SEEN_REPLY);
     let snat = !I::is_zero(&e.snat_addr);
-    let nat = Nat {
+    *out = Nat {
         src: Some((e.addr, e.port)),
         dst: snat.then_some((e.snat_addr, e.snat_port)),
     };
-    Some((nat, snat))
+    Some(())
 }
 
 /// Whether a reply translated by `nat` would come from one of the node's addresses.
@@ -453,13 +464,19 @@ fn new_flow<P: Packet, I: Ip>(
     Ok(())
 }
 
+/// How long a known flow's packets go without its reply entry being looked up: within it,
+/// that entry can neither have expired (every timeout is far longer) nor gone to another
+/// flow, so only a flow's first packet past it refreshes both entries, and the forward
+/// entry's `last_seen_ns` says when that was.
+const REFRESH_NS: u64 = 1_000_000_000;
+
 /// The forward entry of a flow we already translate, if it still holds; refreshes both
-/// entries. The flow starts over when its backend left the service (a UDP client of a
-/// removed backend moves on instead of sending into the void), when its reply entry
-/// expired or went to another flow (its SNAT port was reused), or when a closing TCP flow's
-/// client port opens a new connection.
+/// entries (at most once per [`REFRESH_NS`]). The flow starts over when its backend left
+/// the service (a UDP client of a removed backend moves on instead of sending into the
+/// void), when its reply entry expired or went to another flow (its SNAT port was reused),
+/// or when a closing TCP flow's client port opens a new connection.
 #[inline(always)]
-fn known_flow<I: Ip>(f: &Flow<I::Addr>, now: u64, out: &mut CtValue<I::Addr>) -> Option<()> {
+fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<u64> {
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::FORWARD))?;
     // SAFETY: as in `reply_nat`: a live, aligned CtValue of plain integers, and the only
     // reference into it (`r` below is another key's entry: the direction differs).
@@ -467,6 +484,15 @@ fn known_flow<I: Ip>(f: &Flow<I::Addr>, now: u64, out: &mut CtValue<I::Addr>) ->
     match I::backend(e.backend_id) {
         Some(b) if I::same(&b.addr, &e.addr) && b.port == e.port => {}
         _ => return None,
+    }
+    let now = kernel::now_ns();
+    // A packet that opens, ends or follows the end of a connection always takes the full
+    // look: it changes or depends on both entries' flags.
+    let steady = !f.opening() && !f.ending() && e.flags & nat::ct_flags::CLOSING == 0;
+    if steady && now.wrapping_sub(e.last_seen_ns) < REFRESH_NS {
+        count(nat::stat::TRANSLATED);
+        *out = *e;
+        return Some(now);
     }
     let snat = !I::is_zero(&e.snat_addr);
     let reply_key = CtKey {
@@ -498,7 +524,7 @@ fn known_flow<I: Ip>(f: &Flow<I::Addr>, now: u64, out: &mut CtValue<I::Addr>) ->
     r.flags = f.mark(r.flags);
     count(nat::stat::TRANSLATED);
     *out = *e;
-    Some(())
+    Some(now)
 }
 
 /// Ingress on a node device (tc, or XDP ahead of it).
@@ -525,7 +551,7 @@ fn eth_proto<P: Packet>(pkt: &P) -> u16 {
 
 #[inline(always)]
 fn translate_ingress<P: Packet>(pkt: &mut P, from_pod: bool) -> Result<i32, ()> {
-    pkt.note_translated(false);
+    pkt.note_settled(false);
     match eth_proto(pkt) {
         // XDP cannot send the translated error on (see `Packet::can_redirect`): tc does.
         V4::ETH_P if icmp::is_icmp::<P, V4>(pkt) && !P::XDP => {
@@ -551,67 +577,55 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         return Ok(P::PASS);
     }
     let f = &*f;
-    let now = kernel::now_ns();
     // A DSR flow's packet from its entry node, for a backend here: remember what the
     // backend's answers must come from, and deliver it.
     if !from_pod && let Some(frontend) = dsr::frontend::<P, I>(pkt) {
-        record_dsr_reply::<I>(f, frontend, now, w);
+        record_dsr_reply::<I>(f, frontend, w);
         return Ok(P::PASS);
     }
-    if let Some((nat, snat)) = reply_nat::<I>(f, now) {
-        if from_pod && !snat && restores_node_address::<I>(&nat) {
-            // A local backend's reply to a node port (or to any frontend on a node
-            // address): from the node's own address, the stack routing it from here would
-            // drop it as a martian. With host routing it goes out of the device the FIB
-            // names, past the host's stack as the request came in. Otherwise it goes on as
-            // the backend sent it, and the egress of the device it leaves by (the node
-            // device's, or the client pod's) turns it back, as it does without the pod path.
-            if !host_routing() {
-                return Ok(P::PASS);
-            }
-            count(nat::stat::TRANSLATED);
-            return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
-        }
-        count(nat::stat::TRANSLATED);
-        if snat {
-            return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
-        }
-        if from_pod {
-            return Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib));
-        }
-        apply::<P, I>(pkt, f, &nat)?;
-        pkt.note_translated(true);
-        return Ok(P::PASS);
-    }
-    let Some(fe) = frontend::<I>(f, from_pod) else {
-        // A pod's UDP to an address of the service ranges nobody holds: refused at once,
-        // as the socket hooks refuse it (TCP from pods stays with the hooks).
-        if from_pod && f.proto == proto::UDP && I::in_service_range(f.daddr) {
-            count(nat::stat::REFUSED_SERVICE_RANGE);
-            return Ok(if I::ETH_P == V4::ETH_P {
-                refuse::port_unreachable4(pkt)
-            } else {
-                refuse::port_unreachable6(pkt)
-            });
-        }
-        return Ok(P::PASS);
+    // A flow's packet has a forward entry or a reply entry; only looking says which. The
+    // likelier is looked up first, so that most packets make one lookup in the flow table
+    // rather than two.
+    let forward_first = likely_forward::<I>(f);
+    let mut found = if forward_first {
+        forward_entry::<P, I>(f, from_pod, w)
+    } else {
+        Found::Nothing
     };
-    // DSR grows the packet, which XDP cannot: tc takes such frontends' flows whole.
-    if P::XDP && fe.master.flags & flags::DSR != 0 {
-        return Ok(P::PASS);
-    }
-    w.frontend = fe;
-    if from_pod {
-        // A pod's traffic to a node port or external IP keeps the plain path.
-        w.frontend.master.flags &= !flags::DSR;
-    }
-    let mut fresh = false;
-    if known_flow::<I>(f, now, &mut w.forward).is_none() {
-        if let Err(verdict) = new_flow::<P, I>(pkt, f, now, w) {
-            return Ok(verdict);
+    if found != Found::Flow {
+        if reply_nat::<I>(f, &mut w.nat).is_some() {
+            return Ok(translate_reply::<P, I>(pkt, f, from_pod, w));
         }
-        fresh = true;
+        // No reply of ours: nor will the egress of the device it leaves by find one (the
+        // same lookup), which may skip it.
+        pkt.note_settled(true);
+        if !forward_first {
+            found = forward_entry::<P, I>(f, from_pod, w);
+        }
     }
+    let fresh = match found {
+        Found::Flow => false,
+        Found::Frontend => {
+            if let Err(verdict) = new_flow::<P, I>(pkt, f, kernel::now_ns(), w) {
+                return Ok(verdict);
+            }
+            true
+        }
+        Found::Pass => return Ok(P::PASS),
+        Found::Nothing => {
+            // A pod's UDP to an address of the service ranges nobody holds: refused at
+            // once, as the socket hooks refuse it (TCP from pods stays with the hooks).
+            if from_pod && f.proto == proto::UDP && I::in_service_range(f.daddr) {
+                count(nat::stat::REFUSED_SERVICE_RANGE);
+                return Ok(if I::ETH_P == V4::ETH_P {
+                    refuse::port_unreachable4(pkt)
+                } else {
+                    refuse::port_unreachable6(pkt)
+                });
+            }
+            return Ok(P::PASS);
+        }
+    };
     let e = &w.forward;
     let snat = !I::is_zero(&e.snat_addr);
     let nat = Nat {
@@ -630,6 +644,95 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     // A local backend: the stack delivers it to the pod as it would any forwarded packet,
     // or, with host routing on, we do.
     Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib))
+}
+
+/// What [`forward_entry`] found for a packet.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Found {
+    /// No frontend: a reply, or not ours.
+    Nothing,
+    /// A frontend (in `w.frontend`) but no flow to it yet.
+    Frontend,
+    /// A frontend and the packet's flow to it (in `w.forward`).
+    Flow,
+    /// A frontend this hook leaves to another (XDP: DSR's, which grows the packet).
+    Pass,
+}
+
+/// Whether the packet looks like a flow's forward packet rather than a reply. Clients send
+/// from the higher port: ephemeral ports (Linux: 32768 and up) to a service's port or a
+/// node port (30000-32767), and SNATed flows' replies come back to SNAT's ports (61000 and
+/// up). It only orders the lookups: a packet it guesses wrong is looked up both ways.
+#[inline(always)]
+fn likely_forward<I: Ip>(f: &Flow<I::Addr>) -> bool {
+    u16::from_be(f.dport) < u16::from_be(f.sport)
+}
+
+/// The frontend the packet is addressed to (into `w.frontend`) and its flow to it, if
+/// known (into `w.forward`). Not inlined: it has two callers, and its temporaries get a
+/// frame of their own.
+#[inline(never)]
+fn forward_entry<P: Packet, I: Ip>(
+    f: &Flow<I::Addr>,
+    from_pod: bool,
+    w: &mut Work<I::Addr>,
+) -> Found {
+    let Some(fe) = frontend::<I>(f, from_pod) else {
+        return Found::Nothing;
+    };
+    // DSR grows the packet, which XDP cannot: tc takes such frontends' flows whole.
+    if P::XDP && fe.master.flags & flags::DSR != 0 {
+        return Found::Pass;
+    }
+    w.frontend = fe;
+    if from_pod {
+        // A pod's traffic to a node port or external IP keeps the plain path.
+        w.frontend.master.flags &= !flags::DSR;
+    }
+    if known_flow::<I>(f, &mut w.forward).is_some() {
+        Found::Flow
+    } else {
+        Found::Frontend
+    }
+}
+
+/// A reply of a flow we translate (`w.nat`, see [`reply_nat`]), turned back into what its
+/// client expects.
+#[inline(always)]
+fn translate_reply<P: Packet, I: Ip>(
+    pkt: &mut P,
+    f: &Flow<I::Addr>,
+    from_pod: bool,
+    w: &mut Work<I::Addr>,
+) -> i32 {
+    let (nat, fib) = (&w.nat, &mut w.fib);
+    // An SNATed flow's reply is addressed to us, and goes on to the client.
+    let snat = nat.dst.is_some();
+    if from_pod && !snat && restores_node_address::<I>(nat) {
+        // A local backend's reply to a node port (or to any frontend on a node address):
+        // from the node's own address, the stack routing it from here would drop it as a
+        // martian. With host routing it goes out of the device the FIB names, past the
+        // host's stack as the request came in. Otherwise it goes on as the backend sent it,
+        // and the egress of the device it leaves by (the node device's, or the client
+        // pod's) turns it back, as it does without the pod path.
+        if !host_routing() {
+            return P::PASS;
+        }
+        count(nat::stat::TRANSLATED);
+        return translate_and_redirect::<P, I>(pkt, f, nat, fib);
+    }
+    count(nat::stat::TRANSLATED);
+    if snat {
+        return translate_and_redirect::<P, I>(pkt, f, nat, fib);
+    }
+    if from_pod {
+        return to_local_pod::<P, I>(pkt, f, nat, fib);
+    }
+    if apply::<P, I>(pkt, f, nat).is_err() {
+        return P::PASS;
+    }
+    pkt.note_settled(true);
+    P::PASS
 }
 
 /// Whether the daemon turned host routing on (see `proxy_common::sockcfg::flags`).
@@ -654,7 +757,7 @@ fn to_local_pod<P: Packet, I: Ip>(
     if apply::<P, I>(pkt, f, nat).is_err() {
         return P::PASS;
     }
-    pkt.note_translated(true);
+    pkt.note_settled(true);
     if P::XDP || !host_routing() {
         return P::PASS;
     }
@@ -698,7 +801,7 @@ fn dsr_forward<P: Packet, I: Ip>(
     if option {
         let _ = dsr::push::<P, I>(pkt, f.daddr, f.dport);
     }
-    pkt.note_translated(true);
+    pkt.note_settled(true);
     if ret == crate::packet::FIB_SUCCESS
         && (pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err())
     {
@@ -710,16 +813,11 @@ fn dsr_forward<P: Packet, I: Ip>(
 /// On the backend's node: the reply entry that turns the backend's answers to the client
 /// back into the frontend's (at this node's egress), from a DSR option.
 #[inline(always)]
-fn record_dsr_reply<I: Ip>(
-    f: &Flow<I::Addr>,
-    frontend: (I::Addr, u16),
-    now: u64,
-    w: &mut Work<I::Addr>,
-) {
+fn record_dsr_reply<I: Ip>(f: &Flow<I::Addr>, frontend: (I::Addr, u16), w: &mut Work<I::Addr>) {
     w.reply = CtValue {
         addr: frontend.0,
         port: frontend.1,
-        last_seen_ns: now,
+        last_seen_ns: kernel::now_ns(),
         flags: nat::ct_flags::DSR,
         ..Default::default()
     };
@@ -740,8 +838,9 @@ fn record_dsr_reply<I: Ip>(
 /// pod's device: replies to the pod, from wherever its backend is.
 #[inline(always)]
 pub fn egress<P: Packet>(pkt: &mut P) -> Result<i32, ()> {
-    // Translated at ingress: nothing here can be a reply still to turn back.
-    if pkt.was_translated() {
+    // Translated at ingress, or looked up there and found no reply of ours: nothing here
+    // can be a reply still to turn back.
+    if pkt.was_settled() {
         return Ok(P::PASS);
     }
     match eth_proto(pkt) {
@@ -760,10 +859,9 @@ fn egress_ip<P: Packet, I: Ip>(pkt: &mut P) -> Result<i32, ()> {
     };
     if parse::<P, I>(pkt, &mut s.flow).is_some() {
         let f = &s.flow;
-        let now = kernel::now_ns();
-        if let Some((nat, _)) = reply_nat::<I>(f, now) {
+        if reply_nat::<I>(f, &mut s.work.nat).is_some() {
             count(nat::stat::TRANSLATED);
-            apply::<P, I>(pkt, f, &nat)?;
+            apply::<P, I>(pkt, f, &s.work.nat)?;
         }
     }
     Ok(P::PASS)

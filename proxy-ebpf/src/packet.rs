@@ -19,15 +19,15 @@ pub const FIB_SUCCESS: i64 = 0;
 pub const FIB_NOT_FWDED: i64 = 4;
 pub const FIB_NO_NEIGH: i64 = 7;
 
-/// The bit of the socket buffer's `tc_index` that says "translated on its way in": tc
-/// ingress sets it on a packet it translated and passed on, and the egress program of the
-/// device the packet leaves by (a pod's, a node's) then skips its flow-table lookup, which
-/// found nothing for every such packet. The host's routing between the two leaves the
+/// The bit of the socket buffer's `tc_index` that says "settled on its way in": tc ingress
+/// sets it on a packet it translated, or whose reply entry it looked up and did not find,
+/// and the egress program of the device the packet leaves by (a pod's, a node's) then
+/// skips its own lookup of that entry, which would find nothing. The host's routing between the two leaves the
 /// field alone, but tc sets it when an ingress program passes a packet: to the class id
 /// the program left (`tc_classid`; TCX and clsact alike), so the bit is written there as
 /// well as in `tc_index` (which a redirected packet keeps), and ingress sets both to 0 for
 /// every other packet.
-const TC_INDEX_TRANSLATED: u32 = 1 << 9;
+const TC_INDEX_SETTLED: u32 = 1 << 9;
 
 pub trait Packet {
     /// Whether this is the XDP hook (for the counters).
@@ -70,12 +70,12 @@ pub trait Packet {
     /// Makes room for `len` bytes right after the fixed IP header (where IPv4 options and
     /// IPv6 extension headers go). Err where the hook cannot (XDP here).
     fn grow_net(&mut self, len: u32) -> Result<(), ()>;
-    /// Ingress: notes on the packet whether this program translated it (see
-    /// [`TC_INDEX_TRANSLATED`]); a no-op where the hook has no such field (XDP, whose
-    /// packets tc ingress sees next anyway).
-    fn note_translated(&mut self, translated: bool);
-    /// Egress: whether ingress translated the packet.
-    fn was_translated(&self) -> bool;
+    /// Ingress: notes on the packet whether this program settled it (see
+    /// [`TC_INDEX_SETTLED`]); a no-op where the hook has no such field (XDP, whose packets
+    /// tc ingress sees next anyway).
+    fn note_settled(&mut self, settled: bool);
+    /// Egress: whether ingress settled the packet.
+    fn was_settled(&self) -> bool;
 }
 
 impl Packet for TcContext {
@@ -184,8 +184,8 @@ impl Packet for TcContext {
     }
 
     #[inline(always)]
-    fn note_translated(&mut self, translated: bool) {
-        let class = if translated { TC_INDEX_TRANSLATED } else { 0 };
+    fn note_settled(&mut self, settled: bool) {
+        let class = if settled { TC_INDEX_SETTLED } else { 0 };
         // SAFETY: the __sk_buff context the kernel passed this program, valid for its whole
         // run; tc programs may write tc_classid and tc_index, which the verifier checks.
         let skb = unsafe { &mut *self.skb.skb };
@@ -196,9 +196,9 @@ impl Packet for TcContext {
     }
 
     #[inline(always)]
-    fn was_translated(&self) -> bool {
+    fn was_settled(&self) -> bool {
         // SAFETY: as in `ifindex`.
-        unsafe { (*self.skb.skb).tc_index & TC_INDEX_TRANSLATED != 0 }
+        unsafe { (*self.skb.skb).tc_index & TC_INDEX_SETTLED != 0 }
     }
 }
 
@@ -311,10 +311,10 @@ impl Packet for XdpContext {
     }
 
     #[inline(always)]
-    fn note_translated(&mut self, _translated: bool) {}
+    fn note_settled(&mut self, _settled: bool) {}
 
     #[inline(always)]
-    fn was_translated(&self) -> bool {
+    fn was_settled(&self) -> bool {
         false
     }
 }

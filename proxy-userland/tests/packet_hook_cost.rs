@@ -6,7 +6,9 @@
 //! count; the numbers are printed for docs/benchmarks.md. And the egress program, which
 //! sees every packet to a pod after the ingress program translated it, must skip its
 //! flow-table lookup for those (the ingress notes it on the packet): it costs a fraction of
-//! the ingress program per run, where the lookup made it a third.
+//! the ingress program per run, where the lookup made it a third. The same holds for a
+//! pod's traffic to another pod's own address, no Service in between: the ingress program
+//! looked its reply entry up and found none, and the egress program must not look again.
 
 mod common;
 #[path = "../benches/support/synthetic.rs"]
@@ -31,8 +33,8 @@ struct Cost {
     egress_ns: f64,
 }
 
-/// What `count` connections from `client` cost.
-fn measure(client: &xtask::testbed::Pod, count: usize) -> Cost {
+/// What `count` connections from `client` to `target` cost.
+fn measure(client: &xtask::testbed::Pod, target: &str, count: usize) -> Cost {
     let per_run = |(ns0, cnt0): (u64, u64), (ns1, cnt1): (u64, u64)| {
         (ns1 - ns0) as f64 / (cnt1 - cnt0).max(1) as f64
     };
@@ -44,7 +46,7 @@ fn measure(client: &xtask::testbed::Pod, count: usize) -> Cost {
     let out = std::process::Command::new(probe())
         .arg("--netns")
         .arg(&client.netns)
-        .args(["tcp", WEB, "--count", &count.to_string(), "--reset"])
+        .args(["tcp", target, "--count", &count.to_string(), "--reset"])
         .output()
         .expect("probe runs");
     let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
@@ -91,8 +93,8 @@ fn the_pod_paths_cost_per_packet_does_not_grow_with_services() {
             let report = dp.sync(&state, &node(), Scope::Full);
             assert!(report.failed.is_empty(), "{report:?}");
             // Warm the maps', the neighbours' and the stack's caches before counting.
-            measure(&client, 200);
-            let cost = measure(&client, CONNECTIONS);
+            measure(&client, WEB, 200);
+            let cost = measure(&client, WEB, CONNECTIONS);
             eprintln!(
                 "pod path{}, {n} services: {:.0} ns per tc run, {:.2} runs per connection \
                  ({:.0} ns per connection); per run: ingress {:.0} ns, egress {:.0} ns",
@@ -114,6 +116,21 @@ fn the_pod_paths_cost_per_packet_does_not_grow_with_services() {
                      looks up packets ingress already translated",
                     cost.egress_ns,
                     cost.ingress_ns
+                );
+                // No Service: to the pod's own address, past both programs.
+                let direct = format!("{}:8080", pod_ip(1));
+                measure(&client, &direct, 200);
+                let plain = measure(&client, &direct, CONNECTIONS);
+                eprintln!(
+                    "  to the pod's own address: per run ingress {:.0} ns, egress {:.0} ns",
+                    plain.ingress_ns, plain.egress_ns
+                );
+                assert!(
+                    plain.egress_ns < plain.ingress_ns / 3.0,
+                    "the egress program costs {:.0} ns per run against ingress's {:.0} for \
+                     traffic to a pod's own address: it looks up what ingress looked up",
+                    plain.egress_ns,
+                    plain.ingress_ns
                 );
             }
             costs.push(cost.ns);

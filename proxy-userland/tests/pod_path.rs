@@ -120,6 +120,40 @@ fn a_pod_outside_the_socket_lb_cgroup_reaches_cluster_ips_over_tcp_and_udp() {
     outside_pod_reaches(&setup("podout", &[]), WEB, WEB_DNS);
 }
 
+/// A client that closed its connection to a ClusterIP and then dials a backend pod's own
+/// address may reuse the same source port at once (a RST leaves no TIME_WAIT, and the
+/// destination differs). That connection's answers match the reply entry of the closed
+/// Service flow; a SYN-ACK there is another connection's, and must not be turned back
+/// into the ClusterIP's (the client would drop it: a connect or read timeout).
+#[test]
+fn a_pod_dialling_a_backend_from_a_closed_service_flows_port_is_not_translated() {
+    let s = setup("podreuse", &[]);
+    let direct = format!("{}:8080", pod_ip(1));
+    for (i, port) in (40_100u16..40_110).enumerate() {
+        let port = port.to_string();
+        let from = [
+            "--source-port",
+            port.as_str(),
+            "--reset",
+            "--timeout-ms",
+            "1000",
+        ];
+        // Both pods serve the Service: this connection reached pod 1 or pod 2, and the
+        // next one from this port goes to pod 1 directly either way.
+        let service = outside_cgroup(&s, &[&["tcp", WEB][..], &from[..]].concat());
+        assert!(
+            service.len() == 1 && service[0].is_ok(),
+            "connection {i} to the Service: {service:?}"
+        );
+        let outcome = outside_cgroup(&s, &[&["tcp", direct.as_str()][..], &from[..]].concat());
+        assert!(
+            outcome.len() == 1 && outcome[0].is_ok(),
+            "connection {i} to {direct} from port {port}, which a Service flow had used: \
+             {outcome:?}"
+        );
+    }
+}
+
 /// The same over IPv6, with a dual-stack Service: the v6 ClusterIP is translated on the
 /// pod's device too, and the v4 one still is beside it.
 #[test]

@@ -121,6 +121,11 @@ enum Command {
         /// destination then cannot run out of ephemeral ports.
         #[arg(long)]
         reset: bool,
+        /// Connect from this local port, every attempt (with --reset, as a client whose
+        /// ephemeral port comes round again): what a flow table keyed by ports sees when
+        /// connections reuse a tuple.
+        #[arg(long, value_name = "PORT", conflicts_with = "alternate")]
+        source_port: Option<u16>,
         /// Take turns with attempts from this network namespace (and, with @CGROUP, from a
         /// socket made in that cgroup v2) to this address (repeatable), each line then
         /// saying which arm made it (see the `alternate` module): two paths measured in the
@@ -221,6 +226,7 @@ fn main() -> ExitCode {
             attempts,
             reset,
             alternate,
+            ..
         } if !alternate.is_empty() => {
             let turns = alternate::Turns {
                 rounds: attempts.count,
@@ -233,16 +239,19 @@ fn main() -> ExitCode {
                 own_cgroup,
                 &alternate,
                 &turns,
-                |a, t| tcp_attempt(a, t, reset),
+                |a, t| tcp_attempt(a, t, reset, None),
             ))
         }
         Command::Tcp {
             addr,
             attempts,
             reset,
+            source_port,
             ..
         } => {
-            each_attempt(&attempts, |timeout| tcp_attempt(addr, timeout, reset));
+            each_attempt(&attempts, |timeout| {
+                tcp_attempt(addr, timeout, reset, source_port)
+            });
             ExitCode::SUCCESS
         }
         Command::Udp {
@@ -372,8 +381,38 @@ fn each_attempt(attempts: &Attempts, mut attempt: impl FnMut(Duration) -> String
 
 // ---- client -------------------------------------------------------------------------------
 
-fn tcp_attempt(addr: SocketAddr, timeout: Duration, reset: bool) -> String {
-    let mut stream = match TcpStream::connect_timeout(&addr, timeout) {
+/// A TCP connection to `addr`, from `source_port` if given.
+fn tcp_connect(
+    addr: SocketAddr,
+    timeout: Duration,
+    source_port: Option<u16>,
+) -> io::Result<TcpStream> {
+    let Some(port) = source_port else {
+        return TcpStream::connect_timeout(&addr, timeout);
+    };
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    socket.set_reuse_address(true)?;
+    let local: SocketAddr = if addr.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, port).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, port).into()
+    };
+    socket.bind(&local.into())?;
+    socket.connect_timeout(&addr.into(), timeout)?;
+    Ok(socket.into())
+}
+
+fn tcp_attempt(
+    addr: SocketAddr,
+    timeout: Duration,
+    reset: bool,
+    source_port: Option<u16>,
+) -> String {
+    let mut stream = match tcp_connect(addr, timeout, source_port) {
         Ok(stream) => stream,
         Err(e) => return err_line("connect", &e, timeout),
     };
