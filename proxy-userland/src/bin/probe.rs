@@ -381,6 +381,15 @@ fn each_attempt(attempts: &Attempts, mut attempt: impl FnMut(Duration) -> String
 
 // ---- client -------------------------------------------------------------------------------
 
+/// Every local address of `peer`'s family, at `port` (0: any free one).
+fn any_local(peer: SocketAddr, port: u16) -> SocketAddr {
+    if peer.is_ipv4() {
+        (std::net::Ipv4Addr::UNSPECIFIED, port).into()
+    } else {
+        (std::net::Ipv6Addr::UNSPECIFIED, port).into()
+    }
+}
+
 /// A TCP connection to `addr`, from `source_port` if given.
 fn tcp_connect(
     addr: SocketAddr,
@@ -396,12 +405,7 @@ fn tcp_connect(
         None,
     )?;
     socket.set_reuse_address(true)?;
-    let local: SocketAddr = if addr.is_ipv4() {
-        (std::net::Ipv4Addr::UNSPECIFIED, port).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, port).into()
-    };
-    socket.bind(&local.into())?;
+    socket.bind(&any_local(addr, port).into())?;
     socket.connect_timeout(&addr.into(), timeout)?;
     Ok(socket.into())
 }
@@ -447,12 +451,7 @@ fn udp_attempt(
 ) -> String {
     if shared.is_none() {
         let port = source_port.unwrap_or(0);
-        let local: SocketAddr = if addr.is_ipv4() {
-            (std::net::Ipv4Addr::UNSPECIFIED, port).into()
-        } else {
-            (std::net::Ipv6Addr::UNSPECIFIED, port).into()
-        };
-        let socket = match UdpSocket::bind(local) {
+        let socket = match UdpSocket::bind(any_local(addr, port)) {
             Ok(s) => s,
             Err(e) => return err_line("bind", &e, timeout),
         };

@@ -392,12 +392,8 @@ fn http_exchange(
 
 /// A UDP socket connected to `addr`, with the request timeout set.
 fn udp_socket(addr: SocketAddr, timeout: Duration) -> Result<UdpSocket, String> {
-    let local: SocketAddr = if addr.is_ipv4() {
-        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
-    };
-    let s = UdpSocket::bind(local).map_err(|e| error_name("bind", &e, timeout))?;
+    let s =
+        UdpSocket::bind(super::any_local(addr, 0)).map_err(|e| error_name("bind", &e, timeout))?;
     s.connect(addr)
         .map_err(|e| error_name("connect", &e, timeout))?;
     s.set_read_timeout(Some(timeout))
