@@ -196,7 +196,7 @@ fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>) -> Option<()> {
     // the Service (a new connection to the Service would have renewed the entry). The
     // entry goes, or that connection's later packets would be turned back too.
     if f.accepting() && e.flags & nat::ct_flags::CLOSING != 0 {
-        let _ = I::ct().remove(&f.key(nat::dir::REPLY));
+        let _ = I::ct().remove(f.key(nat::dir::REPLY));
         return None;
     }
     e.last_seen_ns = now;
@@ -476,7 +476,7 @@ const REFRESH_NS: u64 = 1_000_000_000;
 /// void), when its reply entry expired or went to another flow (its SNAT port was reused),
 /// or when a closing TCP flow's client port opens a new connection.
 #[inline(always)]
-fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<u64> {
+fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<()> {
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::FORWARD))?;
     // SAFETY: as in `reply_nat`: a live, aligned CtValue of plain integers, and the only
     // reference into it (`r` below is another key's entry: the direction differs).
@@ -492,7 +492,7 @@ fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<u6
     if steady && now.wrapping_sub(e.last_seen_ns) < REFRESH_NS {
         count(nat::stat::TRANSLATED);
         *out = *e;
-        return Some(now);
+        return Some(());
     }
     let snat = !I::is_zero(&e.snat_addr);
     let reply_key = CtKey {
@@ -524,7 +524,7 @@ fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<u6
     r.flags = f.mark(r.flags);
     count(nat::stat::TRANSLATED);
     *out = *e;
-    Some(now)
+    Some(())
 }
 
 /// Ingress on a node device (tc, or XDP ahead of it).
