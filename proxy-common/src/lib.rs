@@ -14,12 +14,14 @@
 //! - [`nat`]: the packet path's connection tracking and source ranges (node ports,
 //!   external and load-balancer IPs).
 //! - [`maglev`]: Maglev lookup tables and the flow hash every node computes alike.
+//! - [`filter`]: byte filters that spare packets no Service's the hash-map lookups.
 //! - [`sockcfg`]: what the socket hooks leave to the pods' devices (per-packet path).
 //! - [`maps`]: names and sizes of the maps, shared so the loader and programs cannot drift.
 #![no_std]
 
 pub mod affinity;
 pub mod backend;
+pub mod filter;
 pub mod maglev;
 pub mod maps;
 pub mod nat;

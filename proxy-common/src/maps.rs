@@ -26,6 +26,9 @@ pub const DEVICE_ADDRS6: &str = "FP_DEV_ADDR6";
 pub const SERVICE_RANGES4: &str = "FP_SVC_RANGE4";
 pub const SERVICE_RANGES6: &str = "FP_SVC_RANGE6";
 pub const STATS: &str = "FP_STATS";
+/// See [`crate::filter`].
+pub const FRONT_FILTER: &str = "FP_FRONT_BITS";
+pub const REPLY_FILTER: &str = "FP_REPLY_BITS";
 /// The host ends of the pods' devices the pod path is attached to (ifindex -> 1): where a
 /// translated packet may be redirected into a pod's namespace (see `sockcfg::HOST_ROUTING`).
 pub const POD_DEVICES: &str = "FP_POD_DEVS";
@@ -54,7 +57,7 @@ pub const NODE_ADDRS_MAX: u32 = 256;
 pub const SERVICE_RANGES_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 22] = [
+pub const ALL: [&str; 24] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -77,4 +80,6 @@ pub const ALL: [&str; 22] = [
     SOCK_CONFIG,
     MAGLEV,
     POD_DEVICES,
+    FRONT_FILTER,
+    REPLY_FILTER,
 ];

@@ -12,6 +12,7 @@
 //!   hooks leave alone (their UDP by default, everything with host-namespace-only sockets).
 //! - [`dsr`]: direct server return's option, added at the entry node and read at the
 //!   backend's.
+//! - [`filter`]: whether a packet may be a frontend's or a reply, without a hash lookup.
 //! - [`flow`]: one packet's tuple and the per-CPU scratch space its translation works in.
 //! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
@@ -28,6 +29,7 @@
 #![no_main]
 
 mod dsr;
+mod filter;
 mod flow;
 mod icmp;
 mod ip;

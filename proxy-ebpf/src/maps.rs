@@ -11,7 +11,7 @@ use bytemuck::Pod;
 use proxy_common::{
     Addr6, AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, BackendId, Ct4Key,
     Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue, SockConfig, SockRevNat4Key,
-    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6,
+    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, SourceRange4, SourceRange6, filter,
     maglev::{Chunk, TABLES_MAX},
     maps::{
         AFFINITY_MATCH_MAX, AFFINITY_MAX, BACKENDS_MAX, CT_MAX, NODE_ADDRS_MAX, POD_DEVICES_MAX,
@@ -126,6 +126,14 @@ pub static MAGLEV: HashOfMaps<
     btf_maps::Array<Chunk, 1, BPF_F_INNER_MAP>,
     { TABLES_MAX as usize },
 > = HashOfMaps::new();
+
+/// See `proxy_common::filter`: the daemon keeps the frontends' filter, the programs the
+/// replies'.
+#[map(name = "FP_FRONT_BITS")]
+pub static FRONT_FILTER: Array<filter::Entry> = Array::with_max_entries(filter::ENTRIES, 0);
+
+#[map(name = "FP_REPLY_BITS")]
+pub static REPLY_FILTER: Array<filter::Entry> = Array::with_max_entries(filter::ENTRIES, 0);
 
 #[map(name = "FP_STATS")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);

@@ -22,7 +22,7 @@ use proxy_common::{
 };
 
 use crate::{
-    dsr,
+    dsr, filter,
     flow::{Flow, Frontend, FrontendAt, Nat, Scratch, Work},
     icmp,
     ip::{Backend, Ip, V4, V6, scratch},
@@ -179,6 +179,9 @@ fn redirect_translated<P: Packet, I: Ip>(
 /// addressed to us and must be sent on).
 #[inline(always)]
 fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>) -> Option<()> {
+    if !filter::may_be_reply::<I>(&f.saddr, f.sport, f.proto) {
+        return None;
+    }
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::REPLY))?;
     // The clock only for entries found: most packets a device sees are no flow of ours.
     let now = kernel::now_ns();
@@ -221,6 +224,10 @@ fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>) -> bool {
 /// as kube-proxy's PREROUTING rules treat a pod's packets.
 #[inline(always)]
 fn frontend<I: Ip>(f: &Flow<I::Addr>, from_pod: bool) -> Option<Frontend<I::Addr>> {
+    // Most packets are no Service's: the filter spares them the lookups below.
+    if !filter::may_be_frontend::<I>(&f.daddr) {
+        return None;
+    }
     let at = |addr, scope| {
         I::service(addr, f.dport, f.proto, 0, scope).map(|master| Frontend {
             at: (addr, scope),
@@ -315,6 +322,7 @@ fn claim_snat_port<I: Ip>(
     now: u64,
 ) -> Option<u16> {
     let span = u32::from(nat::SNAT_PORT_MAX - nat::SNAT_PORT_MIN) + 1;
+    filter::note_reply::<I>(&b.addr, b.port, f.proto);
     for _ in 0..SNAT_TRIES {
         let r = kernel::random_u32();
         let port = (nat::SNAT_PORT_MIN + (r % span) as u16).to_be();
@@ -438,6 +446,7 @@ fn new_flow<P: Packet, I: Ip>(
         };
         // By reference: the entry stays in the scratch map instead of a stack copy.
         let reply: &CtValue<I::Addr> = reply;
+        filter::note_reply::<I>(&b.addr, b.port, f.proto);
         if I::ct().insert(key, reply, 0).is_err() {
             return Err(drop_as(nat::stat::DROP_NAT));
         }
@@ -831,6 +840,7 @@ fn record_dsr_reply<I: Ip>(f: &Flow<I::Addr>, frontend: (I::Addr, u16), w: &mut 
         _pad: [0; 2],
     };
     let reply: &CtValue<I::Addr> = &w.reply;
+    filter::note_reply::<I>(&f.daddr, f.dport, f.proto);
     let _ = I::ct().insert(key, reply, 0);
 }
 

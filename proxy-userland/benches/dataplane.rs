@@ -11,7 +11,9 @@
 //! at every size; and from a pod outside the socket hooks' cgroup, the ClusterIP translated per packet on
 //! the pod's device (the pod path) against a pod dialling a pod IP with no programs on
 //! either device, the two taking turns connection by connection in one run (on this VM,
-//! separate runs of one path differ by up to 2x).
+//! separate runs of one path differ by up to 2x); and the same pod dialling the backend
+//! pod's own address past the pod path's programs (no Service: what every pod's traffic
+//! pays for the pod path).
 //! The paths take turns in every round (in a rotating order), and only one dataplane
 //! is installed at a time; within each run, the path's connections take turns with direct
 //! connections to the pod IP, connection by connection (`fastpath-probe tcp --alternate`:
@@ -250,12 +252,13 @@ struct PodPair {
 }
 
 /// `count` connections from each arm of `pods`, taking turns connection by connection
-/// (`fastpath-probe tcp --alternate`): returns (translated arm, direct arm).
-fn pod_path_pair(pods: &PodPair, count: usize) -> Result<(Attempts, Attempts)> {
+/// (`fastpath-probe tcp --alternate`), the pod-path arm's to `target`: returns (pod-path
+/// arm, direct arm).
+fn pod_path_pair(pods: &PodPair, target: &str, count: usize) -> Result<(Attempts, Attempts)> {
     let mut probe = std::process::Command::new(PROBE);
     probe.arg("--netns").arg(&pods.client.netns);
     let direct = format!("{}={}", pods.direct_client.netns, pods.direct_server);
-    paired(probe, CLUSTER_IP, &direct, count)
+    paired(probe, target, &direct, count)
 }
 
 /// `count` connections from `bed`'s client to `target`, taking turns with connections to
@@ -350,6 +353,7 @@ const POD_DIRECT: &str = "from a pod: direct to pod IP";
 const POD_PATH: &str = "from a pod: ClusterIP via pod path (tc)";
 const POD_HOST_ROUTED: &str =
     "from a pod: ClusterIP via pod path, host routing (tc, redirect_peer)";
+const POD_PATH_POD_IP: &str = "from a pod: pod IP past the pod path's programs";
 
 /// The paths the data-path table compares. To add one (a per-packet ClusterIP translation,
 /// say), add a variant here, its label in `label`, and how one run is made in
@@ -373,11 +377,14 @@ enum PathKind {
     /// The same with `--bpf-host-routing`: translated packets go straight into the other
     /// pod's namespace.
     PodHostRouted,
+    /// A pod to another pod's own address with the pod path on both devices: no Service,
+    /// nothing to translate, what every pod's traffic pays for the pod path.
+    PodPathPodIp,
 }
 
 impl PathKind {
     /// The rows of the table, in order.
-    const ALL: [PathKind; 7] = [
+    const ALL: [PathKind; 8] = [
         PathKind::Direct,
         PathKind::DirectHooked,
         PathKind::Ebpf,
@@ -385,6 +392,7 @@ impl PathKind {
         PathKind::PodDirect,
         PathKind::PodPath,
         PathKind::PodHostRouted,
+        PathKind::PodPathPodIp,
     ];
 
     fn label(self) -> &'static str {
@@ -396,6 +404,7 @@ impl PathKind {
             PathKind::PodDirect => POD_DIRECT,
             PathKind::PodPath => POD_PATH,
             PathKind::PodHostRouted => POD_HOST_ROUTED,
+            PathKind::PodPathPodIp => POD_PATH_POD_IP,
         }
     }
 }
@@ -447,7 +456,7 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
     connections(&bed, POD, conns.min(200))?;
     connections(&ipt_bed, POD, conns.min(200))?;
     connections_from_pod(&pods.client, POD, conns.min(200))?;
-    pod_path_pair(&pods, conns.min(200))?;
+    pod_path_pair(&pods, CLUSTER_IP, conns.min(200))?;
     let node = NodeInfo::default();
     let mut rows = Vec::new();
     for &n in sizes {
@@ -502,23 +511,38 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
                         continue;
                     }
                     PathKind::PodDirect => unreachable!("measured with the pod path's runs"),
-                    kind @ (PathKind::PodPath | PathKind::PodHostRouted) => {
-                        let opts = if kind == PathKind::PodPath {
-                            &pod_path
-                        } else {
+                    kind @ (PathKind::PodPath
+                    | PathKind::PodHostRouted
+                    | PathKind::PodPathPodIp) => {
+                        let opts = if kind == PathKind::PodHostRouted {
                             &host_routed
+                        } else {
+                            &pod_path
                         };
                         let dp =
                             synced(BpfDataplane::attach_with(bed.cgroup_path(), opts)?, &state)?;
                         let watch = Watch::start(&[&pods.client.netns, &pods.direct_client.netns]);
-                        let (attempts, direct) = pod_path_pair(&pods, conns)?;
-                        // Every connection must have been translated on the pod's device,
-                        // or the row measures something else.
+                        let to = if kind == PathKind::PodPathPodIp {
+                            POD
+                        } else {
+                            CLUSTER_IP
+                        };
+                        let (attempts, direct) = pod_path_pair(&pods, to, conns)?;
+                        // Every connection to the ClusterIP must have been translated on
+                        // the pod's device, and none to the pod IP, or the row measures
+                        // something else.
                         let flows = dp.programmer().maps().packet_stats().new_flows;
-                        anyhow::ensure!(
-                            flows >= (conns - attempts.failures) as u64,
-                            "the pod path translated {flows} of {conns} connections"
-                        );
+                        if kind == PathKind::PodPathPodIp {
+                            anyhow::ensure!(
+                                flows == 0,
+                                "the pod path translated {flows} connections to a pod IP"
+                            );
+                        } else {
+                            anyhow::ensure!(
+                                flows >= (conns - attempts.failures) as u64,
+                                "the pod path translated {flows} of {conns} connections"
+                            );
+                        }
                         let c = watch.finish(attempts.failures + direct.failures);
                         paths[which].paired_base.push(direct.rate());
                         if kind == PathKind::PodPath {
@@ -705,7 +729,7 @@ fn control_table(out: &mut String, control: &[ControlRow]) {
 
 /// The direct path a row is compared with: the same client dialling the pod IP.
 fn baseline(path: &str) -> &'static str {
-    if path == POD_PATH || path == POD_HOST_ROUTED {
+    if path == POD_PATH || path == POD_HOST_ROUTED || path == POD_PATH_POD_IP {
         POD_DIRECT
     } else {
         DIRECT
@@ -841,7 +865,9 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
     }
     for r in data
         .iter()
-        .filter(|r| r.path == EBPF || r.path == POD_PATH || r.path == POD_HOST_ROUTED)
+        .filter(|r| {
+            [EBPF, POD_PATH, POD_HOST_ROUTED, POD_PATH_POD_IP].contains(&r.path)
+        })
     {
         let mut vs = ratios(r, data);
         if vs.is_empty() {
@@ -869,6 +895,8 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
             "eBPF (socket) within 5% of direct"
         } else if may_beat_direct {
             "pod path with host routing no more than 5% slower than a pod's direct connections"
+        } else if r.path == POD_PATH_POD_IP {
+            "a pod's traffic to a pod IP past the pod path's programs within 5% of a bare device's"
         } else {
             "pod path (tc) within 5% of a pod's direct connections"
         };

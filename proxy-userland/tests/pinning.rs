@@ -410,27 +410,7 @@ fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
     let pin_arg = pin.to_str().unwrap();
     let manifests = bed.dir().join("manifests.yaml");
     std::fs::write(&manifests, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
-    let daemon = || {
-        Daemon::start(
-            bed.cgroup_path(),
-            &[
-                "--proxy-mode",
-                "ebpf",
-                "--netns",
-                bed.node_netns(),
-                "--pod-interface-name-prefix",
-                "fpv",
-                "--manifests",
-                manifests.to_str().unwrap(),
-                "--bpf-pin-dir",
-                pin_arg,
-                "--healthz-bind-address",
-                "",
-                "--metrics-bind-address",
-                "",
-            ],
-        )
-    };
+    let daemon = || pod_path_daemon(&bed, &manifests, pin_arg);
     let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
     let mut first = daemon();
     assert!(
@@ -500,6 +480,96 @@ fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
         tc_programs(&bed, &client.node_veth)
     );
     assert!(!pin.exists(), "the pin folder is gone");
+}
+
+/// A daemon with the pod path on the bed's pods' devices, maps and links pinned in `pin`.
+fn pod_path_daemon(bed: &xtask::testbed::Testbed, manifests: &Path, pin: &str) -> Daemon {
+    Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--proxy-mode",
+            "ebpf",
+            "--netns",
+            bed.node_netns(),
+            "--pod-interface-name-prefix",
+            "fpv",
+            "--manifests",
+            manifests.to_str().unwrap(),
+            "--bpf-pin-dir",
+            pin,
+            "--healthz-bind-address",
+            "",
+            "--metrics-bind-address",
+            "",
+        ],
+    )
+}
+
+/// The filters that spare packets no Service's the map lookups (`proxy_common::filter`)
+/// came after the maps they guard. A daemon upgraded from one without them makes them
+/// afresh beside pinned flows, and must fill them before its programs read them: else the
+/// pod's live flow, one connected UDP socket, would lose its answers (their reply entry
+/// filtered out) and its datagrams their translation.
+#[test]
+fn an_upgrade_that_adds_the_filters_keeps_a_pods_udp_flow_answered() {
+    use proxy_common::maps::{FRONT_FILTER, REPLY_FILTER};
+
+    let (bed, client) = bed_with_client("pinflt", false);
+    let fs = Bpffs::mount(bed.dir());
+    let pin = fs.0.join("fastpath");
+    let pin_arg = pin.to_str().unwrap();
+    let manifests = bed.dir().join("manifests.yaml");
+    std::fs::write(&manifests, web_manifest(&[pod_ip(1)])).unwrap();
+    let mut first = pod_path_daemon(&bed, &manifests, pin_arg);
+    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
+    assert!(
+        eventually(20, || pod_probe(&bed, &client, &udp_once)[0].is_ok()),
+        "the pod's UDP never got an answer; log:\n{}",
+        first.log()
+    );
+    // One socket, one flow, 20 ms apart, across the upgrade.
+    let udp = std::thread::spawn({
+        let mut cmd = pod_client(&bed, &client);
+        cmd.args([
+            "udp",
+            WEB_DNS,
+            "--count",
+            "120",
+            "--interval-ms",
+            "20",
+            "--timeout-ms",
+            "1000",
+        ]);
+        move || cmd.output().expect("probe runs")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(first.stop().success(), "{}", first.log());
+    let maps = loader::PinLayout::new(&pin).maps;
+    for name in [FRONT_FILTER, REPLY_FILTER] {
+        std::fs::remove_file(maps.join(name)).expect("the filter was pinned");
+    }
+    let mut second = pod_path_daemon(&bed, &manifests, pin_arg);
+    let out = udp.join().unwrap();
+    let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(outcomes.len(), 120);
+    let failed: Vec<_> = outcomes.iter().filter(|o| !o.is_ok()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 120 datagrams went unanswered across the upgrade: {failed:?}\n{}",
+        failed.len(),
+        second.log()
+    );
+    assert!(
+        outcomes.iter().all(|o| from(o) == Some(WEB_DNS)),
+        "replies come from the ClusterIP: {:?}\n{}",
+        outcomes
+            .iter()
+            .filter(|o| from(o) != Some(WEB_DNS))
+            .collect::<Vec<_>>(),
+        second.log()
+    );
+    assert!(second.stop().success(), "{}", second.log());
+    cleanup_in(&bed, pin_arg);
 }
 
 /// `fastpath --cleanup` for the bed's node namespace and pin folder `pin_arg`, which must

@@ -225,7 +225,15 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
     // Read-only in the programs: the verifier sees the value, and every node of a cluster
     // hashes flows alike.
     loader.override_global("MAGLEV_SEED", &opts.lb.maglev_seed, true);
+    // A filter made afresh beside maps a daemon without it left pinned must learn what
+    // they hold before a program reads it.
+    let fresh = |name: &str| map_paths.iter().any(|(n, p)| *n == name && !p.exists());
+    let (front_fresh, reply_fresh) = (
+        fresh(map_names::FRONT_FILTER),
+        fresh(map_names::REPLY_FILTER),
+    );
     let mut ebpf = loader.load(object())?;
+    super::maps::seed_filters(&mut ebpf, front_fresh, reply_fresh)?;
     // A generation tag keeps this daemon's link pins apart from the previous one's until
     // ours are in place.
     let generation = format!(

@@ -36,11 +36,13 @@ use crate::{
 mod batch;
 mod census;
 mod deferred;
+mod filter;
 mod maglev;
 mod ranges;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
 pub use deferred::Writer as DeferredWriter;
+pub use filter::seed as seed_filters;
 
 pub struct ServiceMaps {
     services4: HashMap<MapData, Service4Key, ServiceValue>,
@@ -75,6 +77,8 @@ pub struct ServiceMaps {
     backend_capacity: u32,
     /// While a first sync's writes trail behind it (see [`deferred`]): where they go.
     deferred: Option<deferred::Queue>,
+    /// The addresses the packet programs look up at all (see `proxy_common::filter`).
+    front_filter: filter::FrontFilter,
 }
 
 /// An address as the maps hold it (network byte order): `u32` or `[u8; 16]`.
@@ -246,6 +250,7 @@ impl ServiceMaps {
             .saturating_add(max_entries(&backends6, names::BACKENDS6)?);
         Ok(Self {
             deferred: None,
+            front_filter: filter::FrontFilter::take(ebpf)?,
             backend_capacity,
             backends4,
             backends6,
@@ -291,6 +296,9 @@ impl ServiceMaps {
         slot: u16,
         value: ServiceValue,
     ) -> Result<(), MapError> {
+        if slot == 0 {
+            self.front_filter.master_put(fe)?;
+        }
         if let Some(q) = &mut self.deferred {
             q.service(fe, slot, value);
             return Ok(());
@@ -305,7 +313,31 @@ impl ServiceMaps {
         ignore_missing(match fe.ip {
             IpAddr::V4(ip) => self.services4.remove(&key4(fe, ip, slot)),
             IpAddr::V6(ip) => self.services6.remove(&key6(fe, ip, slot)),
-        })
+        })?;
+        if slot == 0 {
+            self.front_filter.master_gone(fe);
+        }
+        Ok(())
+    }
+
+    /// After a restart on pinned maps: the frontends' filter holds exactly `masters` (what
+    /// the maps held, besides what this daemon wrote) and the node addresses.
+    pub fn adopt_front_filter(
+        &mut self,
+        masters: impl IntoIterator<Item = Frontend>,
+    ) -> Result<(), MapError> {
+        let nodes4 = self.node_addrs4.keys().filter_map(Result::ok);
+        let nodes6 = self.node_addrs6.keys().filter_map(Result::ok);
+        let nodes: Vec<IpAddr> = nodes4
+            .map(|a| IpAddr::V4(Ipv4Addr::from(a.to_ne_bytes())))
+            .chain(nodes6.map(|a| IpAddr::V6(Ipv6Addr::from(octets6(a)))))
+            .collect();
+        self.front_filter.adopt(masters, nodes)
+    }
+
+    /// Whether the frontends' filter lets the packet programs look `ip` up, for tests.
+    pub fn front_filter_has(&self, ip: IpAddr) -> bool {
+        self.front_filter.is_set(ip)
     }
 
     /// The entry the programs would read, for tests and diagnostics.
@@ -501,8 +533,10 @@ impl ServiceMaps {
                 IpAddr::V6(a) => drop(devices6.insert(*i, addr6(a.octets()))),
             }
         }
+        let leaving = self.front_filter.nodes_put(addrs)?;
         replace_all(&mut self.node_addrs4, nodes4)?;
         replace_all(&mut self.node_addrs6, nodes6)?;
+        self.front_filter.nodes_gone(&leaving);
         replace_all(&mut self.device_addrs4, devices4)?;
         replace_all(&mut self.device_addrs6, devices6)
     }

@@ -160,6 +160,9 @@ impl ServiceMaps {
         fe: &Frontend,
         slots: &[(u16, ServiceValue)],
     ) -> Result<(), MapError> {
+        if slots.iter().any(|(slot, _)| *slot == 0) {
+            self.front_filter.master_put(fe)?;
+        }
         if let Some(q) = &mut self.deferred {
             for &(slot, value) in slots {
                 q.service(fe, slot, value);

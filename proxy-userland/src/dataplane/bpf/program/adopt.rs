@@ -62,6 +62,10 @@ impl Programmer {
             };
             self.frontends.insert(*fe, st);
         }
+        if let Err(e) = self.maps.adopt_front_filter(masters.keys().copied()) {
+            // Slots an earlier daemon set stay set: they cost lookups, never a flow.
+            tracing::warn!(error = %e, "cannot rewrite the frontends' filter");
+        }
         for ((fe, slot), _) in slots {
             if self
                 .frontends

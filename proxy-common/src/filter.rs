@@ -1,0 +1,76 @@
+//! Address filters: two 512 KiB maps of one byte per slot that tell the packet programs,
+//! without a hash-map lookup, that a packet needs none.
+//!
+//! Every packet on a pod's device (and on a node device) runs the packet programs, and most
+//! are no Service's: pod to pod, node to node. For each, the programs looked up the service
+//! map two or three times (the destination under each scope, then as a node address) and
+//! the flow table once (a reply entry), all misses in maps of a quarter of a million
+//! buckets, the cost of every pod's traffic. A filter slot is a byte in an array map, which
+//! the verifier inlines: a zero byte says "nothing here" at the price of a hash and a load.
+//!
+//! - `FP_FRONT_BITS`, kept by the daemon: the slot of every address that has a master
+//!   entry in a service map, and of every node address (node ports are stored under
+//!   address 0 and matched through the node's addresses). Set before the entry is written,
+//!   cleared after the last entry at the address goes.
+//! - `FP_REPLY_BITS`, kept by the programs: the slot of every (backend address, port,
+//!   protocol) a reply entry was written for, set before the entry. Never cleared: its keys
+//!   are bounded by the backends that ever had a per-packet flow, and a stale slot costs
+//!   one lookup.
+//!
+//! One byte per slot rather than one bit: a program sets a slot with a plain store, where
+//! setting a bit needs an atomic read-modify-write (kernel 5.12) for two CPUs not to lose
+//! each other's. A false positive only costs the lookups the filter would have saved.
+
+/// Array elements per filter: 524,288 slots, so that 10,000 frontend addresses leave a
+/// packet for another address a 2% chance of a needless lookup (50,000: 9%).
+pub const ENTRIES: u32 = 8192;
+/// Slots per element: one cache line.
+pub const ENTRY_SLOTS: usize = 64;
+/// One element of a filter: a byte per slot, non-zero for "maybe".
+pub type Entry = [u8; ENTRY_SLOTS];
+
+/// Where hash `h` (from [`mix`]) lands: the element and the byte within it.
+#[inline(always)]
+pub const fn slot(h: u32) -> (u32, usize) {
+    // murmur3's finaliser: every input bit reaches every output bit.
+    let mut h = h;
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    ((h >> 6) & (ENTRIES - 1), (h as usize) & (ENTRY_SLOTS - 1))
+}
+
+/// Folds one 32-bit word (an address word as stored, a port and protocol) into `h`,
+/// starting from 0.
+#[inline(always)]
+pub const fn mix(h: u32, word: u32) -> u32 {
+    (h ^ word).wrapping_mul(0x9e37_79b1).rotate_left(13)
+}
+
+/// The reply filter's last word: a port as stored (network order) and a protocol.
+#[inline(always)]
+pub const fn port_word(port: u16, proto: u8) -> u32 {
+    (port as u32) | ((proto as u32) << 16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_spread_over_the_whole_filter() {
+        // 4,096 consecutive addresses (a ClusterIP range's start) into 524,288 slots: a
+        // spread hash leaves about 1/256 of them sharing a slot.
+        let mut seen = [false; (ENTRIES as usize) * ENTRY_SLOTS];
+        let mut shared = 0;
+        for a in 0u32..4096 {
+            let (e, b) = slot(mix(0, (0xc612_0000u32 + a).to_be()));
+            let i = e as usize * ENTRY_SLOTS + b;
+            shared += usize::from(seen[i]);
+            seen[i] = true;
+        }
+        assert!(shared < 40, "{shared} of 4,096 addresses share a slot");
+    }
+}

@@ -1,0 +1,65 @@
+//! The packet path's filters (see `proxy_common::filter`): whether a packet may be
+//! addressed to a frontend, or may be a reply of a flow we translate, answered without a
+//! hash-map lookup.
+
+use proxy_common::filter::{self, Entry};
+
+use crate::{
+    ip::Ip,
+    maps::{FRONT_FILTER, REPLY_FILTER},
+};
+
+#[inline(always)]
+fn addr_hash<I: Ip>(addr: &I::Addr) -> u32 {
+    let mut h = 0;
+    let mut i = 0;
+    while i < I::WORDS {
+        h = filter::mix(h, I::word(addr, i));
+        i += 1;
+    }
+    h
+}
+
+#[inline(always)]
+fn reply_hash<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> u32 {
+    filter::mix(addr_hash::<I>(addr), filter::port_word(port, proto))
+}
+
+/// Whether the slot of hash `h` in `entry` is set; a missing element reads as set, so a
+/// filter that cannot answer costs lookups, never a flow.
+#[inline(always)]
+fn is_set(entry: Option<&Entry>, byte: usize) -> bool {
+    match entry {
+        Some(e) => e.get(byte).is_none_or(|b| *b != 0),
+        None => true,
+    }
+}
+
+/// Whether `addr` may hold a frontend (or be a node address, where node ports answer).
+#[inline(always)]
+pub fn may_be_frontend<I: Ip>(addr: &I::Addr) -> bool {
+    let (index, byte) = filter::slot(addr_hash::<I>(addr));
+    is_set(FRONT_FILTER.get(index), byte)
+}
+
+/// Whether a packet from `addr`:`port` may be the reply of a flow with a reply entry.
+#[inline(always)]
+pub fn may_be_reply<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> bool {
+    let (index, byte) = filter::slot(reply_hash::<I>(addr, port, proto));
+    is_set(REPLY_FILTER.get(index), byte)
+}
+
+/// Notes that a reply entry for answers from `addr`:`port` is about to be written.
+#[inline(always)]
+pub fn note_reply<I: Ip>(addr: &I::Addr, port: u16, proto: u8) {
+    let (index, byte) = filter::slot(reply_hash::<I>(addr, port, proto));
+    if let Some(e) = REPLY_FILTER.get_ptr_mut(index) {
+        // SAFETY: a non-null pointer from the array is an element of this map's value type
+        // that lives as long as the map. A byte store is whole on every CPU, and other
+        // CPUs only ever store 1 into slots too: none can undo another's.
+        let e = unsafe { &mut *e };
+        if let Some(b) = e.get_mut(byte) {
+            *b = 1;
+        }
+    }
+}
