@@ -865,9 +865,7 @@ fn targets(out: &mut String, control: &[ControlRow], data: &[DataRow]) {
     }
     for r in data
         .iter()
-        .filter(|r| {
-            [EBPF, POD_PATH, POD_HOST_ROUTED, POD_PATH_POD_IP].contains(&r.path)
-        })
+        .filter(|r| [EBPF, POD_PATH, POD_HOST_ROUTED, POD_PATH_POD_IP].contains(&r.path))
     {
         let mut vs = ratios(r, data);
         if vs.is_empty() {

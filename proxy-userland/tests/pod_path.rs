@@ -614,3 +614,48 @@ fn host_routing_takes_pods_translated_traffic_past_the_hosts_stack() {
         "the host forwarded {forwarded} packets of the pods' translated flows"
     );
 }
+
+/// A Service's ports are frontends at one address, which the packet path's filter
+/// (`proxy_common::filter`) holds while any of them is left: a Service that drops its TCP
+/// port keeps its UDP one on the pods' devices. Once the Service goes its address is no
+/// frontend's, and it serves again when the Service comes back.
+#[test]
+fn a_service_that_drops_a_port_keeps_its_others_on_the_pods_devices() {
+    let s = setup("podports", &[]);
+    let file = s._dir.0.join("web.yaml");
+    let whole = std::fs::read_to_string(&file).unwrap();
+    let http = "  - {name: http, port: 80, targetPort: 8080, protocol: TCP}\n";
+    assert!(whole.contains(http), "{whole}");
+    let tcp_once = ["tcp", WEB, "--count", "1", "--timeout-ms", "300"];
+    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
+    assert!(outside_cgroup(&s, &udp_once)[0].is_ok());
+
+    std::fs::write(&file, whole.replace(http, "")).unwrap();
+    assert!(
+        eventually(10, || !outside_cgroup(&s, &tcp_once)[0].is_ok()),
+        "the dropped port still answers; log:\n{}",
+        s.daemon.log()
+    );
+    let udp = outside_cgroup(
+        &s,
+        &["udp", WEB_DNS, "--count", "20", "--timeout-ms", "500"],
+    );
+    assert!(
+        udp.len() == 20 && udp.iter().all(|o| o.is_ok() && from(o) == Some(WEB_DNS)),
+        "the port left must keep answering from the ClusterIP: {udp:?}\n{}",
+        s.daemon.log()
+    );
+
+    std::fs::remove_file(&file).unwrap();
+    assert!(
+        eventually(10, || !outside_cgroup(&s, &udp_once)[0].is_ok()),
+        "the Service is gone but its UDP port still answers"
+    );
+    std::fs::write(&file, &whole).unwrap();
+    assert!(
+        eventually(10, || outside_cgroup(&s, &udp_once)[0].is_ok()
+            && outside_cgroup(&s, &tcp_once)[0].is_ok()),
+        "the Service is back but its ports do not answer; log:\n{}",
+        s.daemon.log()
+    );
+}

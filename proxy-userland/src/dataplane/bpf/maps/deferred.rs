@@ -129,6 +129,7 @@ impl ServiceMaps {
             services6: fd(self.services6.map()),
         };
         let (to_writer, chunks) = sync_channel(QUEUED);
+        self.front_filter.defer();
         self.deferred = Some(Queue {
             chunk: Chunk::default(),
             to_writer,
@@ -138,6 +139,14 @@ impl ServiceMaps {
 
     /// Sends what is left to the writer and goes back to writing at once.
     pub fn stop_deferring(&mut self) {
+        if let Err(e) = self.front_filter.flush() {
+            // An array element the kernel will not write: nothing a retry would change.
+            tracing::error!(
+                error = %e,
+                "cannot write the frontends' filter: pods' traffic to new Services may go \
+                 untranslated on the packet path"
+            );
+        }
         self.deferred = None;
     }
 }

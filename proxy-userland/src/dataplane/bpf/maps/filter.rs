@@ -4,7 +4,7 @@
 //! seeding of both filters from maps that a daemon without them left pinned.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeSet, HashMap, HashSet},
     net::IpAddr,
 };
 
@@ -58,8 +58,12 @@ pub struct FrontFilter {
     refs: HashMap<IpAddr, u32>,
     /// Per slot: the live addresses that land there.
     slots: HashMap<Slot, u32>,
-    /// The elements as the map holds them.
+    /// The elements as the map holds them, or will once `dirty` is written.
     written: Vec<Entry>,
+    /// While a first sync's writes trail behind it (see `deferred`): elements changed and
+    /// not written yet. At once, a first sync would make a bpf() call per new address;
+    /// collected, at most one per element, after the sync.
+    dirty: Option<BTreeSet<u32>>,
 }
 
 impl FrontFilter {
@@ -79,7 +83,26 @@ impl FrontFilter {
             refs: HashMap::new(),
             slots: HashMap::new(),
             written,
+            dirty: None,
         })
+    }
+
+    /// Collects changes instead of writing them, until [`Self::flush`]. For a first sync
+    /// into empty maps only: until then a frontend's master entry may be visible before its
+    /// slot, and its packets go untranslated as they did before the entry.
+    pub fn defer(&mut self) {
+        self.dirty.get_or_insert_with(BTreeSet::new);
+    }
+
+    /// Writes what [`Self::defer`] collected, and writes at once again.
+    pub fn flush(&mut self) -> Result<(), MapError> {
+        let Some(dirty) = self.dirty.take() else {
+            return Ok(());
+        };
+        for index in dirty {
+            self.map.set(index, self.written[index as usize], 0)?;
+        }
+        Ok(())
     }
 
     /// Before `fe`'s master entry is written: its address's slot is set. Err if the filter
@@ -211,7 +234,10 @@ impl FrontFilter {
     }
 
     fn write(&mut self, index: u32, entry: Entry) -> Result<(), MapError> {
-        self.map.set(index, entry, 0)?;
+        match &mut self.dirty {
+            Some(dirty) => drop(dirty.insert(index)),
+            None => self.map.set(index, entry, 0)?,
+        }
         self.written[index as usize] = entry;
         Ok(())
     }
