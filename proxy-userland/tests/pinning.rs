@@ -4,7 +4,7 @@
 mod common;
 mod nat_common;
 
-use std::{net::Ipv4Addr, path::Path, time::Duration};
+use std::{net::Ipv4Addr, path::Path, process::Output, time::Duration};
 
 use aya::programs::{SchedClassifier, tc::TcAttachType};
 use common::*;
@@ -404,105 +404,42 @@ fn pod_links_pinned(pin: &Path) -> usize {
 /// `--cleanup` removes them.
 #[test]
 fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
-    let (bed, client) = bed_with_client("pinpods", false);
-    let fs = Bpffs::mount(bed.dir());
-    let pin = fs.0.join("fastpath");
-    let pin_arg = pin.to_str().unwrap();
-    let manifests = bed.dir().join("manifests.yaml");
-    std::fs::write(&manifests, web_manifest(&[pod_ip(1), pod_ip(2)])).unwrap();
-    let daemon = || pod_path_daemon(&bed, &manifests, pin_arg);
-    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
-    let mut first = daemon();
-    assert!(
-        eventually(20, || pod_probe(&bed, &client, &udp_once)[0].is_ok()),
-        "the pod's UDP never got an answer; log:\n{}",
-        first.log()
-    );
-
-    // A bounded loop of datagrams, each from a new socket, 20 ms apart, across the restart.
-    let udp = std::thread::spawn({
-        let mut cmd = pod_client(&bed, &client);
-        cmd.args([
-            "udp",
-            WEB_DNS,
-            "--count",
-            "150",
-            "--fresh-socket",
-            "--interval-ms",
-            "20",
-            "--timeout-ms",
-            "1000",
-        ]);
-        move || cmd.output().expect("probe runs")
-    });
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(first.stop().success(), "{}", first.log()); // the daemon exits...
+    let b = PinnedPods::new("pinpods", &[pod_ip(1), pod_ip(2)]);
+    let first = b.answering_daemon();
+    // Each datagram from a new socket, across the restart.
+    let udp = b.udp_across(150, true);
+    b.stop(first); // the daemon exits...
     std::thread::sleep(Duration::from_millis(700)); // ...nobody runs for a while...
-    let mut second = daemon(); // ...and the next one starts.
-    let out = udp.join().unwrap();
-    let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(outcomes.len(), 150);
-    let failed: Vec<_> = outcomes.iter().filter(|o| !o.is_ok()).collect();
-    assert!(
-        failed.is_empty(),
-        "{} of 150 datagrams went unanswered across the restart: {failed:?}\n{}",
-        failed.len(),
-        second.log()
-    );
-    assert!(
-        outcomes.iter().all(|o| from(o) == Some(WEB_DNS)),
-        "replies come from the ClusterIP: {outcomes:?}"
-    );
+    let mut second = b.daemon(); // ...and the next one starts.
+    answered_from_the_cluster_ip(udp, 150, &second, "the restart");
     // Three pods' devices, an ingress and an egress link each: one generation, not two.
     assert!(
-        eventually(5, || pod_links_pinned(&pin) == 6),
+        eventually(5, || pod_links_pinned(&b.pin) == 6),
         "{} pod links pinned",
-        pod_links_pinned(&pin)
+        pod_links_pinned(&b.pin)
     );
 
     // A pod goes: its device's pins go with it.
-    xtask::cmd::ip(["-n", bed.node_netns(), "link", "del", "fpv1"]).expect("pod device gone");
+    xtask::cmd::ip(["-n", b.bed.node_netns(), "link", "del", "fpv1"]).expect("pod device gone");
     assert!(
-        eventually(5, || pod_links_pinned(&pin) == 4),
+        eventually(5, || pod_links_pinned(&b.pin) == 4),
         "{} pod links pinned after fpv1 went",
-        pod_links_pinned(&pin)
+        pod_links_pinned(&b.pin)
     );
 
     assert!(second.stop().success(), "{}", second.log());
+    let veth = &b.client.node_veth;
     assert!(
-        !tc_programs(&bed, &client.node_veth).is_empty(),
+        !tc_programs(&b.bed, veth).is_empty(),
         "the pod's programs stay attached without a daemon"
     );
-    cleanup_in(&bed, pin_arg);
+    cleanup_in(&b.bed, b.pin_arg());
     assert!(
-        eventually(3, || tc_programs(&bed, &client.node_veth).is_empty()),
+        eventually(3, || tc_programs(&b.bed, veth).is_empty()),
         "left on the pod's device after --cleanup: {:?}",
-        tc_programs(&bed, &client.node_veth)
+        tc_programs(&b.bed, veth)
     );
-    assert!(!pin.exists(), "the pin folder is gone");
-}
-
-/// A daemon with the pod path on the bed's pods' devices, maps and links pinned in `pin`.
-fn pod_path_daemon(bed: &xtask::testbed::Testbed, manifests: &Path, pin: &str) -> Daemon {
-    Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--proxy-mode",
-            "ebpf",
-            "--netns",
-            bed.node_netns(),
-            "--pod-interface-name-prefix",
-            "fpv",
-            "--manifests",
-            manifests.to_str().unwrap(),
-            "--bpf-pin-dir",
-            pin,
-            "--healthz-bind-address",
-            "",
-            "--metrics-bind-address",
-            "",
-        ],
-    )
+    assert!(!b.pin.exists(), "the pin folder is gone");
 }
 
 /// The filters that spare packets no Service's the map lookups (`proxy_common::filter`)
@@ -514,62 +451,134 @@ fn pod_path_daemon(bed: &xtask::testbed::Testbed, manifests: &Path, pin: &str) -
 fn an_upgrade_that_adds_the_filters_keeps_a_pods_udp_flow_answered() {
     use proxy_common::maps::{FRONT_FILTER, REPLY_FILTER};
 
-    let (bed, client) = bed_with_client("pinflt", false);
-    let fs = Bpffs::mount(bed.dir());
-    let pin = fs.0.join("fastpath");
-    let pin_arg = pin.to_str().unwrap();
-    let manifests = bed.dir().join("manifests.yaml");
-    std::fs::write(&manifests, web_manifest(&[pod_ip(1)])).unwrap();
-    let mut first = pod_path_daemon(&bed, &manifests, pin_arg);
-    let udp_once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
-    assert!(
-        eventually(20, || pod_probe(&bed, &client, &udp_once)[0].is_ok()),
-        "the pod's UDP never got an answer; log:\n{}",
-        first.log()
-    );
-    // One socket, one flow, 20 ms apart, across the upgrade.
-    let udp = std::thread::spawn({
-        let mut cmd = pod_client(&bed, &client);
-        cmd.args([
-            "udp",
-            WEB_DNS,
-            "--count",
-            "120",
-            "--interval-ms",
-            "20",
-            "--timeout-ms",
-            "1000",
-        ]);
-        move || cmd.output().expect("probe runs")
-    });
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(first.stop().success(), "{}", first.log());
-    let maps = loader::PinLayout::new(&pin).maps;
+    let b = PinnedPods::new("pinflt", &[pod_ip(1)]);
+    let first = b.answering_daemon();
+    // One socket, one flow, across the upgrade.
+    let udp = b.udp_across(120, false);
+    b.stop(first);
+    let maps = loader::PinLayout::new(&b.pin).maps;
     for name in [FRONT_FILTER, REPLY_FILTER] {
         std::fs::remove_file(maps.join(name)).expect("the filter was pinned");
     }
-    let mut second = pod_path_daemon(&bed, &manifests, pin_arg);
+    let mut second = b.daemon();
+    answered_from_the_cluster_ip(udp, 120, &second, "the upgrade");
+    assert!(second.stop().success(), "{}", second.log());
+    cleanup_in(&b.bed, b.pin_arg());
+}
+
+/// A bed whose client pod's UDP to `demo/web` takes the pod path, with daemons that pin
+/// in a bpffs of its own.
+struct PinnedPods {
+    // Unmounted before the bed goes (fields drop in order).
+    _fs: Bpffs,
+    pin: std::path::PathBuf,
+    manifests: std::path::PathBuf,
+    bed: xtask::testbed::Testbed,
+    client: xtask::testbed::Pod,
+}
+
+impl PinnedPods {
+    /// `demo/web`'s endpoints are `pods`.
+    fn new(tag: &str, pods: &[Ipv4Addr]) -> Self {
+        let (bed, client) = bed_with_client(tag, false);
+        let fs = Bpffs::mount(bed.dir());
+        let manifests = bed.dir().join("manifests.yaml");
+        std::fs::write(&manifests, web_manifest(pods)).unwrap();
+        Self {
+            pin: fs.0.join("fastpath"),
+            _fs: fs,
+            manifests,
+            bed,
+            client,
+        }
+    }
+
+    fn pin_arg(&self) -> &str {
+        self.pin.to_str().unwrap()
+    }
+
+    /// A daemon with the pod path on the bed's pods' devices, maps and links pinned.
+    fn daemon(&self) -> Daemon {
+        Daemon::start(
+            self.bed.cgroup_path(),
+            &[
+                "--proxy-mode",
+                "ebpf",
+                "--netns",
+                self.bed.node_netns(),
+                "--pod-interface-name-prefix",
+                "fpv",
+                "--manifests",
+                self.manifests.to_str().unwrap(),
+                "--bpf-pin-dir",
+                self.pin_arg(),
+                "--healthz-bind-address",
+                "",
+                "--metrics-bind-address",
+                "",
+            ],
+        )
+    }
+
+    /// A daemon whose pod path answers the client's UDP already.
+    fn answering_daemon(&self) -> Daemon {
+        let daemon = self.daemon();
+        let once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "500"];
+        assert!(
+            eventually(20, || pod_probe(&self.bed, &self.client, &once)[0].is_ok()),
+            "the pod's UDP never got an answer; log:\n{}",
+            daemon.log()
+        );
+        daemon
+    }
+
+    /// `count` datagrams 20 ms apart from the client pod, from one socket or (`fresh`) a
+    /// new one each, started half a second before this returns.
+    fn udp_across(&self, count: usize, fresh: bool) -> std::thread::JoinHandle<Output> {
+        let mut cmd = pod_client(&self.bed, &self.client);
+        let count = count.to_string();
+        cmd.args(["udp", WEB_DNS, "--count", &count, "--interval-ms", "20"]);
+        cmd.args(["--timeout-ms", "1000"]);
+        if fresh {
+            cmd.arg("--fresh-socket");
+        }
+        let udp = std::thread::spawn(move || cmd.output().expect("probe runs"));
+        std::thread::sleep(Duration::from_millis(500));
+        udp
+    }
+
+    fn stop(&self, mut daemon: Daemon) {
+        assert!(daemon.stop().success(), "{}", daemon.log());
+    }
+}
+
+/// Every one of the `count` datagrams of `udp` was answered, from the ClusterIP, across
+/// `what`; `daemon`'s log if not.
+fn answered_from_the_cluster_ip(
+    udp: std::thread::JoinHandle<Output>,
+    count: usize,
+    daemon: &Daemon,
+    what: &str,
+) {
     let out = udp.join().unwrap();
     let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
-    assert_eq!(outcomes.len(), 120);
+    assert_eq!(outcomes.len(), count);
     let failed: Vec<_> = outcomes.iter().filter(|o| !o.is_ok()).collect();
     assert!(
         failed.is_empty(),
-        "{} of 120 datagrams went unanswered across the upgrade: {failed:?}\n{}",
+        "{} of {count} datagrams went unanswered across {what}: {failed:?}\n{}",
         failed.len(),
-        second.log()
+        daemon.log()
     );
+    let elsewhere: Vec<_> = outcomes
+        .iter()
+        .filter(|o| from(o) != Some(WEB_DNS))
+        .collect();
     assert!(
-        outcomes.iter().all(|o| from(o) == Some(WEB_DNS)),
-        "replies come from the ClusterIP: {:?}\n{}",
-        outcomes
-            .iter()
-            .filter(|o| from(o) != Some(WEB_DNS))
-            .collect::<Vec<_>>(),
-        second.log()
+        elsewhere.is_empty(),
+        "replies must come from the ClusterIP: {elsewhere:?}\n{}",
+        daemon.log()
     );
-    assert!(second.stop().success(), "{}", second.log());
-    cleanup_in(&bed, pin_arg);
 }
 
 /// `fastpath --cleanup` for the bed's node namespace and pin folder `pin_arg`, which must
