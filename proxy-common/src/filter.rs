@@ -55,6 +55,19 @@ pub const fn port_word(port: u16, proto: u8) -> u32 {
     (port as u32) | ((proto as u32) << 16)
 }
 
+/// The frontends' filter slot of an address, given as its words as stored (one for IPv4,
+/// four for IPv6); the daemon's side of what the programs compute word by word.
+pub fn addr_slot(words: &[u32]) -> (u32, usize) {
+    slot(words.iter().fold(0, |h, w| mix(h, *w)))
+}
+
+/// The replies' filter slot of a backend's address (as in [`addr_slot`]), port and
+/// protocol.
+pub fn reply_slot(words: &[u32], port: u16, proto: u8) -> (u32, usize) {
+    let h = words.iter().fold(0, |h, w| mix(h, *w));
+    slot(mix(h, port_word(port, proto)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -233,7 +233,16 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         fresh(map_names::REPLY_FILTER),
     );
     let mut ebpf = loader.load(object())?;
-    super::maps::seed_filters(&mut ebpf, front_fresh, reply_fresh)?;
+    match super::filter_seed::seed(&mut ebpf, front_fresh, reply_fresh) {
+        Ok((frontends, replies)) if front_fresh || reply_fresh => tracing::info!(
+            frontend_entries = frontends,
+            reply_entries = replies,
+            "filled new packet-path filters from the pinned maps"
+        ),
+        Ok(_) => {}
+        Err((name, Some(source))) => return Err(LoadError::Map { name, source }),
+        Err((name, None)) => return Err(LoadError::MissingMap { name }),
+    }
     // A generation tag keeps this daemon's link pins apart from the previous one's until
     // ours are in place.
     let generation = format!(

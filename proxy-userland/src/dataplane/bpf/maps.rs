@@ -42,7 +42,6 @@ mod ranges;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
 pub use deferred::Writer as DeferredWriter;
-pub use filter::seed as seed_filters;
 
 pub struct ServiceMaps {
     services4: HashMap<MapData, Service4Key, ServiceValue>,
@@ -333,11 +332,6 @@ impl ServiceMaps {
             .chain(nodes6.map(|a| IpAddr::V6(Ipv6Addr::from(octets6(a)))))
             .collect();
         self.front_filter.adopt(masters, nodes)
-    }
-
-    /// Whether the frontends' filter lets the packet programs look `ip` up, for tests.
-    pub fn front_filter_has(&self, ip: IpAddr) -> bool {
-        self.front_filter.is_set(ip)
     }
 
     /// The entry the programs would read, for tests and diagnostics.

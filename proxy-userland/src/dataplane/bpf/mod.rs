@@ -3,6 +3,7 @@
 //! - [`loader`]: loads the embedded object and attaches the programs to a cgroup v2 and,
 //!   for node ports and external addresses, to the node's devices.
 //! - [`devices`]: which devices those are, and the node's addresses.
+//! - [`filter_seed`]: the packet path's filters filled from pinned maps made without them.
 //! - [`maps`]: typed access to the service, backend and reverse-NAT maps, written in the
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
@@ -11,6 +12,7 @@
 //!   reconnect instead of sending into the void.
 
 pub mod devices;
+mod filter_seed;
 pub mod lb;
 pub mod loader;
 pub mod maglev;

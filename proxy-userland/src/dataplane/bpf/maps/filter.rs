@@ -1,7 +1,6 @@
 //! The frontends' filter (`proxy_common::filter`), which the daemon keeps: every address
 //! with a master entry in a service map, and every node address, has its slot set before
-//! the entry is written and cleared only after the last such address goes. Also the
-//! seeding of both filters from maps that a daemon without them left pinned.
+//! the entry is written and cleared only after the last such address goes.
 
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
@@ -13,10 +12,9 @@ use aya::{
     maps::{Array, MapData, MapError},
 };
 use proxy_common::{
-    Addr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue,
     filter::{self, ENTRIES, ENTRY_SLOTS, Entry},
     maps as names,
-    nat::{self, addr6},
+    nat::addr6,
 };
 
 use super::{LoadError, v4};
@@ -25,26 +23,11 @@ use crate::dataplane::frontends::Frontend;
 /// A filter slot: the array element and the byte within it.
 type Slot = (u32, usize);
 
-fn words_hash(words: &[u32]) -> u32 {
-    words.iter().fold(0, |h, w| filter::mix(h, *w))
-}
-
-fn addr_hash(ip: IpAddr) -> u32 {
-    match ip {
-        IpAddr::V4(a) => words_hash(&[v4(a)]),
-        IpAddr::V6(a) => words_hash(&addr6(a.octets())),
-    }
-}
-
 fn addr_slot(ip: IpAddr) -> Slot {
-    filter::slot(addr_hash(ip))
-}
-
-fn reply_slot(addr_words: &[u32], port: u16, proto: u8) -> Slot {
-    filter::slot(filter::mix(
-        words_hash(addr_words),
-        filter::port_word(port, proto),
-    ))
+    match ip {
+        IpAddr::V4(a) => filter::addr_slot(&[v4(a)]),
+        IpAddr::V6(a) => filter::addr_slot(&addr6(a.octets())),
+    }
 }
 
 /// What the frontends' filter holds, and why.
@@ -58,8 +41,9 @@ pub struct FrontFilter {
     refs: HashMap<IpAddr, u32>,
     /// Per slot: the live addresses that land there.
     slots: HashMap<Slot, u32>,
-    /// The elements as the map holds them, or will once `dirty` is written.
-    written: Vec<Entry>,
+    /// The elements as the map holds them (or will once `dirty` is written), each read
+    /// when first needed: a new map is all zeros, a pinned one as an earlier daemon left it.
+    written: Vec<Option<Entry>>,
     /// While a first sync's writes trail behind it (see `deferred`): elements changed and
     /// not written yet. At once, a first sync would make a bpf() call per new address;
     /// collected, at most one per element, after the sync.
@@ -72,19 +56,24 @@ impl FrontFilter {
         let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
         let map: Array<MapData, Entry> =
             Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-        // A pinned filter keeps what an earlier daemon set until `adopt` rewrites it.
-        let written = (0..ENTRIES)
-            .map(|i| map.get(&i, 0).unwrap_or([0; ENTRY_SLOTS]))
-            .collect();
         Ok(Self {
             map,
             masters: HashSet::new(),
             nodes: HashSet::new(),
             refs: HashMap::new(),
             slots: HashMap::new(),
-            written,
+            written: vec![None; ENTRIES as usize],
             dirty: None,
         })
+    }
+
+    /// Element `index` as the map holds it.
+    fn element(&mut self, index: u32) -> Entry {
+        let map = &self.map;
+        // Unreadable, it reads as all set: a write then keeps every slot an earlier daemon
+        // may have set, and a slot left set only costs lookups.
+        *self.written[index as usize]
+            .get_or_insert_with(|| map.get(&index, 0).unwrap_or([1; ENTRY_SLOTS]))
     }
 
     /// Collects changes instead of writing them, until [`Self::flush`]. For a first sync
@@ -100,7 +89,8 @@ impl FrontFilter {
             return Ok(());
         };
         for index in dirty {
-            self.map.set(index, self.written[index as usize], 0)?;
+            let entry = self.element(index);
+            self.map.set(index, entry, 0)?;
         }
         Ok(())
     }
@@ -172,19 +162,18 @@ impl FrontFilter {
         for (index, byte) in self.slots.keys() {
             want[*index as usize][*byte] = 1;
         }
-        // Slots to set first, then the rest: a live address's slot is never clear.
-        for setting in [true, false] {
-            for (i, entry) in want.iter().enumerate() {
-                let old = &self.written[i];
-                let sets = entry.iter().zip(old).any(|(n, o)| *n != 0 && *o == 0);
-                if entry != old && sets == setting {
-                    let merged: Entry = if setting {
-                        std::array::from_fn(|b| entry[b] | old[b])
-                    } else {
-                        *entry
-                    };
-                    self.write(i as u32, merged)?;
-                }
+        // Every slot to set first, then the stale ones cleared: a live address's slot is
+        // never clear, whatever element a packet reads in between.
+        for (index, entry) in (0..ENTRIES).zip(&want) {
+            let old = self.element(index);
+            let merged: Entry = std::array::from_fn(|b| entry[b] | old[b]);
+            if merged != old {
+                self.write(index, merged)?;
+            }
+        }
+        for (index, entry) in (0..ENTRIES).zip(&want) {
+            if *entry != self.element(index) {
+                self.write(index, *entry)?;
             }
         }
         Ok(())
@@ -196,8 +185,8 @@ impl FrontFilter {
             return Ok(());
         }
         let (index, byte) = addr_slot(ip);
-        if self.written[index as usize][byte] == 0 {
-            let mut entry = self.written[index as usize];
+        let mut entry = self.element(index);
+        if entry[byte] == 0 {
             entry[byte] = 1;
             self.write(index, entry)?;
         }
@@ -225,7 +214,7 @@ impl FrontFilter {
         }
         self.slots.remove(&slot);
         let (index, byte) = slot;
-        let mut entry = self.written[index as usize];
+        let mut entry = self.element(index);
         entry[byte] = 0;
         // A slot left set only costs lookups: nothing to undo if the write fails.
         if let Err(e) = self.write(index, entry) {
@@ -238,91 +227,7 @@ impl FrontFilter {
             Some(dirty) => drop(dirty.insert(index)),
             None => self.map.set(index, entry, 0)?,
         }
-        self.written[index as usize] = entry;
+        self.written[index as usize] = Some(entry);
         Ok(())
     }
-
-    /// Whether `ip`'s slot is set, for tests.
-    pub fn is_set(&self, ip: IpAddr) -> bool {
-        let (index, byte) = addr_slot(ip);
-        self.written[index as usize][byte] != 0
-    }
-}
-
-/// Fills the filters of a freshly made pin from the maps they guard, which a daemon
-/// without them left pinned: every frontend and node address, every reply entry. Called
-/// before any program of ours is attached, so none writes the reply filter meanwhile.
-pub fn seed(ebpf: &mut Ebpf, front: bool, reply: bool) -> Result<(), LoadError> {
-    let mut front_slots = Vec::new();
-    let mut reply_slots = Vec::new();
-    if front {
-        front_slots.extend(
-            keys::<Service4Key, ServiceValue>(ebpf, names::SERVICES4)?
-                .map(|k| filter::slot(words_hash(&[k.address]))),
-        );
-        front_slots.extend(
-            keys::<Service6Key, ServiceValue>(ebpf, names::SERVICES6)?
-                .map(|k| filter::slot(words_hash(&addr6(k.address)))),
-        );
-        front_slots.extend(
-            keys::<u32, u32>(ebpf, names::NODE_ADDRS4)?.map(|a| filter::slot(words_hash(&[a]))),
-        );
-        front_slots.extend(
-            keys::<Addr6, u32>(ebpf, names::NODE_ADDRS6)?.map(|a| filter::slot(words_hash(&a))),
-        );
-    }
-    if reply {
-        reply_slots.extend(
-            keys::<Ct4Key, Ct4Value>(ebpf, names::CT4)?
-                .filter(|k| k.dir == nat::dir::REPLY)
-                .map(|k| reply_slot(&[k.saddr], k.sport, k.proto)),
-        );
-        reply_slots.extend(
-            keys::<Ct6Key, Ct6Value>(ebpf, names::CT6)?
-                .filter(|k| k.dir == nat::dir::REPLY)
-                .map(|k| reply_slot(&k.saddr, k.sport, k.proto)),
-        );
-    }
-    set_slots(ebpf, names::FRONT_FILTER, &front_slots)?;
-    set_slots(ebpf, names::REPLY_FILTER, &reply_slots)?;
-    if front || reply {
-        tracing::info!(
-            frontend_entries = front_slots.len(),
-            reply_entries = reply_slots.len(),
-            "filled new packet-path filters from the pinned maps"
-        );
-    }
-    Ok(())
-}
-
-fn keys<K: aya::Pod, V: aya::Pod>(
-    ebpf: &Ebpf,
-    name: &'static str,
-) -> Result<impl Iterator<Item = K>, LoadError> {
-    let map = ebpf.map(name).ok_or(LoadError::MissingMap { name })?;
-    let map = aya::maps::HashMap::<_, K, V>::try_from(map)
-        .map_err(|source| LoadError::Map { name, source })?;
-    Ok(map
-        .keys()
-        .filter_map(Result::ok)
-        .collect::<Vec<_>>()
-        .into_iter())
-}
-
-fn set_slots(ebpf: &mut Ebpf, name: &'static str, slots: &[Slot]) -> Result<(), LoadError> {
-    if slots.is_empty() {
-        return Ok(());
-    }
-    let map = ebpf.map_mut(name).ok_or(LoadError::MissingMap { name })?;
-    let mut map =
-        Array::<_, Entry>::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-    let mut entries: HashMap<u32, Entry> = HashMap::new();
-    for (index, byte) in slots {
-        entries.entry(*index).or_insert([0; ENTRY_SLOTS])[*byte] = 1;
-    }
-    for (index, entry) in entries {
-        map.set(index, entry, 0)
-            .map_err(|source| LoadError::Map { name, source })?;
-    }
-    Ok(())
 }
