@@ -1,5 +1,5 @@
-//! Address filters: two 512 KiB maps of one byte per slot that tell the packet programs,
-//! without a hash-map lookup, that a packet needs none.
+//! Filters: maps of one byte per slot that tell the packet programs, without a hash-map
+//! lookup, that a packet needs none.
 //!
 //! Every packet on a pod's device (and on a node device) runs the packet programs, and most
 //! are no Service's: pod to pod, node to node. For each, the programs looked up the service
@@ -8,11 +8,14 @@
 //! buckets, the cost of every pod's traffic. A filter slot is a byte in an array map, which
 //! the verifier inlines: a zero byte says "nothing here" at the price of a hash and a load.
 //!
-//! - `FP_FRONT_BITS`, kept by the daemon: the slot of every address that has a master
-//!   entry in a service map, and of every node address (node ports are stored under
-//!   address 0 and matched through the node's addresses). Set before the entry is written,
-//!   cleared after the last entry at the address goes.
-//! - `FP_REPLY_BITS`, kept by the programs: the slot of every (backend address, port,
+//! - `FP_FRONT_BITS` (512 KiB), kept by the daemon: the slot of every address that has a
+//!   master entry in a service map. Set before the entry is written, cleared after the last
+//!   entry at the address goes.
+//! - `FP_NODE_PORTS` (64 KiB), kept by the daemon: a byte per port number, with a bit per
+//!   protocol ([`proto_bit`]), for every node port (master entries under address 0, which
+//!   packets to any node address reach). Exact, so a packet to a node address on another
+//!   port (the kubelet's, SSH) skips the node-address and node-port lookups.
+//! - `FP_REPLY_BITS` (512 KiB), kept by the programs: the slot of every (backend address, port,
 //!   protocol) a reply entry was written for, set before the entry. Never cleared: its keys
 //!   are bounded by the backends that ever had a per-packet flow, and a stale slot costs
 //!   one lookup.
@@ -28,6 +31,29 @@ pub const ENTRIES: u32 = 8192;
 pub const ENTRY_SLOTS: usize = 64;
 /// One element of a filter: a byte per slot, non-zero for "maybe".
 pub type Entry = [u8; ENTRY_SLOTS];
+
+/// Elements of the node ports' filter: a byte per port number.
+pub const PORT_ENTRIES: u32 = 65_536 / ENTRY_SLOTS as u32;
+
+/// The node ports' filter slot of `port` (host order).
+#[inline(always)]
+pub const fn port_slot(port: u16) -> (u32, usize) {
+    (
+        (port as u32) / ENTRY_SLOTS as u32,
+        (port as usize) % ENTRY_SLOTS,
+    )
+}
+
+/// A protocol's bit in the node ports' filter; 0 for one that has no node ports.
+#[inline(always)]
+pub const fn proto_bit(proto: u8) -> u8 {
+    match proto {
+        crate::proto::TCP => 1,
+        crate::proto::UDP => 2,
+        crate::proto::SCTP => 4,
+        _ => 0,
+    }
+}
 
 /// Where hash `h` (from [`mix`]) lands: the element and the byte within it.
 #[inline(always)]

@@ -29,6 +29,7 @@ pub const STATS: &str = "FP_STATS";
 /// See [`crate::filter`].
 pub const FRONT_FILTER: &str = "FP_FRONT_BITS";
 pub const REPLY_FILTER: &str = "FP_REPLY_BITS";
+pub const NODE_PORTS: &str = "FP_NODE_PORTS";
 /// The host ends of the pods' devices the pod path is attached to (ifindex -> 1): where a
 /// translated packet may be redirected into a pod's namespace (see `sockcfg::HOST_ROUTING`).
 pub const POD_DEVICES: &str = "FP_POD_DEVS";
@@ -57,7 +58,7 @@ pub const NODE_ADDRS_MAX: u32 = 256;
 pub const SERVICE_RANGES_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 24] = [
+pub const ALL: [&str; 25] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -82,4 +83,5 @@ pub const ALL: [&str; 24] = [
     POD_DEVICES,
     FRONT_FILTER,
     REPLY_FILTER,
+    NODE_PORTS,
 ];

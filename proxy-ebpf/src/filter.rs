@@ -6,7 +6,7 @@ use proxy_common::filter::{self, Entry};
 
 use crate::{
     ip::Ip,
-    maps::{FRONT_FILTER, REPLY_FILTER},
+    maps::{FRONT_FILTER, NODE_PORTS, REPLY_FILTER},
 };
 
 #[inline(always)]
@@ -35,11 +35,24 @@ fn is_set(entry: Option<&Entry>, byte: usize) -> bool {
     }
 }
 
-/// Whether `addr` may hold a frontend (or be a node address, where node ports answer).
+/// Whether `addr` may hold a frontend of its own (a ClusterIP, an external or
+/// load-balancer IP; node ports are [`may_be_node_port`]'s).
 #[inline(always)]
 pub fn may_be_frontend<I: Ip>(addr: &I::Addr) -> bool {
     let (index, byte) = filter::slot(addr_hash::<I>(addr));
     is_set(FRONT_FILTER.get(index), byte)
+}
+
+/// Whether `port` (as in the packet) is a node port of `proto`.
+#[inline(always)]
+pub fn may_be_node_port(port: u16, proto: u8) -> bool {
+    let (index, byte) = filter::port_slot(u16::from_be(port));
+    match NODE_PORTS.get(index) {
+        Some(e) => e
+            .get(byte)
+            .is_none_or(|b| *b & filter::proto_bit(proto) != 0),
+        None => true,
+    }
 }
 
 /// Whether a packet from `addr`:`port` may be the reply of a flow with a reply entry.

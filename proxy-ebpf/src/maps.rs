@@ -135,6 +135,9 @@ pub static FRONT_FILTER: Array<filter::Entry> = Array::with_max_entries(filter::
 #[map(name = "FP_REPLY_BITS")]
 pub static REPLY_FILTER: Array<filter::Entry> = Array::with_max_entries(filter::ENTRIES, 0);
 
+#[map(name = "FP_NODE_PORTS")]
+pub static NODE_PORTS: Array<filter::Entry> = Array::with_max_entries(filter::PORT_ENTRIES, 0);
+
 #[map(name = "FP_STATS")]
 pub static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 

@@ -224,23 +224,22 @@ fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>) -> bool {
 /// as kube-proxy's PREROUTING rules treat a pod's packets.
 #[inline(always)]
 fn frontend<I: Ip>(f: &Flow<I::Addr>, from_pod: bool) -> Option<Frontend<I::Addr>> {
-    // Most packets are no Service's: the filter spares them the lookups below.
-    if !filter::may_be_frontend::<I>(&f.daddr) {
-        return None;
-    }
     let at = |addr, scope| {
         I::service(addr, f.dport, f.proto, 0, scope).map(|master| Frontend {
             at: (addr, scope),
             master,
         })
     };
-    if from_pod && let Some(fe) = at(f.daddr, scope::SOCKET) {
-        return Some(fe);
+    // Most packets are no Service's: the filters spare them the lookups below.
+    if filter::may_be_frontend::<I>(&f.daddr) {
+        if from_pod && let Some(fe) = at(f.daddr, scope::SOCKET) {
+            return Some(fe);
+        }
+        if let Some(fe) = at(f.daddr, scope::PACKET) {
+            return Some(fe);
+        }
     }
-    if let Some(fe) = at(f.daddr, scope::PACKET) {
-        return Some(fe);
-    }
-    if !I::node_address(f.daddr) {
+    if !filter::may_be_node_port(f.dport, f.proto) || !I::node_address(f.daddr) {
         return None;
     }
     at(I::Addr::default(), scope::PACKET)

@@ -1,6 +1,6 @@
 //! Filling the packet path's filters (`proxy_common::filter`) when they are made afresh
-//! beside maps that a daemon without them left pinned: every frontend and node address,
-//! every reply entry. The loader does it before attaching any program of ours, so none
+//! beside maps that a daemon without them left pinned: every frontend's address or node
+//! port, every reply entry. The loader does it before attaching any program of ours, so none
 //! writes the replies' filter meanwhile.
 
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use aya::{
     maps::{Array, MapError},
 };
 use proxy_common::{
-    Addr6, Ct4Key, Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue,
+    Ct4Key, Ct4Value, Ct6Key, Ct6Value, Service4Key, Service6Key, ServiceValue,
     filter::{self, ENTRY_SLOTS, Entry},
     maps as names,
     nat::{self, addr6},
@@ -23,34 +23,43 @@ pub type SeedError = (&'static str, Option<MapError>);
 /// guard; returns how many entries each took.
 pub fn seed(ebpf: &mut Ebpf, front: bool, reply: bool) -> Result<(usize, usize), SeedError> {
     let mut front_slots = Vec::new();
+    let mut port_slots = Vec::new();
     let mut reply_slots = Vec::new();
     if front {
-        let services4 = keys::<Service4Key, ServiceValue>(ebpf, names::SERVICES4)?;
-        front_slots.extend(services4.map(|k| filter::addr_slot(&[k.address])));
-        let services6 = keys::<Service6Key, ServiceValue>(ebpf, names::SERVICES6)?;
-        front_slots.extend(services6.map(|k| filter::addr_slot(&addr6(k.address))));
-        let nodes4 = keys::<u32, u32>(ebpf, names::NODE_ADDRS4)?;
-        front_slots.extend(nodes4.map(|a| filter::addr_slot(&[a])));
-        let nodes6 = keys::<Addr6, u32>(ebpf, names::NODE_ADDRS6)?;
-        front_slots.extend(nodes6.map(|a| filter::addr_slot(&a)));
+        // Node ports are stored under address 0.
+        let mut frontend = |words: &[u32], port: u16, proto: u8| {
+            if words.iter().all(|w| *w == 0) {
+                let (index, byte) = filter::port_slot(u16::from_be(port));
+                port_slots.push(((index, byte), filter::proto_bit(proto)));
+            } else {
+                front_slots.push((filter::addr_slot(words), 1));
+            }
+        };
+        for k in keys::<Service4Key, ServiceValue>(ebpf, names::SERVICES4)? {
+            frontend(&[k.address], k.dport, k.proto);
+        }
+        for k in keys::<Service6Key, ServiceValue>(ebpf, names::SERVICES6)? {
+            frontend(&addr6(k.address), k.dport, k.proto);
+        }
     }
     if reply {
         let replies4 = keys::<Ct4Key, Ct4Value>(ebpf, names::CT4)?;
         reply_slots.extend(
             replies4
                 .filter(|k| k.dir == nat::dir::REPLY)
-                .map(|k| filter::reply_slot(&[k.saddr], k.sport, k.proto)),
+                .map(|k| (filter::reply_slot(&[k.saddr], k.sport, k.proto), 1)),
         );
         let replies6 = keys::<Ct6Key, Ct6Value>(ebpf, names::CT6)?;
         reply_slots.extend(
             replies6
                 .filter(|k| k.dir == nat::dir::REPLY)
-                .map(|k| filter::reply_slot(&k.saddr, k.sport, k.proto)),
+                .map(|k| (filter::reply_slot(&k.saddr, k.sport, k.proto), 1)),
         );
     }
     set_slots(ebpf, names::FRONT_FILTER, &front_slots)?;
+    set_slots(ebpf, names::NODE_PORTS, &port_slots)?;
     set_slots(ebpf, names::REPLY_FILTER, &reply_slots)?;
-    Ok((front_slots.len(), reply_slots.len()))
+    Ok((front_slots.len() + port_slots.len(), reply_slots.len()))
 }
 
 fn keys<K: aya::Pod, V: aya::Pod>(
@@ -66,15 +75,20 @@ fn keys<K: aya::Pod, V: aya::Pod>(
         .into_iter())
 }
 
-fn set_slots(ebpf: &mut Ebpf, name: &'static str, slots: &[(u32, usize)]) -> Result<(), SeedError> {
+/// Sets `bits` in each slot's byte of filter `name`.
+fn set_slots(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    slots: &[((u32, usize), u8)],
+) -> Result<(), SeedError> {
     if slots.is_empty() {
         return Ok(());
     }
     let map = ebpf.map_mut(name).ok_or((name, None))?;
     let mut map = Array::<_, Entry>::try_from(map).map_err(|e| (name, Some(e)))?;
     let mut entries: HashMap<u32, Entry> = HashMap::new();
-    for (index, byte) in slots {
-        entries.entry(*index).or_insert([0; ENTRY_SLOTS])[*byte] = 1;
+    for ((index, byte), bits) in slots {
+        entries.entry(*index).or_insert([0; ENTRY_SLOTS])[*byte] |= bits;
     }
     for (index, entry) in entries {
         map.set(index, entry, 0).map_err(|e| (name, Some(e)))?;

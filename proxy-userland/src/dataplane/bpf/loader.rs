@@ -229,7 +229,7 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
     // they hold before a program reads it.
     let fresh = |name: &str| map_paths.iter().any(|(n, p)| *n == name && !p.exists());
     let (front_fresh, reply_fresh) = (
-        fresh(map_names::FRONT_FILTER),
+        fresh(map_names::FRONT_FILTER) || fresh(map_names::NODE_PORTS),
         fresh(map_names::REPLY_FILTER),
     );
     let mut ebpf = loader.load(object())?;

@@ -76,7 +76,8 @@ pub struct ServiceMaps {
     backend_capacity: u32,
     /// While a first sync's writes trail behind it (see [`deferred`]): where they go.
     deferred: Option<deferred::Queue>,
-    /// The addresses the packet programs look up at all (see `proxy_common::filter`).
+    /// The addresses and node ports the packet programs look up at all (see
+    /// `proxy_common::filter`).
     front_filter: filter::FrontFilter,
 }
 
@@ -319,19 +320,13 @@ impl ServiceMaps {
         Ok(())
     }
 
-    /// After a restart on pinned maps: the frontends' filter holds exactly `masters` (what
-    /// the maps held, besides what this daemon wrote) and the node addresses.
+    /// After a restart on pinned maps: the filters hold exactly `masters` (what the maps
+    /// held, besides what this daemon wrote).
     pub fn adopt_front_filter(
         &mut self,
         masters: impl IntoIterator<Item = Frontend>,
     ) -> Result<(), MapError> {
-        let nodes4 = self.node_addrs4.keys().filter_map(Result::ok);
-        let nodes6 = self.node_addrs6.keys().filter_map(Result::ok);
-        let nodes: Vec<IpAddr> = nodes4
-            .map(|a| IpAddr::V4(Ipv4Addr::from(a.to_ne_bytes())))
-            .chain(nodes6.map(|a| IpAddr::V6(Ipv6Addr::from(octets6(a)))))
-            .collect();
-        self.front_filter.adopt(masters, nodes)
+        self.front_filter.adopt(masters)
     }
 
     /// The entry the programs would read, for tests and diagnostics.
@@ -527,10 +522,8 @@ impl ServiceMaps {
                 IpAddr::V6(a) => drop(devices6.insert(*i, addr6(a.octets()))),
             }
         }
-        let leaving = self.front_filter.nodes_put(addrs)?;
         replace_all(&mut self.node_addrs4, nodes4)?;
         replace_all(&mut self.node_addrs6, nodes6)?;
-        self.front_filter.nodes_gone(&leaving);
         replace_all(&mut self.device_addrs4, devices4)?;
         replace_all(&mut self.device_addrs6, devices6)
     }
