@@ -449,7 +449,7 @@ fn pods_udp_keeps_getting_answers_through_a_restart_with_pinned_pod_links() {
 /// filtered out) and its datagrams their translation.
 #[test]
 fn an_upgrade_that_adds_the_filters_keeps_a_pods_udp_flow_answered() {
-    use proxy_common::maps::{FRONT_FILTER, REPLY_FILTER};
+    use proxy_common::maps::{FRONT_FILTER, NODE_PORTS, REPLY_FILTER};
 
     let b = PinnedPods::new("pinflt", &[pod_ip(1)]);
     let first = b.answering_daemon();
@@ -457,7 +457,7 @@ fn an_upgrade_that_adds_the_filters_keeps_a_pods_udp_flow_answered() {
     let udp = b.udp_across(120, false);
     b.stop(first);
     let maps = loader::PinLayout::new(&b.pin).maps;
-    for name in [FRONT_FILTER, REPLY_FILTER] {
+    for name in [FRONT_FILTER, NODE_PORTS, REPLY_FILTER] {
         std::fs::remove_file(maps.join(name)).expect("the filter was pinned");
     }
     let mut second = b.daemon();
