@@ -25,7 +25,7 @@ fn reply_hash<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> u32 {
     filter::mix(addr_hash::<I>(addr), filter::port_word(port, proto))
 }
 
-/// Whether the slot of hash `h` in `entry` is set; a missing element reads as set, so a
+/// Whether slot `byte` of element `entry` is set; a missing element reads as set, so a
 /// filter that cannot answer costs lookups, never a flow.
 #[inline(always)]
 fn is_set(entry: Option<&Entry>, byte: usize) -> bool {
