@@ -5,7 +5,8 @@
 //!
 //! A client namespace ("another host") opens TCP connections (connect, one reply line, close
 //! with a reset) and sends UDP requests on one connected socket to a node port whose two
-//! backends run on the node (direct: to one of the pods), in interleaved rounds whose order
+//! backends run on the node (direct: to a third pod, whose device carries no programs in
+//! any run), in interleaved rounds whose order
 //! rotates, so drift and noise hit every path alike. tc, XDP and direct share a bed that
 //! never has iptables rules; iptables has its own, with the rules installed once per size.
 //! TCP runs take turns, connection by connection (`fastpath-probe tcp --alternate`), with a
@@ -249,7 +250,11 @@ fn main() -> Result<()> {
     let max_load = conditions::max_load();
     // Before the pods' servers start, so they are pinned too.
     let cpu = conditions::pin_to_one_cpu();
-    let (mut bed, pods) = common::bed_with_pods("npbench", 2);
+    // Pods 1 and 2 are the node port's backends; pod 3, on a device that never carries
+    // programs, is what the direct arms dial. With host routing the backends' devices carry
+    // the pod path, which a direct connection to them would cross too.
+    let (mut bed, pods) = common::bed_with_pods("npbench", 3);
+    let backends = &pods[..2];
     let ext = nat_common::external_client(&mut bed);
     // A second host whose device into the node never carries programs: the TCP baseline
     // that each path's connections take turns with.
@@ -260,8 +265,8 @@ fn main() -> Result<()> {
     let node_target = |port: u16| format!("{}:{port}", bed.node_ipv4());
     let (tcp_target, udp_target) = (node_target(NODE_PORT), node_target(UDP_NODE_PORT));
     let (pod_tcp, pod_udp) = (
-        format!("{}:8080", common::pod_ip(1)),
-        format!("{}:5353", common::pod_ip(1)),
+        format!("{}:8080", common::pod_ip(3)),
+        format!("{}:5353", common::pod_ip(3)),
     );
     let mut table = String::new();
     let mut targets = Vec::new();
@@ -302,7 +307,7 @@ fn main() -> Result<()> {
                 };
                 let dp = match which {
                     0 | 1 => Some(attach(&bed, &ext, which == 1, None, &state)?),
-                    4 => Some(attach(&bed, &ext, false, Some(&pods), &state)?),
+                    4 => Some(attach(&bed, &ext, false, Some(backends), &state)?),
                     _ => None,
                 };
                 let watch = Watch::start(&[&client.netns, &bare.netns]);
