@@ -55,7 +55,7 @@ pub const fn proto_bit(proto: u8) -> u8 {
     }
 }
 
-/// Where hash `h` (from [`mix`]) lands: the element and the byte within it.
+/// Where hash `h` (from [`addr_hash`] or [`reply_hash`]) lands: the element and the byte within it.
 #[inline(always)]
 pub const fn slot(h: u32) -> (u32, usize) {
     // murmur3's finaliser: every input bit reaches every output bit.
@@ -68,30 +68,46 @@ pub const fn slot(h: u32) -> (u32, usize) {
     ((h >> 6) & (ENTRIES - 1), (h as usize) & (ENTRY_SLOTS - 1))
 }
 
-/// Folds one 32-bit word (an address word as stored, a port and protocol) into `h`,
-/// starting from 0.
+/// Folds one 32-bit word (an address word as stored, a port and protocol) into `h`.
 #[inline(always)]
-pub const fn mix(h: u32, word: u32) -> u32 {
+const fn mix(h: u32, word: u32) -> u32 {
     (h ^ word).wrapping_mul(0x9e37_79b1).rotate_left(13)
 }
 
-/// The reply filter's last word: a port as stored (network order) and a protocol.
+/// The hash of an address given word by word as stored (`word(i)` for `i < n`: one word
+/// for IPv4, four for IPv6), written once for the programs and the daemon, which must
+/// agree on every slot. Word by word, as the programs read addresses.
 #[inline(always)]
-pub const fn port_word(port: u16, proto: u8) -> u32 {
-    (port as u32) | ((proto as u32) << 16)
+pub fn addr_hash(n: usize, word: impl Fn(usize) -> u32) -> u32 {
+    let mut h = 0;
+    let mut i = 0;
+    while i < n {
+        h = mix(h, word(i));
+        i += 1;
+    }
+    h
 }
 
-/// The frontends' filter slot of an address, given as its words as stored (one for IPv4,
-/// four for IPv6); the daemon's side of what the programs compute word by word.
+/// The replies' filter hash of a backend's address (its [`addr_hash`]), port (as stored,
+/// network order) and protocol.
+#[inline(always)]
+pub fn reply_hash(addr_hash: u32, port: u16, proto: u8) -> u32 {
+    mix(addr_hash, u32::from(port) | (u32::from(proto) << 16))
+}
+
+/// The frontends' filter slot of an address given as its words (the daemon's side).
 pub fn addr_slot(words: &[u32]) -> (u32, usize) {
-    slot(words.iter().fold(0, |h, w| mix(h, *w)))
+    slot(addr_hash(words.len(), |i| words[i]))
 }
 
 /// The replies' filter slot of a backend's address (as in [`addr_slot`]), port and
 /// protocol.
 pub fn reply_slot(words: &[u32], port: u16, proto: u8) -> (u32, usize) {
-    let h = words.iter().fold(0, |h, w| mix(h, *w));
-    slot(mix(h, port_word(port, proto)))
+    slot(reply_hash(
+        addr_hash(words.len(), |i| words[i]),
+        port,
+        proto,
+    ))
 }
 
 #[cfg(test)]
@@ -105,7 +121,7 @@ mod tests {
         let mut seen = [false; (ENTRIES as usize) * ENTRY_SLOTS];
         let mut shared = 0;
         for a in 0u32..4096 {
-            let (e, b) = slot(mix(0, (0xc612_0000u32 + a).to_be()));
+            let (e, b) = addr_slot(&[(0xc612_0000u32 + a).to_be()]);
             let i = e as usize * ENTRY_SLOTS + b;
             shared += usize::from(seen[i]);
             seen[i] = true;

@@ -11,18 +11,12 @@ use crate::{
 
 #[inline(always)]
 fn addr_hash<I: Ip>(addr: &I::Addr) -> u32 {
-    let mut h = 0;
-    let mut i = 0;
-    while i < I::WORDS {
-        h = filter::mix(h, I::word(addr, i));
-        i += 1;
-    }
-    h
+    filter::addr_hash(I::WORDS, |i| I::word(addr, i))
 }
 
 #[inline(always)]
 fn reply_hash<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> u32 {
-    filter::mix(addr_hash::<I>(addr), filter::port_word(port, proto))
+    filter::reply_hash(addr_hash::<I>(addr), port, proto)
 }
 
 /// Whether slot `byte` of element `entry` is set; a missing element reads as set, so a

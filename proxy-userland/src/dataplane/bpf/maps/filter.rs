@@ -31,6 +31,11 @@ fn addr_slot(ip: IpAddr) -> Slot {
     }
 }
 
+/// A node-port frontend's key in the node ports' filter: its port and protocol bit.
+fn port_key(fe: &Frontend) -> (u16, u8) {
+    (fe.port, filter::proto_bit(fe.proto.number()))
+}
+
 /// One filter map and its elements as written.
 struct Bytes {
     map: Array<MapData, Entry>,
@@ -165,7 +170,7 @@ impl FrontFilter {
             return Ok(());
         }
         if fe.ip.is_unspecified() {
-            let key = (fe.port, filter::proto_bit(fe.proto.number()));
+            let key = port_key(fe);
             if !self.port_refs.contains_key(&key) {
                 self.ports.update(filter::port_slot(key.0), key.1, true)?;
             }
@@ -186,7 +191,7 @@ impl FrontFilter {
             self.release(fe.ip);
             return;
         }
-        let key = (fe.port, filter::proto_bit(fe.proto.number()));
+        let key = port_key(fe);
         let Some(n) = self.port_refs.get_mut(&key) else {
             return;
         };
@@ -209,7 +214,7 @@ impl FrontFilter {
         self.port_refs.clear();
         for fe in &self.masters {
             if fe.ip.is_unspecified() {
-                let key = (fe.port, filter::proto_bit(fe.proto.number()));
+                let key = port_key(fe);
                 *self.port_refs.entry(key).or_default() += 1;
             } else {
                 *self.addr_refs.entry(fe.ip).or_default() += 1;
