@@ -58,19 +58,26 @@ pub const fn proto_bit(proto: u8) -> u8 {
 /// Where hash `h` (from [`addr_hash`] or [`reply_hash`]) lands: the element and the byte within it.
 #[inline(always)]
 pub const fn slot(h: u32) -> (u32, usize) {
-    // murmur3's finaliser: every input bit reaches every output bit.
+    let h = finish(h);
+    ((h >> 6) & (ENTRIES - 1), (h as usize) & (ENTRY_SLOTS - 1))
+}
+
+/// murmur3's finaliser: every bit of a hash [`mix`]ed together reaches every output bit,
+/// so that any of them picks a slot.
+#[inline(always)]
+pub const fn finish(h: u32) -> u32 {
     let mut h = h;
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;
     h = h.wrapping_mul(0xc2b2_ae35);
     h ^= h >> 16;
-    ((h >> 6) & (ENTRIES - 1), (h as usize) & (ENTRY_SLOTS - 1))
+    h
 }
 
 /// Folds one 32-bit word (an address word as stored, a port and protocol) into `h`.
 #[inline(always)]
-const fn mix(h: u32, word: u32) -> u32 {
+pub const fn mix(h: u32, word: u32) -> u32 {
     (h ^ word).wrapping_mul(0x9e37_79b1).rotate_left(13)
 }
 

@@ -143,6 +143,12 @@ pub mod ct_flags {
     /// the backend's node the entry was made from the packet's DSR option. Either way it
     /// counts as answered.
     pub const DSR: u16 = 1 << 2;
+    /// Reply entries of flows without SNAT, from when they are written: whether the
+    /// frontend the replies come from is one of the node's addresses is in
+    /// [`NODE_ADDRESS`], so that no reply looks it up. Entries without it (older daemons')
+    /// are looked up.
+    pub const NODE_ADDRESS_KNOWN: u16 = 1 << 3;
+    pub const NODE_ADDRESS: u16 = 1 << 4;
 }
 
 /// The IPv4 option that carries a DSR flow's frontend to the backend's node (Cilium's

@@ -85,6 +85,20 @@ pub(crate) struct Work<A> {
     pub(crate) fib: FibParams,
     pub(crate) reply: CtValue<A>,
     pub(crate) forward: CtValue<A>,
+    /// bpf_ktime_get_ns() for this packet once read, 0 before (see [`Work::clock`]).
+    pub(crate) now: u64,
+}
+
+impl<A> Work<A> {
+    /// The time of this packet's work, read once: only for packets that turn out to be
+    /// ours (most packets a device sees are not).
+    #[inline(always)]
+    pub(crate) fn clock(now: &mut u64) -> u64 {
+        if *now == 0 {
+            *now = crate::kernel::now_ns();
+        }
+        *now
+    }
 }
 
 /// What to turn a packet into: a new destination, and maybe a new source.
@@ -102,3 +116,30 @@ pub(crate) struct Frontend<A> {
     pub(crate) at: FrontendAt<A>,
     pub(crate) master: ServiceValue,
 }
+
+/// Slots per CPU and family of the FIB's remembered answers (see `route`).
+pub const ROUTE_SLOTS: u32 = 1024;
+
+/// One answer of the FIB remembered (see `route`): the lookup, by the tuple a packet leaves
+/// with and the device it came in by, and where the FIB sent it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct Route<A> {
+    pub(crate) saddr: A,
+    pub(crate) daddr: A,
+    pub(crate) sport: u16,
+    pub(crate) dport: u16,
+    pub(crate) in_ifindex: u32,
+    pub(crate) out_ifindex: u32,
+    pub(crate) proto: u8,
+    /// Whether `out_ifindex` is in the pods' device map, if asked (`route::POD_*`).
+    pub(crate) pod: u8,
+    pub(crate) _pad: [u8; 2],
+    pub(crate) smac: [u8; 6],
+    pub(crate) dmac: [u8; 6],
+    pub(crate) _pad2: u32,
+    /// bpf_ktime_get_ns() until which the answer is used; 0 for a slot never filled.
+    pub(crate) expires_ns: u64,
+}
+const _: () = assert!(core::mem::size_of::<Route<u32>>() == 48);
+const _: () = assert!(core::mem::size_of::<Route<proxy_common::Addr6>>() == 72);

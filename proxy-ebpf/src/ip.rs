@@ -7,7 +7,7 @@ use core::mem;
 use aya_ebpf::{
     bindings::bpf_fib_lookup as FibParams,
     helpers::bpf_fib_lookup,
-    maps::{LruHashMap, lpm_trie::Key as LpmKey},
+    maps::{LruHashMap, PerCpuArray, lpm_trie::Key as LpmKey},
 };
 use proxy_common::{
     Addr6, CtKey, CtValue, FlowAddr, Service4Key, Service6Key, ServiceValue, SourceRange, maglev,
@@ -16,11 +16,11 @@ use proxy_common::{
 };
 
 use crate::{
-    flow::{Flow, Scratch},
+    flow::{Flow, Route, Scratch},
     maps::{
         BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, Lookup, NODE_ADDRS4,
-        NODE_ADDRS6, SCRATCH4, SCRATCH6, SERVICE_RANGES4, SERVICE_RANGES6, SERVICES4, SERVICES6,
-        SOURCE_RANGES4, SOURCE_RANGES6,
+        NODE_ADDRS6, ROUTES4, ROUTES6, SCRATCH4, SCRATCH6, SERVICE_RANGES4, SERVICE_RANGES6,
+        SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6,
     },
     packet::Packet,
 };
@@ -138,6 +138,8 @@ pub trait Ip {
     fn backend(id: u32) -> Option<Backend<Self::Addr>>;
     /// This CPU's scratch entry of this family.
     fn scratch() -> Option<*mut Scratch<Self::Addr>>;
+    /// This family's remembered FIB answers (see `route`).
+    fn routes() -> &'static PerCpuArray<Route<Self::Addr>>;
     /// This family's flow table.
     fn ct() -> &'static LruHashMap<CtKey<Self::Addr>, CtValue<Self::Addr>>;
     /// Whether node ports answer on `addr`.
@@ -231,6 +233,11 @@ impl Ip for V4 {
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<u32>> {
         SCRATCH4.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn routes() -> &'static PerCpuArray<Route<u32>> {
+        &ROUTES4
     }
 
     #[inline(always)]
@@ -353,6 +360,11 @@ impl Ip for V6 {
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<Addr6>> {
         SCRATCH6.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn routes() -> &'static PerCpuArray<Route<Addr6>> {
+        &ROUTES6
     }
 
     #[inline(always)]

@@ -16,6 +16,8 @@
 //! - [`flow`]: one packet's tuple and the per-CPU scratch space its translation works in.
 //! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
+//! - [`route`]: the FIB's answers for the flows the packet path sends on, remembered per
+//!   CPU for a second.
 //! - [`lb`]: backend selection shared by every hook.
 //! - [`maglev`]: a packet-path flow's backend from its frontend's Maglev table.
 //! - [`ip`]: what differs between IPv4 and IPv6, for the socket and the packet hooks.
@@ -41,6 +43,7 @@ mod nodeport;
 mod packet;
 mod refuse;
 mod release;
+mod route;
 mod sock4;
 mod sock6;
 

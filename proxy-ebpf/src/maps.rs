@@ -20,7 +20,7 @@ use proxy_common::{
     nat::stat,
 };
 
-use crate::flow::Scratch;
+use crate::flow::{ROUTE_SLOTS, Route, Scratch};
 
 // The service and backend maps are written by the daemon only, and allocate an entry when
 // it is written (Cilium's default, `--preallocate-bpf-maps=false`): preallocated, they cost
@@ -112,6 +112,14 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 
 #[map(name = "FP_SCRATCH6")]
 pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(1, 0);
+
+/// Per CPU, the FIB's recent answers for flows the packet path sends on itself (see
+/// `route`); not shared with the daemon.
+#[map(name = "FP_ROUTES4")]
+pub static ROUTES4: PerCpuArray<Route<u32>> = PerCpuArray::with_max_entries(ROUTE_SLOTS, 0);
+
+#[map(name = "FP_ROUTES6")]
+pub static ROUTES6: PerCpuArray<Route<Addr6>> = PerCpuArray::with_max_entries(ROUTE_SLOTS, 0);
 
 /// BPF_F_INNER_MAP: inner maps of any size fit the outer map's slot, so a table's size is
 /// the daemon's to choose (`--bpf-lb-maglev-table-size`).

@@ -29,9 +29,9 @@ use crate::{
     kernel,
     lb::{pick_slot, serves},
     maglev,
-    maps::{AFFINITY, Lookup, POD_DEVICES, SOCK_CONFIG, count},
+    maps::{AFFINITY, Lookup, SOCK_CONFIG, count},
     packet::{FIB_NOT_FWDED, Packet},
-    refuse,
+    refuse, route,
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -116,13 +116,14 @@ fn translate_and_redirect<P: Packet, I: Ip>(
     f: &Flow<I::Addr>,
     nat: &Nat<I::Addr>,
     fib: &mut FibParams,
+    now: u64,
 ) -> i32 {
     // XDP always passes, so the compiler would drop the return value of a call and leave
     // the return register undefined, which the verifier rejects: XDP keeps it inline.
     if P::XDP {
-        return redirect_translated::<P, I>(pkt, f, nat, fib).unwrap_or(P::PASS);
+        return redirect_translated::<P, I>(pkt, f, nat, fib, now).unwrap_or(P::PASS);
     }
-    redirect_from_tc::<P, I>(pkt, f, nat, fib)
+    redirect_from_tc::<P, I>(pkt, f, nat, fib, now)
 }
 
 /// Not inlined (see [`new_flow`]), and returning the verdict itself: a result returned
@@ -134,8 +135,9 @@ fn redirect_from_tc<P: Packet, I: Ip>(
     f: &Flow<I::Addr>,
     nat: &Nat<I::Addr>,
     fib: &mut FibParams,
+    now: u64,
 ) -> i32 {
-    redirect_translated::<P, I>(pkt, f, nat, fib).unwrap_or(P::PASS)
+    redirect_translated::<P, I>(pkt, f, nat, fib, now).unwrap_or(P::PASS)
 }
 
 #[inline(always)]
@@ -144,15 +146,28 @@ fn redirect_translated<P: Packet, I: Ip>(
     f: &Flow<I::Addr>,
     nat: &Nat<I::Addr>,
     fib: &mut FibParams,
+    now: u64,
 ) -> Result<i32, ()> {
     // The tuple as it will leave.
     let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
     let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
-    // On tc, no length: the kernel then checks the socket buffer against the device's MTU,
-    // segment by segment for a GSO packet, whose IP length counts all its segments and
-    // would fail the check (a client's TSO burst, dropped whole).
-    let tot_len = if P::XDP { I::tot_len(pkt) } else { 0 };
-    let ret = I::fib_lookup(pkt, fib, f.proto, sport, dport, saddr, daddr, tot_len);
+    // On tc, no length (as `route` asks): the kernel then checks the socket buffer against
+    // the device's MTU, segment by segment for a GSO packet, whose IP length counts all its
+    // segments and would fail the check (a client's TSO burst, dropped whole).
+    let ret = if P::XDP {
+        I::fib_lookup(
+            pkt,
+            fib,
+            f.proto,
+            sport,
+            dport,
+            saddr,
+            daddr,
+            I::tot_len(pkt),
+        )
+    } else {
+        route::lookup::<P, I>(pkt, fib, now, f.proto, sport, dport, saddr, daddr)
+    };
     if ret == FIB_NOT_FWDED {
         apply::<P, I>(pkt, f, nat)?;
         pkt.note_settled(true);
@@ -167,24 +182,32 @@ fn redirect_translated<P: Packet, I: Ip>(
     }
     apply::<P, I>(pkt, f, nat)?;
     if ret == crate::packet::FIB_SUCCESS {
-        pkt.store(0, &fib.dmac)?;
-        pkt.store(6, &fib.smac)?;
+        store_macs(pkt, fib)?;
     }
     pkt.note_settled(true);
     Ok(pkt.redirect(ret, fib.ifindex))
 }
 
+/// Writes the FIB's MACs into the Ethernet header: one store of both, where two would
+/// each cost a helper call.
+#[inline(always)]
+fn store_macs<P: Packet>(pkt: &mut P, fib: &FibParams) -> Result<(), ()> {
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(&fib.dmac);
+    macs[6..].copy_from_slice(&fib.smac);
+    pkt.store(0, &macs)
+}
+
 /// A reply (backend -> client, or -> our SNAT address) of a flow we translate: what it
 /// must become, into `out` (with a `dst` when the flow was SNATed: then the reply is
-/// addressed to us and must be sent on).
+/// addressed to us and must be sent on), and the reply entry's flags.
 #[inline(always)]
-fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>) -> Option<()> {
+fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>, now: &mut u64) -> Option<u16> {
     if !filter::may_be_reply::<I>(&f.saddr, f.sport, f.proto) {
         return None;
     }
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::REPLY))?;
-    // The clock only for entries found: most packets a device sees are no flow of ours.
-    let now = kernel::now_ns();
+    let now = Work::<I::Addr>::clock(now);
     // SAFETY: a non-null lookup result is an 8-aligned CtValue that stays allocated while
     // we run (see `maps::Lookup`), and ours is the only reference into it in this program.
     // Other CPUs may update the same entry at the same time, as every BPF program sharing a
@@ -209,13 +232,41 @@ fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>) -> Option<()> {
         src: Some((e.addr, e.port)),
         dst: snat.then_some((e.snat_addr, e.snat_port)),
     };
-    Some(())
+    Some(e.flags)
 }
 
-/// Whether a reply translated by `nat` would come from one of the node's addresses.
+/// Whether a reply translated by `nat`, of a flow whose reply entry has `flags`, would come
+/// from one of the node's addresses.
 #[inline(always)]
-fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>) -> bool {
+fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>, flags: u16) -> bool {
+    if flags & nat::ct_flags::NODE_ADDRESS_KNOWN != 0 {
+        return flags & nat::ct_flags::NODE_ADDRESS != 0;
+    }
     nat.src.is_some_and(|(addr, _)| I::node_address(addr))
+}
+
+/// Which frontends the filters say a packet may be addressed to (see
+/// [`filter`]): most packets are no Service's, and the filters spare them every lookup.
+#[derive(Clone, Copy)]
+struct MayBe {
+    /// A frontend at the packet's own destination address.
+    own: bool,
+    /// A node port (then only if the destination is a node address).
+    node_port: bool,
+}
+
+impl MayBe {
+    #[inline(always)]
+    fn of<I: Ip>(f: &Flow<I::Addr>) -> Self {
+        Self {
+            own: filter::may_be_frontend::<I>(&f.daddr),
+            node_port: filter::may_be_node_port(f.dport, f.proto),
+        }
+    }
+
+    fn any(self) -> bool {
+        self.own || self.node_port
+    }
 }
 
 /// The master entry of the frontend this packet is addressed to: its own address (external
@@ -223,15 +274,14 @@ fn restores_node_address<I: Ip>(nat: &Nat<I::Addr>) -> bool {
 /// pod, first the frontends the node's own sockets see (ClusterIPs, internalTrafficPolicy),
 /// as kube-proxy's PREROUTING rules treat a pod's packets.
 #[inline(always)]
-fn frontend<I: Ip>(f: &Flow<I::Addr>, from_pod: bool) -> Option<Frontend<I::Addr>> {
+fn frontend<I: Ip>(f: &Flow<I::Addr>, from_pod: bool, may: MayBe) -> Option<Frontend<I::Addr>> {
     let at = |addr, scope| {
         I::service(addr, f.dport, f.proto, 0, scope).map(|master| Frontend {
             at: (addr, scope),
             master,
         })
     };
-    // Most packets are no Service's: the filters spare them the lookups below.
-    if filter::may_be_frontend::<I>(&f.daddr) {
+    if may.own {
         if from_pod && let Some(fe) = at(f.daddr, scope::SOCKET) {
             return Some(fe);
         }
@@ -239,7 +289,7 @@ fn frontend<I: Ip>(f: &Flow<I::Addr>, from_pod: bool) -> Option<Frontend<I::Addr
             return Some(fe);
         }
     }
-    if !filter::may_be_node_port(f.dport, f.proto) || !I::node_address(f.daddr) {
+    if !may.node_port || !I::node_address(f.daddr) {
         return None;
     }
     at(I::Addr::default(), scope::PACKET)
@@ -443,6 +493,12 @@ fn new_flow<P: Packet, I: Ip>(
             dir: nat::dir::REPLY,
             _pad: [0; 2],
         };
+        // Node ports are on node addresses; other frontends may be (an external IP).
+        let node_address = I::is_zero(&fe.0) || I::node_address(f.daddr);
+        reply.flags |= nat::ct_flags::NODE_ADDRESS_KNOWN;
+        if node_address {
+            reply.flags |= nat::ct_flags::NODE_ADDRESS;
+        }
         // By reference: the entry stays in the scratch map instead of a stack copy.
         let reply: &CtValue<I::Addr> = reply;
         filter::note_reply::<I>(&b.addr, b.port, f.proto);
@@ -472,36 +528,24 @@ fn new_flow<P: Packet, I: Ip>(
     Ok(())
 }
 
-/// How long a known flow's packets go without its reply entry being looked up: within it,
-/// that entry can neither have expired (every timeout is far longer) nor gone to another
-/// flow, so only a flow's first packet past it refreshes both entries, and the forward
-/// entry's `last_seen_ns` says when that was.
+/// How long a known flow's packets go without its frontend and its reply entry being
+/// looked up (see [`forward_entry`]): only a flow's first packet past it refreshes both
+/// entries, and the forward entry's `last_seen_ns` says when that was.
 const REFRESH_NS: u64 = 1_000_000_000;
 
-/// The forward entry of a flow we already translate, if it still holds; refreshes both
-/// entries (at most once per [`REFRESH_NS`]). The flow starts over when its backend left
-/// the service (a UDP client of a removed backend moves on instead of sending into the
-/// void), when its reply entry expired or went to another flow (its SNAT port was reused),
-/// or when a closing TCP flow's client port opens a new connection.
+/// Whether the backend a flow's forward entry `e` chose is still in the service maps,
+/// with the address and port the flow was given.
 #[inline(always)]
-fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<()> {
-    let entry = I::ct().get_ptr_mut(f.key(nat::dir::FORWARD))?;
-    // SAFETY: as in `reply_nat`: a live, aligned CtValue of plain integers, and the only
-    // reference into it (`r` below is another key's entry: the direction differs).
-    let e = unsafe { &mut *entry };
-    match I::backend(e.backend_id) {
-        Some(b) if I::same(&b.addr, &e.addr) && b.port == e.port => {}
-        _ => return None,
-    }
-    let now = kernel::now_ns();
-    // A packet that opens, ends or follows the end of a connection always takes the full
-    // look: it changes or depends on both entries' flags.
-    let steady = !f.opening() && !f.ending() && e.flags & nat::ct_flags::CLOSING == 0;
-    if steady && now.wrapping_sub(e.last_seen_ns) < REFRESH_NS {
-        count(nat::stat::TRANSLATED);
-        *out = *e;
-        return Some(());
-    }
+fn backend_holds<I: Ip>(e: &CtValue<I::Addr>) -> bool {
+    matches!(I::backend(e.backend_id), Some(b) if I::same(&b.addr, &e.addr) && b.port == e.port)
+}
+
+/// Whether the flow with forward entry `e`, whose backend still serves, holds, looked at
+/// whole: checks and refreshes both its entries. The flow starts over when its reply entry
+/// expired or went to another flow (its SNAT port was reused), or when a closing TCP
+/// flow's client port opens a new connection.
+#[inline(always)]
+fn known_flow<I: Ip>(f: &Flow<I::Addr>, e: &mut CtValue<I::Addr>, now: u64) -> bool {
     let snat = !I::is_zero(&e.snat_addr);
     let reply_key = CtKey {
         saddr: e.addr,
@@ -512,8 +556,12 @@ fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<()
         dir: nat::dir::REPLY,
         _pad: [0; 2],
     };
-    // SAFETY: as for `e`; a REPLY key, so a different entry from `e`'s FORWARD one.
-    let r = unsafe { &mut *I::ct().get_ptr_mut(reply_key)? };
+    let Some(r) = I::ct().get_ptr_mut(reply_key) else {
+        return false;
+    };
+    // SAFETY: as in `reply_nat`: a live, aligned CtValue of plain integers; a REPLY key,
+    // so a different entry from `e`'s FORWARD one.
+    let r = unsafe { &mut *r };
     let ours = !snat || (I::same(&r.snat_addr, &f.saddr) && r.snat_port == f.sport);
     let last_seen = if e.last_seen_ns > r.last_seen_ns {
         e.last_seen_ns
@@ -524,15 +572,13 @@ fn known_flow<I: Ip>(f: &Flow<I::Addr>, out: &mut CtValue<I::Addr>) -> Option<()
         || f.expired(last_seen, r.flags, now)
         || (f.opening() && r.flags & nat::ct_flags::CLOSING != 0)
     {
-        return None;
+        return false;
     }
     e.last_seen_ns = now;
     r.last_seen_ns = now;
     e.flags = f.mark(e.flags);
     r.flags = f.mark(r.flags);
-    count(nat::stat::TRANSLATED);
-    *out = *e;
-    Some(())
+    true
 }
 
 /// Ingress on a node device (tc, or XDP ahead of it).
@@ -585,6 +631,7 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         return Ok(P::PASS);
     }
     let f = &*f;
+    w.now = 0;
     // A DSR flow's packet from its entry node, for a backend here: remember what the
     // backend's answers must come from, and deliver it.
     if !from_pod && let Some(frontend) = dsr::frontend::<P, I>(pkt) {
@@ -601,8 +648,8 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         Found::Nothing
     };
     if found != Found::Flow {
-        if reply_nat::<I>(f, &mut w.nat).is_some() {
-            return Ok(translate_reply::<P, I>(pkt, f, from_pod, w));
+        if let Some(flags) = reply_nat::<I>(f, &mut w.nat, &mut w.now) {
+            return Ok(translate_reply::<P, I>(pkt, f, from_pod, flags, w));
         }
         // No reply of ours: nor will the egress of the device it leaves by find one (the
         // same lookup), which may skip it.
@@ -614,7 +661,8 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     let fresh = match found {
         Found::Flow => false,
         Found::Frontend => {
-            if let Err(verdict) = new_flow::<P, I>(pkt, f, kernel::now_ns(), w) {
+            let now = Work::<I::Addr>::clock(&mut w.now);
+            if let Err(verdict) = new_flow::<P, I>(pkt, f, now, w) {
                 return Ok(verdict);
             }
             true
@@ -647,11 +695,13 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
         return Ok(dsr_forward::<P, I>(pkt, f, &nat, option, &mut w.fib));
     }
     if snat {
-        return Ok(translate_and_redirect::<P, I>(pkt, f, &nat, &mut w.fib));
+        return Ok(translate_and_redirect::<P, I>(
+            pkt, f, &nat, &mut w.fib, w.now,
+        ));
     }
     // A local backend: the stack delivers it to the pod as it would any forwarded packet,
     // or, with host routing on, we do.
-    Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib))
+    Ok(to_local_pod::<P, I>(pkt, f, &nat, &mut w.fib, w.now))
 }
 
 /// What [`forward_entry`] found for a packet.
@@ -676,19 +726,60 @@ fn likely_forward<I: Ip>(f: &Flow<I::Addr>) -> bool {
     u16::from_be(f.dport) < u16::from_be(f.sport)
 }
 
-/// The frontend the packet is addressed to (into `w.frontend`) and its flow to it, if
-/// known (into `w.forward`). Not inlined: it has two callers, and its temporaries get a
-/// frame of their own.
+/// The flow the packet belongs to, if known (into `w.forward`), and otherwise the frontend
+/// it is addressed to (into `w.frontend`).
+///
+/// A flow starts over when its backend left the service (a UDP client of a removed backend
+/// moves on instead of sending into the void). Within [`REFRESH_NS`] of the flow's last
+/// full look, a packet that does not open a connection is not looked up in the service
+/// maps (a removed Service's flows end within that second), and one that does not end it
+/// either skips the reply entry too: that entry can neither have expired (every timeout is
+/// far longer) nor gone to another flow. Not inlined: it has two callers, and its
+/// temporaries get a frame of their own.
 #[inline(never)]
 fn forward_entry<P: Packet, I: Ip>(
     f: &Flow<I::Addr>,
     from_pod: bool,
     w: &mut Work<I::Addr>,
 ) -> Found {
-    let Some(fe) = frontend::<I>(f, from_pod) else {
+    let may = MayBe::of::<I>(f);
+    if !may.any() {
+        return Found::Nothing;
+    }
+    let entry = I::ct().get_ptr_mut(f.key(nat::dir::FORWARD));
+    let now = if entry.is_some() {
+        Work::<I::Addr>::clock(&mut w.now)
+    } else {
+        0
+    };
+    // Whether the entry may still be the flow's, as far as looked at.
+    let mut holds = entry.is_some();
+    if let Some(entry) = entry {
+        // SAFETY: as in `reply_nat`: a live, aligned CtValue of plain integers, and the
+        // only reference into it in this program.
+        let e = unsafe { &mut *entry };
+        // A connection opening on the port of one that ended is a new flow: its reply
+        // entry, marked closing with this one, need not be looked at.
+        let reopened = f.opening() && e.flags & nat::ct_flags::CLOSING != 0;
+        if reopened || !backend_holds::<I>(e) {
+            holds = false;
+        } else if !f.opening() && now.wrapping_sub(e.last_seen_ns) < REFRESH_NS {
+            // DSR grows the packet, which XDP cannot: tc takes such flows whole.
+            if P::XDP && e.flags & nat::ct_flags::DSR != 0 {
+                return Found::Pass;
+            }
+            let quiet = !f.ending() && e.flags & nat::ct_flags::CLOSING == 0;
+            if quiet || known_flow::<I>(f, e, now) {
+                count(nat::stat::TRANSLATED);
+                w.forward = *e;
+                return Found::Flow;
+            }
+            holds = false;
+        }
+    }
+    let Some(fe) = frontend::<I>(f, from_pod, may) else {
         return Found::Nothing;
     };
-    // DSR grows the packet, which XDP cannot: tc takes such frontends' flows whole.
     if P::XDP && fe.master.flags & flags::DSR != 0 {
         return Found::Pass;
     }
@@ -697,26 +788,34 @@ fn forward_entry<P: Packet, I: Ip>(
         // A pod's traffic to a node port or external IP keeps the plain path.
         w.frontend.master.flags &= !flags::DSR;
     }
-    if known_flow::<I>(f, &mut w.forward).is_some() {
-        Found::Flow
-    } else {
-        Found::Frontend
+    if let Some(entry) = entry
+        && holds
+    {
+        // SAFETY: as above; the reference above has ended.
+        let e = unsafe { &mut *entry };
+        if known_flow::<I>(f, e, now) {
+            count(nat::stat::TRANSLATED);
+            w.forward = *e;
+            return Found::Flow;
+        }
     }
+    Found::Frontend
 }
 
-/// A reply of a flow we translate (`w.nat`, see [`reply_nat`]), turned back into what its
-/// client expects.
+/// A reply of a flow we translate (`w.nat` and its entry's `flags`, see [`reply_nat`]),
+/// turned back into what its client expects.
 #[inline(always)]
 fn translate_reply<P: Packet, I: Ip>(
     pkt: &mut P,
     f: &Flow<I::Addr>,
     from_pod: bool,
+    flags: u16,
     w: &mut Work<I::Addr>,
 ) -> i32 {
-    let (nat, fib) = (&w.nat, &mut w.fib);
+    let (nat, fib, now) = (&w.nat, &mut w.fib, w.now);
     // An SNATed flow's reply is addressed to us, and goes on to the client.
     let snat = nat.dst.is_some();
-    if from_pod && !snat && restores_node_address::<I>(nat) {
+    if from_pod && !snat && restores_node_address::<I>(nat, flags) {
         // A local backend's reply to a node port (or to any frontend on a node address):
         // from the node's own address, the stack routing it from here would drop it as a
         // martian. With host routing it goes out of the device the FIB names, past the
@@ -727,14 +826,14 @@ fn translate_reply<P: Packet, I: Ip>(
             return P::PASS;
         }
         count(nat::stat::TRANSLATED);
-        return translate_and_redirect::<P, I>(pkt, f, nat, fib);
+        return translate_and_redirect::<P, I>(pkt, f, nat, fib, now);
     }
     count(nat::stat::TRANSLATED);
     if snat {
-        return translate_and_redirect::<P, I>(pkt, f, nat, fib);
+        return translate_and_redirect::<P, I>(pkt, f, nat, fib, now);
     }
     if from_pod {
-        return to_local_pod::<P, I>(pkt, f, nat, fib);
+        return to_local_pod::<P, I>(pkt, f, nat, fib, now);
     }
     if apply::<P, I>(pkt, f, nat).is_err() {
         return P::PASS;
@@ -761,6 +860,7 @@ fn to_local_pod<P: Packet, I: Ip>(
     f: &Flow<I::Addr>,
     nat: &Nat<I::Addr>,
     fib: &mut FibParams,
+    now: u64,
 ) -> i32 {
     if apply::<P, I>(pkt, f, nat).is_err() {
         return P::PASS;
@@ -771,11 +871,11 @@ fn to_local_pod<P: Packet, I: Ip>(
     }
     let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
     let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
-    let ret = I::fib_lookup(pkt, fib, f.proto, sport, dport, saddr, daddr, 0);
-    if ret != crate::packet::FIB_SUCCESS || POD_DEVICES.lookup(fib.ifindex).is_none() {
+    let (ret, pod) = route::lookup_pod::<P, I>(pkt, fib, now, f.proto, sport, dport, saddr, daddr);
+    if ret != crate::packet::FIB_SUCCESS || !pod {
         return P::PASS;
     }
-    if pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err() {
+    if store_macs(pkt, fib).is_err() {
         return P::PASS;
     }
     pkt.redirect_peer(fib.ifindex)
@@ -795,7 +895,7 @@ fn dsr_forward<P: Packet, I: Ip>(
     let Some((daddr, dport)) = nat.dst else {
         return P::PASS;
     };
-    let ret = I::fib_lookup(pkt, fib, f.proto, f.sport, dport, f.saddr, daddr, 0);
+    let ret = route::lookup::<P, I>(pkt, fib, 0, f.proto, f.sport, dport, f.saddr, daddr);
     if !P::can_redirect(ret) {
         count(nat::stat::DROP_NAT);
         return P::DROP;
@@ -810,9 +910,7 @@ fn dsr_forward<P: Packet, I: Ip>(
         let _ = dsr::push::<P, I>(pkt, f.daddr, f.dport);
     }
     pkt.note_settled(true);
-    if ret == crate::packet::FIB_SUCCESS
-        && (pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err())
-    {
+    if ret == crate::packet::FIB_SUCCESS && store_macs(pkt, fib).is_err() {
         return P::DROP;
     }
     pkt.redirect(ret, fib.ifindex)
@@ -868,7 +966,8 @@ fn egress_ip<P: Packet, I: Ip>(pkt: &mut P) -> Result<i32, ()> {
     };
     if parse::<P, I>(pkt, &mut s.flow).is_some() {
         let f = &s.flow;
-        if reply_nat::<I>(f, &mut s.work.nat).is_some() {
+        s.work.now = 0;
+        if reply_nat::<I>(f, &mut s.work.nat, &mut s.work.now).is_some() {
             count(nat::stat::TRANSLATED);
             apply::<P, I>(pkt, f, &s.work.nat)?;
         }

@@ -18,7 +18,8 @@
 //! latencies, and the rounds' spread, and writes the table to target/bench/nodeport.md.
 //! Bounded: FASTPATH_BENCH_ROUNDS rounds (default 5) of FASTPATH_BENCH_CONNS connections
 //! (default 2000) and as many UDP requests; FASTPATH_BENCH_NODEPORT_SIZES (default "1,10000");
-//! addresses in 198.18.0.0/15 only. Pinned to one CPU as the data-path bench is
+//! FASTPATH_BENCH_NODEPORT_PATHS (default all: "tc,xdp,iptables,direct,hostrouting") runs
+//! only the paths named, for profiling one; addresses in 198.18.0.0/15 only. Pinned to one CPU as the data-path bench is
 //! (FASTPATH_BENCH_CPU; see support/conditions.rs).
 
 use std::{fmt::Write as _, path::Path, time::Duration};
@@ -231,6 +232,24 @@ const PATHS: [&str; 5] = [
     "tc, host routing (redirect_peer)",
 ];
 
+/// Short names of [`PATHS`], for FASTPATH_BENCH_NODEPORT_PATHS.
+const PATH_KEYS: [&str; 5] = ["tc", "xdp", "iptables", "direct", "hostrouting"];
+
+/// Which of [`PATHS`] to run: all unless FASTPATH_BENCH_NODEPORT_PATHS names some.
+fn selected_paths() -> Result<Vec<bool>> {
+    let Ok(list) = std::env::var("FASTPATH_BENCH_NODEPORT_PATHS") else {
+        return Ok(vec![true; PATHS.len()]);
+    };
+    let mut on = vec![false; PATHS.len()];
+    for key in list.split(',').map(str::trim).filter(|k| !k.is_empty()) {
+        let i = PATH_KEYS.iter().position(|k| *k == key).with_context(|| {
+            format!("FASTPATH_BENCH_NODEPORT_PATHS: no path {key:?}; the paths are {PATH_KEYS:?}")
+        })?;
+        on[i] = true;
+    }
+    Ok(on)
+}
+
 /// The index of "direct to pod IP" in [`PATHS`].
 const DIRECT: usize = 3;
 /// The index of "tc, host routing" in [`PATHS`].
@@ -247,6 +266,7 @@ fn main() -> Result<()> {
         .filter_map(|s| s.trim().parse().ok())
         .filter(|&n| (1..=60_000).contains(&n))
         .collect();
+    let selected = selected_paths()?;
     let max_load = conditions::max_load();
     // Before the pods' servers start, so they are pinned too.
     let cpu = conditions::pin_to_one_cpu();
@@ -298,6 +318,9 @@ fn main() -> Result<()> {
         for round in 0..rounds {
             for k in 0..PATHS.len() {
                 let which = (round + k) % PATHS.len();
+                if !selected[which] {
+                    continue;
+                }
                 let (client, bare, tcp_to, udp_to) = match which {
                     // iptables' baseline is the clean bed's: a direct connection on the
                     // iptables node would cross its rules too.
@@ -392,12 +415,15 @@ fn main() -> Result<()> {
             ));
         }
         for (which, pair) in series.iter_mut().enumerate() {
+            if !selected[which] {
+                continue;
+            }
             for (w, (s, workload)) in pair
                 .iter_mut()
                 .zip(["TCP connections", "UDP requests"])
                 .enumerate()
             {
-                let vs = (which != DIRECT).then_some(direct[w]);
+                let vs = (which != DIRECT && selected[DIRECT]).then_some(direct[w]);
                 writeln!(table, "{}", s.row(PATHS[which], workload, n, vs))?;
             }
         }

@@ -116,6 +116,8 @@ pub struct Testbed {
     /// Namespaces we (tried to) create, node first.
     namespaces: Vec<String>,
     pods: Vec<Pod>,
+    /// Pod veths ever made in the node namespace: a removed pod's name is not reused.
+    pod_veths: usize,
     peers: Vec<Peer>,
     children: Vec<Managed>,
     closed: bool,
@@ -150,6 +152,7 @@ impl Testbed {
             id,
             namespaces: Vec::new(),
             pods: Vec::new(),
+            pod_veths: 0,
             peers: Vec::new(),
             children: Vec::new(),
             closed: false,
@@ -218,8 +221,9 @@ impl Testbed {
             netns: format!("{}-p-{name}", self.id),
             ipv4,
             ipv6,
-            node_veth: format!("fpv{}", self.pods.len()),
+            node_veth: format!("fpv{}", self.pod_veths),
         };
+        self.pod_veths += 1;
         self.add_netns(&pod.netns)?;
         let mut pairs = vec![(IpAddr::V4(NODE_IPV4), IpAddr::V4(ipv4))];
         pairs.extend(ipv6.map(|v6| (IpAddr::V6(NODE_IPV6), IpAddr::V6(v6))));
@@ -227,6 +231,21 @@ impl Testbed {
             .with_context(|| format!("wiring pod {name}"))?;
         self.pods.push(pod.clone());
         Ok(pod)
+    }
+
+    /// Removes pod `name` of this node as its runtime would: its device goes with its
+    /// route, and its namespace. Its address is free for [`Testbed::add_pod`] again, on a
+    /// device of another name. Processes serving in it stay until the bed closes, cut off.
+    pub fn remove_pod(&mut self, name: &str) -> Result<()> {
+        let at = self
+            .pods
+            .iter()
+            .position(|p| p.name == name)
+            .with_context(|| format!("no pod {name} on this node"))?;
+        let pod = self.pods.remove(at);
+        ip(["-n", &self.node_netns, "link", "del", &pod.node_veth])?;
+        self.namespaces.retain(|n| *n != pod.netns);
+        netns::delete(&pod.netns)
     }
 
     /// Adds a second node: namespace `<id>-n-<name>` (forwarding on) at `ipv4` (in

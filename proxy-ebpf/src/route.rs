@@ -1,0 +1,153 @@
+//! The FIB's answers for the flows the packet path sends on itself, remembered per CPU.
+//!
+//! Host routing and SNAT send each packet out of the device the FIB names, with the MACs it
+//! names. A lookup (the routing table, then the neighbour table) is the largest single cost
+//! of such a packet, and every packet of a flow asks the same question. So each CPU keeps
+//! the answers of its recent flows, one per slot of a direct-mapped table: keyed by
+//! everything the lookup is given (the tuple the packet leaves with and the device it came
+//! in by), so a hit is the answer the FIB would give, as of at most [`TTL_NS`] ago. A route,
+//! a neighbour's address or a pod's device that changes is followed within that time;
+//! until then a packet may be sent where the flow's packets went a moment before. Only
+//! full answers (FIB_SUCCESS) are kept: the others have the stack or the kernel's
+//! neighbour code finish the job, and are rare.
+//!
+//! Per CPU, so that no other CPU can rewrite a slot while a program reads it: programs on
+//! one CPU run one at a time.
+
+use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
+use proxy_common::filter::{finish, mix};
+
+use crate::{
+    flow::{ROUTE_SLOTS, Route},
+    ip::Ip,
+    kernel,
+    maps::{Lookup, POD_DEVICES},
+    packet::{FIB_SUCCESS, Packet},
+};
+
+/// How long an answer is used before the FIB is asked again.
+const TTL_NS: u64 = 1_000_000_000;
+
+/// What a slot knows of whether its device is one of the pods': only asked for where a
+/// packet may go into a pod's namespace ([`lookup_pod`]).
+const POD_UNKNOWN: u8 = 0;
+const POD_NO: u8 = 1;
+const POD_YES: u8 = 2;
+
+/// The FIB's answer for a packet leaving as `saddr`:`sport` -> `daddr`:`dport`: as
+/// [`Ip::fib_lookup`] (on tc, without the MTU check), remembered or fresh, with `p`'s
+/// device and MACs filled in on success. `now` is the packet's clock if read (see
+/// `Work::clock`), else 0.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn lookup<P: Packet, I: Ip>(
+    pkt: &P,
+    p: &mut FibParams,
+    now: u64,
+    proto: u8,
+    sport: u16,
+    dport: u16,
+    saddr: I::Addr,
+    daddr: I::Addr,
+) -> i64 {
+    answer::<P, I>(pkt, p, now, proto, sport, dport, saddr, daddr, false).0
+}
+
+/// As [`lookup`], and whether the device is one of the pods' (in the pods' device map).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn lookup_pod<P: Packet, I: Ip>(
+    pkt: &P,
+    p: &mut FibParams,
+    now: u64,
+    proto: u8,
+    sport: u16,
+    dport: u16,
+    saddr: I::Addr,
+    daddr: I::Addr,
+) -> (i64, bool) {
+    answer::<P, I>(pkt, p, now, proto, sport, dport, saddr, daddr, true)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn answer<P: Packet, I: Ip>(
+    pkt: &P,
+    p: &mut FibParams,
+    now: u64,
+    proto: u8,
+    sport: u16,
+    dport: u16,
+    saddr: I::Addr,
+    daddr: I::Addr,
+    want_pod: bool,
+) -> (i64, bool) {
+    let in_ifindex = pkt.ifindex();
+    let mut h = mix(in_ifindex, u32::from(sport) | (u32::from(dport) << 16));
+    h = mix(h, u32::from(proto));
+    for i in 0..I::WORDS {
+        h = mix(mix(h, I::word(&saddr, i)), I::word(&daddr, i));
+    }
+    let slot = I::routes().get_ptr_mut(finish(h) & (ROUTE_SLOTS - 1));
+    let now = if now == 0 { kernel::now_ns() } else { now };
+    if let Some(slot) = slot {
+        // SAFETY: a non-null pointer from the per-CPU array is this CPU's element of the
+        // map's value type, alive as long as the map; only programs on this CPU touch it,
+        // one at a time, and this is the only reference into it.
+        let r = unsafe { &mut *slot };
+        if now < r.expires_ns
+            && r.in_ifindex == in_ifindex
+            && r.sport == sport
+            && r.dport == dport
+            && r.proto == proto
+            && I::same(&r.saddr, &saddr)
+            && I::same(&r.daddr, &daddr)
+        {
+            p.ifindex = r.out_ifindex;
+            p.smac = r.smac;
+            p.dmac = r.dmac;
+            if want_pod && r.pod == POD_UNKNOWN {
+                r.pod = pod_device(r.out_ifindex);
+            }
+            return (FIB_SUCCESS, r.pod == POD_YES);
+        }
+    }
+    let ret = I::fib_lookup(pkt, p, proto, sport, dport, saddr, daddr, 0);
+    if ret != FIB_SUCCESS {
+        return (ret, false);
+    }
+    let pod = if want_pod {
+        pod_device(p.ifindex)
+    } else {
+        POD_UNKNOWN
+    };
+    if let Some(slot) = slot {
+        // SAFETY: as above; the reference above has ended.
+        let r = unsafe { &mut *slot };
+        *r = Route {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            in_ifindex,
+            out_ifindex: p.ifindex,
+            proto,
+            pod,
+            _pad: [0; 2],
+            smac: p.smac,
+            dmac: p.dmac,
+            _pad2: 0,
+            expires_ns: now + TTL_NS,
+        };
+    }
+    (FIB_SUCCESS, pod == POD_YES)
+}
+
+#[inline(always)]
+fn pod_device(ifindex: u32) -> u8 {
+    if POD_DEVICES.lookup(ifindex).is_some() {
+        POD_YES
+    } else {
+        POD_NO
+    }
+}
