@@ -659,3 +659,74 @@ fn a_service_that_drops_a_port_keeps_its_others_on_the_pods_devices() {
         s.daemon.log()
     );
 }
+
+/// A deleted Service's live flow ends, even for a client that keeps sending and a backend
+/// that stays (another Service has it too), though a flow's packets skip the service maps
+/// for up to a second after its last full look (see `forward_entry` in
+/// `proxy-ebpf/src/nodeport.rs`): the frontends' filter, checked first, says at once that
+/// nothing is at the address (unless another address shares its slot: then within that
+/// second). One flow (the same source port each time) is answered up to the deletion;
+/// once the maps have no Service at its address, it is refused within 1.5 s, as a new
+/// flow is at once.
+#[test]
+fn a_deleted_services_live_udp_flow_ends_within_a_second() {
+    let s = setup("podwin", &[]);
+    // The same endpoints under a second Service keep the backends in the maps.
+    let web = std::fs::read_to_string(s._dir.0.join("web.yaml")).unwrap();
+    let web2 = web
+        .replace("name: web,", "name: web2,")
+        .replace("198.19.0.10", "198.19.0.11")
+        .replace("service-name: web}", "service-name: web2}")
+        .replace("name: web-abc", "name: web2-abc");
+    std::fs::write(s._dir.0.join("web2.yaml"), web2).unwrap();
+    let web2_once = [
+        "udp",
+        "198.19.0.11:53",
+        "--count",
+        "1",
+        "--timeout-ms",
+        "300",
+    ];
+    assert!(
+        eventually(10, || outside_cgroup(&s, &web2_once)[0].is_ok()),
+        "the second Service never answered; log:\n{}",
+        s.daemon.log()
+    );
+    let same_flow = [
+        "udp",
+        WEB_DNS,
+        "--connected",
+        "--source-port",
+        "40053",
+        "--count",
+        "1",
+        "--timeout-ms",
+        "300",
+    ];
+    for _ in 0..8 {
+        let o = outside_cgroup(&s, &same_flow);
+        assert!(
+            o[0].is_ok(),
+            "the flow is answered before the deletion: {o:?}"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    std::fs::remove_file(s._dir.0.join("web.yaml")).unwrap();
+    let new_flow = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "300"];
+    assert!(
+        eventually(10, || !outside_cgroup(&s, &new_flow)[0].is_ok()),
+        "the Service is gone from the maps but a new flow is answered; log:\n{}",
+        s.daemon.log()
+    );
+    // The flow keeps sending through its second of grace.
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(1500) {
+        outside_cgroup(&s, &same_flow);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let after: Vec<_> = (0..5).map(|_| outside_cgroup(&s, &same_flow)).collect();
+    assert!(
+        after.iter().all(|o| !o[0].is_ok()),
+        "1.5 s after its Service left the maps the flow is still answered: {after:?}"
+    );
+}
