@@ -31,7 +31,8 @@ use crate::{
     maglev,
     maps::{AFFINITY, Lookup, SOCK_CONFIG, count},
     packet::{FIB_NOT_FWDED, Packet},
-    refuse, route,
+    refuse,
+    route::{self, Leaving},
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -148,25 +149,17 @@ fn redirect_translated<P: Packet, I: Ip>(
     fib: &mut FibParams,
     now: u64,
 ) -> Result<i32, ()> {
-    // The tuple as it will leave.
-    let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
-    let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
+    let to = leaving::<I>(f, nat);
     // On tc, no length (as `route` asks): the kernel then checks the socket buffer against
     // the device's MTU, segment by segment for a GSO packet, whose IP length counts all its
     // segments and would fail the check (a client's TSO burst, dropped whole).
     let ret = if P::XDP {
+        let tot_len = I::tot_len(pkt);
         I::fib_lookup(
-            pkt,
-            fib,
-            f.proto,
-            sport,
-            dport,
-            saddr,
-            daddr,
-            I::tot_len(pkt),
+            pkt, fib, f.proto, to.sport, to.dport, to.saddr, to.daddr, tot_len,
         )
     } else {
-        route::lookup::<P, I>(pkt, fib, now, f.proto, sport, dport, saddr, daddr)
+        route::lookup::<P, I>(pkt, fib, now, &to, false).0
     };
     if ret == FIB_NOT_FWDED {
         apply::<P, I>(pkt, f, nat)?;
@@ -186,6 +179,20 @@ fn redirect_translated<P: Packet, I: Ip>(
     }
     pkt.note_settled(true);
     Ok(pkt.redirect(ret, fib.ifindex))
+}
+
+/// The tuple a packet of `f` leaves with once `nat` is applied.
+#[inline(always)]
+fn leaving<I: Ip>(f: &Flow<I::Addr>, nat: &Nat<I::Addr>) -> Leaving<I::Addr> {
+    let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
+    let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
+    Leaving {
+        saddr,
+        daddr,
+        sport,
+        dport,
+        proto: f.proto,
+    }
 }
 
 /// Writes the FIB's MACs into the Ethernet header: one store of both, where two would
@@ -869,9 +876,7 @@ fn to_local_pod<P: Packet, I: Ip>(
     if P::XDP || !host_routing() {
         return P::PASS;
     }
-    let (daddr, dport) = nat.dst.unwrap_or((f.daddr, f.dport));
-    let (saddr, sport) = nat.src.unwrap_or((f.saddr, f.sport));
-    let (ret, pod) = route::lookup_pod::<P, I>(pkt, fib, now, f.proto, sport, dport, saddr, daddr);
+    let (ret, pod) = route::lookup::<P, I>(pkt, fib, now, &leaving::<I>(f, nat), true);
     if ret != crate::packet::FIB_SUCCESS || !pod {
         return P::PASS;
     }
@@ -892,10 +897,10 @@ fn dsr_forward<P: Packet, I: Ip>(
     option: bool,
     fib: &mut FibParams,
 ) -> i32 {
-    let Some((daddr, dport)) = nat.dst else {
+    if nat.dst.is_none() {
         return P::PASS;
-    };
-    let ret = route::lookup::<P, I>(pkt, fib, 0, f.proto, f.sport, dport, f.saddr, daddr);
+    }
+    let (ret, _) = route::lookup::<P, I>(pkt, fib, 0, &leaving::<I>(f, nat), false);
     if !P::can_redirect(ret) {
         count(nat::stat::DROP_NAT);
         return P::DROP;

@@ -29,64 +29,40 @@ use crate::{
 const TTL_NS: u64 = 1_000_000_000;
 
 /// What a slot knows of whether its device is one of the pods': only asked for where a
-/// packet may go into a pod's namespace ([`lookup_pod`]).
+/// packet may go into a pod's namespace.
 const POD_UNKNOWN: u8 = 0;
 const POD_NO: u8 = 1;
 const POD_YES: u8 = 2;
 
-/// The FIB's answer for a packet leaving as `saddr`:`sport` -> `daddr`:`dport`: as
-/// [`Ip::fib_lookup`] (on tc, without the MTU check), remembered or fresh, with `p`'s
-/// device and MACs filled in on success. `now` is the packet's clock if read (see
-/// `Work::clock`), else 0.
+/// The tuple a packet leaves with: what the FIB is asked about.
+pub struct Leaving<A> {
+    pub saddr: A,
+    pub daddr: A,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+}
+
+/// The FIB's answer for a packet leaving as `to`: as [`Ip::fib_lookup`] (on tc, without
+/// the MTU check), remembered or fresh, with `p`'s device and MACs filled in on success;
+/// and, with `want_pod`, whether that device is one of the pods' (in the pods' device
+/// map). `now` is the packet's clock if read (see `Work::clock`), else 0.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub fn lookup<P: Packet, I: Ip>(
     pkt: &P,
     p: &mut FibParams,
     now: u64,
-    proto: u8,
-    sport: u16,
-    dport: u16,
-    saddr: I::Addr,
-    daddr: I::Addr,
-) -> i64 {
-    answer::<P, I>(pkt, p, now, proto, sport, dport, saddr, daddr, false).0
-}
-
-/// As [`lookup`], and whether the device is one of the pods' (in the pods' device map).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub fn lookup_pod<P: Packet, I: Ip>(
-    pkt: &P,
-    p: &mut FibParams,
-    now: u64,
-    proto: u8,
-    sport: u16,
-    dport: u16,
-    saddr: I::Addr,
-    daddr: I::Addr,
-) -> (i64, bool) {
-    answer::<P, I>(pkt, p, now, proto, sport, dport, saddr, daddr, true)
-}
-
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn answer<P: Packet, I: Ip>(
-    pkt: &P,
-    p: &mut FibParams,
-    now: u64,
-    proto: u8,
-    sport: u16,
-    dport: u16,
-    saddr: I::Addr,
-    daddr: I::Addr,
+    to: &Leaving<I::Addr>,
     want_pod: bool,
 ) -> (i64, bool) {
     let in_ifindex = pkt.ifindex();
-    let mut h = mix(in_ifindex, u32::from(sport) | (u32::from(dport) << 16));
-    h = mix(h, u32::from(proto));
+    let mut h = mix(
+        in_ifindex,
+        u32::from(to.sport) | (u32::from(to.dport) << 16),
+    );
+    h = mix(h, u32::from(to.proto));
     for i in 0..I::WORDS {
-        h = mix(mix(h, I::word(&saddr, i)), I::word(&daddr, i));
+        h = mix(mix(h, I::word(&to.saddr, i)), I::word(&to.daddr, i));
     }
     let slot = I::routes().get_ptr_mut(finish(h) & (ROUTE_SLOTS - 1));
     let now = if now == 0 { kernel::now_ns() } else { now };
@@ -97,11 +73,11 @@ fn answer<P: Packet, I: Ip>(
         let r = unsafe { &mut *slot };
         if now < r.expires_ns
             && r.in_ifindex == in_ifindex
-            && r.sport == sport
-            && r.dport == dport
-            && r.proto == proto
-            && I::same(&r.saddr, &saddr)
-            && I::same(&r.daddr, &daddr)
+            && r.sport == to.sport
+            && r.dport == to.dport
+            && r.proto == to.proto
+            && I::same(&r.saddr, &to.saddr)
+            && I::same(&r.daddr, &to.daddr)
         {
             p.ifindex = r.out_ifindex;
             p.smac = r.smac;
@@ -112,7 +88,7 @@ fn answer<P: Packet, I: Ip>(
             return (FIB_SUCCESS, r.pod == POD_YES);
         }
     }
-    let ret = I::fib_lookup(pkt, p, proto, sport, dport, saddr, daddr, 0);
+    let ret = I::fib_lookup(pkt, p, to.proto, to.sport, to.dport, to.saddr, to.daddr, 0);
     if ret != FIB_SUCCESS {
         return (ret, false);
     }
@@ -125,13 +101,13 @@ fn answer<P: Packet, I: Ip>(
         // SAFETY: as above; the reference above has ended.
         let r = unsafe { &mut *slot };
         *r = Route {
-            saddr,
-            daddr,
-            sport,
-            dport,
+            saddr: to.saddr,
+            daddr: to.daddr,
+            sport: to.sport,
+            dport: to.dport,
             in_ifindex,
             out_ifindex: p.ifindex,
-            proto,
+            proto: to.proto,
             pod,
             _pad: [0; 2],
             smac: p.smac,
