@@ -482,6 +482,33 @@ impl Drop for Daemon {
     }
 }
 
+/// The daemon in eBPF mode on the bed's node namespace, with the pod path on the devices
+/// named in `pod_devices` (comma-separated prefixes), the node-port programs on `ext`'s
+/// device, the Services of the manifests in `dir`, and `extra` flags.
+pub fn node_port_daemon(
+    bed: &Testbed,
+    pod_devices: &str,
+    ext: &Pod,
+    dir: &Path,
+    extra: &[&str],
+) -> Daemon {
+    let args = [
+        "--proxy-mode",
+        "ebpf",
+        "--netns",
+        bed.node_netns(),
+        "--pod-interface-name-prefix",
+        pod_devices,
+        "--nodeport-devices",
+        &ext.node_veth,
+        "--manifests",
+        dir.to_str().unwrap(),
+        "--manifest-poll-period",
+        "100ms",
+    ];
+    Daemon::start(bed.cgroup_path(), &[&args[..], extra].concat())
+}
+
 /// Polls `check` every 100 ms for up to `secs`; the last result is returned.
 pub fn eventually(secs: u64, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + Duration::from_secs(secs);

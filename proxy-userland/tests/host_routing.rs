@@ -41,24 +41,7 @@ fn a_flow_follows_its_backends_address_to_a_new_device() {
     std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
     // The replacement's device will be the bed's next: fpv2 (ext has fpv1).
     let pod_devices = format!("{},fpv2", old.node_veth);
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--proxy-mode",
-            "ebpf",
-            "--netns",
-            bed.node_netns(),
-            "--pod-interface-name-prefix",
-            &pod_devices,
-            "--nodeport-devices",
-            &ext.node_veth,
-            "--bpf-host-routing",
-            "--manifests",
-            dir.0.to_str().unwrap(),
-            "--manifest-poll-period",
-            "100ms",
-        ],
-    );
+    let daemon = node_port_daemon(&bed, &pod_devices, &ext, &dir.0, &["--bpf-host-routing"]);
     let target = format!("{}:30053", bed.node_ipv4());
     let udp = |args: &[&str]| {
         let mut cmd = std::process::Command::new(probe());

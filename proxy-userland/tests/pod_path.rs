@@ -387,27 +387,7 @@ fn node_ports_reach_local_pods(tag: &str, host_routing: bool) {
     if host_routing {
         extra.push("--bpf-host-routing");
     }
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            &[
-                "--proxy-mode",
-                "ebpf",
-                "--netns",
-                bed.node_netns(),
-                "--pod-interface-name-prefix",
-                &pod_devices,
-                "--nodeport-devices",
-                &ext.node_veth,
-                "--manifests",
-                dir.0.to_str().unwrap(),
-                "--manifest-poll-period",
-                "100ms",
-            ][..],
-            &extra,
-        ]
-        .concat(),
-    );
+    let daemon = node_port_daemon(&bed, &pod_devices, &ext, &dir.0, &extra);
     let node = bed.node_ipv4();
     let probe = |args: &[&str]| {
         let out = std::process::Command::new(probe())
