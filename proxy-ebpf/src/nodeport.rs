@@ -739,8 +739,9 @@ fn likely_forward<I: Ip>(f: &Flow<I::Addr>) -> bool {
 /// A flow starts over when its backend left the service (a UDP client of a removed backend
 /// moves on instead of sending into the void). Within [`REFRESH_NS`] of the flow's last
 /// full look, a packet that does not open a connection is not looked up in the service
-/// maps (a removed Service's flows end within that second), and one that does not end it
-/// either skips the reply entry too: that entry can neither have expired (every timeout is
+/// maps (a removed Service's flows still end at once, as the filters checked first clear
+/// its slot; where another address shares the slot, within that second), and one that
+/// does not end it either skips the reply entry too: that entry can neither have expired (every timeout is
 /// far longer) nor gone to another flow. Not inlined: it has two callers, and its
 /// temporaries get a frame of their own.
 #[inline(never)]
