@@ -85,20 +85,18 @@ pub(crate) struct Work<A> {
     pub(crate) fib: FibParams,
     pub(crate) reply: CtValue<A>,
     pub(crate) forward: CtValue<A>,
-    /// bpf_ktime_get_ns() for this packet once read, 0 before (see [`Work::clock`]).
+    /// bpf_ktime_get_ns() for this packet once read, 0 before (see [`clock`]).
     pub(crate) now: u64,
 }
 
-impl<A> Work<A> {
-    /// The time of this packet's work, read once: only for packets that turn out to be
-    /// ours (most packets a device sees are not).
-    #[inline(always)]
-    pub(crate) fn clock(now: &mut u64) -> u64 {
-        if *now == 0 {
-            *now = crate::kernel::now_ns();
-        }
-        *now
+/// The time of a packet's work (`Work::now`), read once, and only for packets that turn
+/// out to be ours (most packets a device sees are not).
+#[inline(always)]
+pub(crate) fn clock(now: &mut u64) -> u64 {
+    if *now == 0 {
+        *now = crate::kernel::now_ns();
     }
+    *now
 }
 
 /// What to turn a packet into: a new destination, and maybe a new source.

@@ -23,7 +23,7 @@ use proxy_common::{
 
 use crate::{
     dsr, filter,
-    flow::{Flow, Frontend, FrontendAt, Nat, Scratch, Work},
+    flow::{self, Flow, Frontend, FrontendAt, Nat, Scratch, Work},
     icmp,
     ip::{Backend, Ip, V4, V6, scratch},
     kernel,
@@ -214,7 +214,7 @@ fn reply_nat<I: Ip>(f: &Flow<I::Addr>, out: &mut Nat<I::Addr>, now: &mut u64) ->
         return None;
     }
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::REPLY))?;
-    let now = Work::<I::Addr>::clock(now);
+    let now = flow::clock(now);
     // SAFETY: a non-null lookup result is an 8-aligned CtValue that stays allocated while
     // we run (see `maps::Lookup`), and ours is the only reference into it in this program.
     // Other CPUs may update the same entry at the same time, as every BPF program sharing a
@@ -668,7 +668,7 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     let fresh = match found {
         Found::Flow => false,
         Found::Frontend => {
-            let now = Work::<I::Addr>::clock(&mut w.now);
+            let now = flow::clock(&mut w.now);
             if let Err(verdict) = new_flow::<P, I>(pkt, f, now, w) {
                 return Ok(verdict);
             }
@@ -756,7 +756,7 @@ fn forward_entry<P: Packet, I: Ip>(
     }
     let entry = I::ct().get_ptr_mut(f.key(nat::dir::FORWARD));
     let now = if entry.is_some() {
-        Work::<I::Addr>::clock(&mut w.now)
+        flow::clock(&mut w.now)
     } else {
         0
     };

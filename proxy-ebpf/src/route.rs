@@ -48,7 +48,7 @@ pub struct Leaving<A> {
 /// The FIB's answer for a packet leaving as `to`: as [`Ip::fib_lookup`] (on tc, without
 /// the MTU check), remembered or fresh, with `p`'s device and MACs filled in on success;
 /// and, with `want_pod`, whether that device is one of the pods' (in the pods' device
-/// map). `now` is the packet's clock if read (see `Work::clock`), else 0.
+/// map). `now` is the packet's clock if read (see `flow::clock`), else 0.
 #[inline(always)]
 pub fn lookup<P: Packet, I: Ip>(
     pkt: &P,
