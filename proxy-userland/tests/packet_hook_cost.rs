@@ -53,7 +53,9 @@ fn measure(client: &xtask::testbed::Pod, target: &str, count: usize) -> Cost {
     let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
     assert!(
         outcomes.len() == count && outcomes.iter().all(|o| o.is_ok()),
-        "every connection succeeds: {:?}",
+        "every connection to {target} succeeds: {:?} of {} failed, the first: {:?}",
+        outcomes.iter().filter(|o| !o.is_ok()).count(),
+        outcomes.len(),
         outcomes.iter().find(|o| !o.is_ok())
     );
     let (ns1, cnt1) = prog_stats(SCHED_CLS);
