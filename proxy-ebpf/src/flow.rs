@@ -39,7 +39,7 @@ impl<A: Copy> Flow<A> {
 
     /// Whether an entry last seen at `last_seen` with `flags` is past its time.
     pub(crate) fn expired(&self, last_seen: u64, flags: u16, now: u64) -> bool {
-        now.wrapping_sub(last_seen) > nat::ct_timeout_ns(self.proto, flags)
+        crate::kernel::age(now, last_seen) > nat::ct_timeout_ns(self.proto, flags)
     }
 
     /// A FIN or RST: the connection is ending.

@@ -14,6 +14,15 @@ pub fn now_ns() -> u64 {
     unsafe { bpf_ktime_get_ns() }
 }
 
+/// How long before `now` a map entry was stamped `then`: 0 for a stamp after `now`, which
+/// another CPU writes when its packet of the same flow read its clock after this one did.
+/// A wrapping difference made such an entry look ~584 years old: expired, so a live
+/// flow's next packet started it over as a new flow and lost its state.
+#[inline(always)]
+pub fn age(now: u64, then: u64) -> u64 {
+    now.saturating_sub(then)
+}
+
 #[inline(always)]
 pub fn random_u32() -> u32 {
     // SAFETY: takes no arguments and touches no memory of ours.

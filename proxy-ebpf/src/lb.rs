@@ -174,7 +174,7 @@ fn affine_backend<F: Family>(
     let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
     if let Some(prev) = AFFINITY.lookup(key) {
         let (id, last) = (prev.backend_id, prev.last_used_ns);
-        if now.wrapping_sub(last) <= timeout_ns
+        if kernel::age(now, last) <= timeout_ns
             && serves(id, master.rev_nat_index)
             && let Some(backend) = backend::<F>(id)
         {

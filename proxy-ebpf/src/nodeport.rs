@@ -348,7 +348,7 @@ fn choose_backend<I: Ip>(
     let timeout_ns = u64::from(master.affinity_timeout) * 1_000_000_000;
     let mut chosen = None;
     if let Some(prev) = AFFINITY.lookup(key)
-        && now.wrapping_sub(prev.last_used_ns) <= timeout_ns
+        && kernel::age(now, prev.last_used_ns) <= timeout_ns
         && serves(prev.backend_id, master.rev_nat_index)
         && let Some(b) = I::backend(prev.backend_id)
     {
@@ -771,7 +771,7 @@ fn forward_entry<P: Packet, I: Ip>(
         let reopened = f.opening() && e.flags & nat::ct_flags::CLOSING != 0;
         if reopened || !backend_holds::<I>(e) {
             holds = false;
-        } else if !f.opening() && now.wrapping_sub(e.last_seen_ns) < REFRESH_NS {
+        } else if !f.opening() && kernel::age(now, e.last_seen_ns) < REFRESH_NS {
             // DSR grows the packet, which XDP cannot: tc takes such flows whole.
             if P::XDP && e.flags & nat::ct_flags::DSR != 0 {
                 return Found::Pass;
