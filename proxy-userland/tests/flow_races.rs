@@ -3,6 +3,7 @@
 //! that answers, each stamping the entries with its own reading of the clock.
 
 mod common;
+mod nat_common;
 
 use common::*;
 use proxy_userland::dataplane::{
@@ -11,13 +12,10 @@ use proxy_userland::dataplane::{
 };
 
 fn connect(client: &xtask::testbed::Pod, target: &str, n: usize) -> Vec<xtask::probe::Outcome> {
-    let out = std::process::Command::new(probe())
-        .arg("--netns")
-        .arg(&client.netns)
-        .args(["tcp", target, "--count", &n.to_string(), "--reset"])
-        .output()
-        .expect("probe runs");
-    xtask::probe::parse(&String::from_utf8_lossy(&out.stdout))
+    nat_common::probe_from(
+        &client.netns,
+        &["tcp", target, "--count", &n.to_string(), "--reset"],
+    )
 }
 
 /// Each TCP connection through the pod path stays one flow from its SYN to its reset.
