@@ -115,6 +115,15 @@ pub(crate) struct Frontend<A> {
     pub(crate) master: ServiceValue,
 }
 
+/// The tuple a packet leaves with: what the FIB is asked about (`Ip::fib_lookup`).
+pub struct Leaving<A> {
+    pub saddr: A,
+    pub daddr: A,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+}
+
 /// Slots per CPU and family of the FIB's remembered answers (see `route`).
 pub const ROUTE_SLOTS: u32 = 1024;
 

@@ -255,7 +255,14 @@ fn send_on<P: Packet, I: Ip>(
     daddr: I::Addr,
 ) -> i32 {
     let tot_len = I::tot_len(pkt);
-    let ret = I::fib_lookup(pkt, fib, I::ICMP, 0, 0, saddr, daddr, tot_len);
+    let to = crate::flow::Leaving {
+        saddr,
+        daddr,
+        sport: 0,
+        dport: 0,
+        proto: I::ICMP,
+    };
+    let ret = I::fib_lookup(pkt, fib, &to, tot_len);
     if ret == FIB_NOT_FWDED {
         return P::PASS;
     }

@@ -16,7 +16,7 @@ use proxy_common::{
 };
 
 use crate::{
-    flow::{Flow, Route, Scratch},
+    flow::{Flow, Leaving, Route, Scratch},
     maps::{
         BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, Lookup, NODE_ADDRS4,
         NODE_ADDRS6, ROUTES4, ROUTES6, SCRATCH4, SCRATCH6, SERVICE_RANGES4, SERVICE_RANGES6,
@@ -98,27 +98,23 @@ pub trait Ip {
     /// Sets the FIB lookup's family and addresses.
     fn fib_params(p: &mut FibParams, saddr: Self::Addr, daddr: Self::Addr);
 
-    /// The FIB's answer for a packet from `saddr` to `daddr` arriving on our device; `p`
-    /// is filled in (the caller's, so the 64-byte struct is not copied around).
+    /// The FIB's answer for a packet leaving as `to`, arriving on our device; `p` is filled
+    /// in (the caller's, so the 64-byte struct is not copied around). `tot_len` 0: no MTU
+    /// check.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
     fn fib_lookup<P: Packet>(
         pkt: &P,
         p: &mut FibParams,
-        proto: u8,
-        sport: u16,
-        dport: u16,
-        saddr: Self::Addr,
-        daddr: Self::Addr,
+        to: &Leaving<Self::Addr>,
         tot_len: u16,
     ) -> i64 {
         // SAFETY: bpf_fib_lookup is integers and unions of integers: all zeros is a valid
         // value, and the one the helper expects in the fields we do not set.
         *p = unsafe { mem::zeroed() };
-        Self::fib_params(p, saddr, daddr);
-        p.l4_protocol = proto;
-        p.sport = sport;
-        p.dport = dport;
+        Self::fib_params(p, to.saddr, to.daddr);
+        p.l4_protocol = to.proto;
+        p.sport = to.sport;
+        p.dport = to.dport;
         p.__bindgen_anon_1.tot_len = tot_len;
         p.ifindex = pkt.ifindex();
         let size = mem::size_of::<FibParams>() as i32;

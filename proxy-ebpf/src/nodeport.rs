@@ -23,7 +23,7 @@ use proxy_common::{
 
 use crate::{
     dsr, filter,
-    flow::{self, Flow, Frontend, FrontendAt, Nat, Scratch, Work},
+    flow::{self, Flow, Frontend, FrontendAt, Leaving, Nat, Scratch, Work},
     icmp,
     ip::{Backend, Ip, V4, V6, scratch},
     kernel,
@@ -31,8 +31,7 @@ use crate::{
     maglev,
     maps::{AFFINITY, Lookup, SOCK_CONFIG, count},
     packet::{FIB_NOT_FWDED, Packet},
-    refuse,
-    route::{self, Leaving},
+    refuse, route,
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -155,9 +154,7 @@ fn redirect_translated<P: Packet, I: Ip>(
     // segments and would fail the check (a client's TSO burst, dropped whole).
     let ret = if P::XDP {
         let tot_len = I::tot_len(pkt);
-        I::fib_lookup(
-            pkt, fib, f.proto, to.sport, to.dport, to.saddr, to.daddr, tot_len,
-        )
+        I::fib_lookup(pkt, fib, &to, tot_len)
     } else {
         route::lookup::<P, I>(pkt, fib, now, &to, false).0
     };
@@ -420,8 +417,14 @@ fn snat_address<P: Packet, I: Ip>(
     backend: I::Addr,
     p: &mut FibParams,
 ) -> Option<I::Addr> {
-    let any = I::Addr::default();
-    let ret = I::fib_lookup(pkt, p, f.proto, f.sport, f.dport, any, backend, 0);
+    let to = Leaving {
+        saddr: I::Addr::default(),
+        daddr: backend,
+        sport: f.sport,
+        dport: f.dport,
+        proto: f.proto,
+    };
+    let ret = I::fib_lookup(pkt, p, &to, 0);
     if ret != crate::packet::FIB_SUCCESS && ret != crate::packet::FIB_NO_NEIGH {
         return None;
     }
@@ -741,9 +744,9 @@ fn likely_forward<I: Ip>(f: &Flow<I::Addr>) -> bool {
 /// full look, a packet that does not open a connection is not looked up in the service
 /// maps (a removed Service's flows still end at once, as the filters checked first clear
 /// its slot; where another address shares the slot, within that second), and one that
-/// does not end it either skips the reply entry too: that entry can neither have expired (every timeout is
-/// far longer) nor gone to another flow. Not inlined: it has two callers, and its
-/// temporaries get a frame of their own.
+/// does not end it either skips the reply entry too: that entry can neither have expired
+/// (every timeout is far longer) nor gone to another flow. Not inlined: it has two callers,
+/// and its temporaries get a frame of their own.
 #[inline(never)]
 fn forward_entry<P: Packet, I: Ip>(
     f: &Flow<I::Addr>,

@@ -2,13 +2,13 @@
 //!
 //! Host routing and SNAT send each packet out of the device the FIB names, with the MACs it
 //! names. A lookup (the routing table, then the neighbour table, ~130 ns here) is a large
-//! share of such a packet's cost, and every packet of a flow asks the same question. So each CPU keeps
-//! the answers of its recent flows, one per slot of a direct-mapped table: keyed by
-//! everything the lookup is given (the tuple the packet leaves with and the device it came
-//! in by), so a hit is the answer the FIB would give, as of at most [`TTL_NS`] ago. A route,
-//! a neighbour's address or a pod's device that changes is followed within that time;
-//! until then a packet may be sent where the flow's packets went a moment before. Only
-//! full answers (FIB_SUCCESS) are kept: the others have the stack or the kernel's
+//! share of such a packet's cost, and every packet of a flow asks the same question. So
+//! each CPU keeps the answers of its recent flows, one per slot of a direct-mapped table:
+//! keyed by everything the lookup is given (the tuple the packet leaves with and the device
+//! it came in by), so a hit is the answer the FIB would give, as of at most [`TTL_NS`] ago.
+//! A route, a neighbour's address or a pod's device that changes is followed within that
+//! time; until then a packet may be sent where the flow's packets went a moment before.
+//! Only full answers (FIB_SUCCESS) are kept: the others have the stack or the kernel's
 //! neighbour code finish the job, and are rare.
 //!
 //! Per CPU, so that no other CPU can rewrite a slot while a program reads it: the tc and
@@ -20,7 +20,7 @@ use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use proxy_common::filter::{finish, mix};
 
 use crate::{
-    flow::{ROUTE_SLOTS, Route},
+    flow::{Leaving, ROUTE_SLOTS, Route},
     ip::Ip,
     kernel,
     maps::{Lookup, POD_DEVICES},
@@ -35,15 +35,6 @@ const TTL_NS: u64 = 1_000_000_000;
 const POD_UNKNOWN: u8 = 0;
 const POD_NO: u8 = 1;
 const POD_YES: u8 = 2;
-
-/// The tuple a packet leaves with: what the FIB is asked about.
-pub struct Leaving<A> {
-    pub saddr: A,
-    pub daddr: A,
-    pub sport: u16,
-    pub dport: u16,
-    pub proto: u8,
-}
 
 /// The FIB's answer for a packet leaving as `to`: as [`Ip::fib_lookup`] (on tc, without
 /// the MTU check), remembered or fresh, with `p`'s device and MACs filled in on success;
@@ -90,7 +81,7 @@ pub fn lookup<P: Packet, I: Ip>(
             return (FIB_SUCCESS, r.pod == POD_YES);
         }
     }
-    let ret = I::fib_lookup(pkt, p, to.proto, to.sport, to.dport, to.saddr, to.daddr, 0);
+    let ret = I::fib_lookup(pkt, p, to, 0);
     if ret != FIB_SUCCESS {
         return (ret, false);
     }
