@@ -133,6 +133,12 @@ pub fn object() -> &'static [u8] {
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"))
 }
 
+/// Whether the kernel has `bpf_ktime_get_coarse_ns` (Linux 5.11), which the programs then
+/// read the time with.
+fn coarse_clock() -> bool {
+    aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(5, 11, 0))
+}
+
 fn pin_err(path: &Path) -> impl FnOnce(io::Error) -> LoadError + '_ {
     move |source| LoadError::Pin {
         path: path.display().to_string(),
@@ -225,6 +231,8 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
     // Read-only in the programs: the verifier sees the value, and every node of a cluster
     // hashes flows alike.
     loader.override_global("MAGLEV_SEED", &opts.lb.maglev_seed, true);
+    let coarse_clock = u8::from(coarse_clock());
+    loader.override_global("COARSE_CLOCK", &coarse_clock, true);
     // A filter made afresh beside maps a daemon without it left pinned must learn what
     // they hold before a program reads it.
     let fresh = |name: &str| map_paths.iter().any(|(n, p)| *n == name && !p.exists());
