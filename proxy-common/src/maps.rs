@@ -38,6 +38,11 @@ pub const POD_DEVICES_MAX: u32 = 16_384;
 pub const MAGLEV: &str = "FP_MAGLEV";
 /// One entry: what the socket hooks leave to the pods' devices (see `sockcfg`).
 pub const SOCK_CONFIG: &str = "FP_SOCK_CFG";
+/// One entry: [`ROUTES_BY_ADDRESS`] where no port steers a route on this node, else 0
+/// (see the eBPF crate's `route`). Written by the daemon, which watches the routing rules.
+pub const ROUTE_KEYS: &str = "FP_ROUTE_KEYS";
+/// [`ROUTE_KEYS`]' value that lets the FIB's answers be remembered per address pair.
+pub const ROUTES_BY_ADDRESS: u32 = 1;
 
 /// Service entries: one master plus one per backend slot, for every frontend.
 pub const SERVICES_MAX: u32 = 262_144;
@@ -58,7 +63,7 @@ pub const NODE_ADDRS_MAX: u32 = 256;
 pub const SERVICE_RANGES_MAX: u32 = 256;
 
 /// Every name above, for clean-up and leak checks.
-pub const ALL: [&str; 25] = [
+pub const ALL: [&str; 26] = [
     SERVICES4,
     BACKENDS4,
     SOCK_REVNAT4,
@@ -79,6 +84,7 @@ pub const ALL: [&str; 25] = [
     SERVICE_RANGES6,
     STATS,
     SOCK_CONFIG,
+    ROUTE_KEYS,
     MAGLEV,
     POD_DEVICES,
     FRONT_FILTER,

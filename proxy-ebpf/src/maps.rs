@@ -105,6 +105,11 @@ pub static POD_DEVICES: HashMap<u32, u32> = HashMap::with_max_entries(POD_DEVICE
 #[map(name = "FP_SOCK_CFG")]
 pub static SOCK_CONFIG: Array<SockConfig> = Array::with_max_entries(1, 0);
 
+/// Whether the FIB's answers may be keyed by addresses alone (see `route`); written by the
+/// daemon.
+#[map(name = "FP_ROUTE_KEYS")]
+pub static ROUTE_KEYS: Array<u32> = Array::with_max_entries(1, 0);
+
 /// Per CPU, what one packet's translation works on (see `flow::Scratch`); not shared
 /// with the daemon.
 #[map(name = "FP_SCRATCH4")]

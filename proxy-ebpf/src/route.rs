@@ -11,6 +11,13 @@
 //! Only full answers (FIB_SUCCESS) are kept: the others have the stack or the kernel's
 //! neighbour code finish the job, and are rare.
 //!
+//! Where nothing on the node routes by port (no routing rule selects ports, no multipath
+//! hash reads them), every flow between two addresses gets the same answer: the daemon
+//! says so (`FP_ROUTE_KEYS`, kept up to date as rules and sysctls change) and the ports
+//! are left out of the key. A new flow's first packet then finds the answer its address
+//! pair's last flow left, where it would ask the FIB (and miss the cache on a slot of its
+//! own): two lookups saved per TCP connection.
+//!
 //! Per CPU, so that no other CPU can rewrite a slot while a program reads it: the tc and
 //! XDP programs, the only ones that use it, run with bottom halves off, one at a time on a
 //! CPU. `tests/host_routing.rs` moves a backend's address to another device under a live
@@ -23,7 +30,7 @@ use crate::{
     flow::{Leaving, ROUTE_SLOTS, Route},
     ip::Ip,
     kernel,
-    maps::{Lookup, POD_DEVICES},
+    maps::{Lookup, POD_DEVICES, ROUTE_KEYS},
     packet::{FIB_SUCCESS, Packet},
 };
 
@@ -49,10 +56,12 @@ pub fn lookup<P: Packet, I: Ip>(
     want_pod: bool,
 ) -> (i64, bool) {
     let in_ifindex = pkt.ifindex();
-    let mut h = mix(
-        in_ifindex,
-        u32::from(to.sport) | (u32::from(to.dport) << 16),
-    );
+    let (sport, dport) = if by_address() {
+        (0, 0)
+    } else {
+        (to.sport, to.dport)
+    };
+    let mut h = mix(in_ifindex, u32::from(sport) | (u32::from(dport) << 16));
     h = mix(h, u32::from(to.proto));
     for i in 0..I::WORDS {
         h = mix(mix(h, I::word(&to.saddr, i)), I::word(&to.daddr, i));
@@ -66,8 +75,8 @@ pub fn lookup<P: Packet, I: Ip>(
         let r = unsafe { &mut *slot };
         if now < r.expires_ns
             && r.in_ifindex == in_ifindex
-            && r.sport == to.sport
-            && r.dport == to.dport
+            && r.sport == sport
+            && r.dport == dport
             && r.proto == to.proto
             && I::same(&r.saddr, &to.saddr)
             && I::same(&r.daddr, &to.daddr)
@@ -96,8 +105,8 @@ pub fn lookup<P: Packet, I: Ip>(
         *r = Route {
             saddr: to.saddr,
             daddr: to.daddr,
-            sport: to.sport,
-            dport: to.dport,
+            sport,
+            dport,
             in_ifindex,
             out_ifindex: p.ifindex,
             proto: to.proto,
@@ -110,6 +119,14 @@ pub fn lookup<P: Packet, I: Ip>(
         };
     }
     (FIB_SUCCESS, pod == POD_YES)
+}
+
+/// Whether the daemon found that no port steers a route here (see the module docs).
+#[inline(always)]
+fn by_address() -> bool {
+    ROUTE_KEYS
+        .get(0)
+        .is_some_and(|v| *v == proxy_common::maps::ROUTES_BY_ADDRESS)
 }
 
 #[inline(always)]

@@ -107,3 +107,101 @@ fn a_flow_follows_its_backends_address_to_a_new_device() {
         daemon.log()
     );
 }
+
+/// A routing rule that selects ports is followed, from the daemon's start and when it is
+/// added later: the reply of a flow whose client port the rule sends to a prohibit route
+/// is never delivered, even a moment after a flow between the same two addresses from
+/// another port was. Where no rule or multipath hash reads ports, the packet path keeps
+/// the FIB's answers per address pair (see `route_keys`); a daemon that did so under such
+/// a rule would send the second flow's reply where the first one's went.
+#[test]
+fn routing_rules_that_select_ports_are_followed() {
+    let mut bed = Testbed::new("hrrule").expect("test bed");
+    let pod = bed.add_pod("pod-1", pod_ip(1), None).expect("pod");
+    bed.serve(probe(), &pod, &["--udp", "0.0.0.0:5353"])
+        .expect("pod server");
+    let client = Ipv4Addr::new(198, 18, 2, 1);
+    let ext = bed
+        .add_pod("ext", client, None)
+        .expect("external client namespace");
+    let node = bed.node_netns().to_string();
+    let ip = |args: &[&str]| {
+        let out = std::process::Command::new("ip")
+            .args(["-n", &node])
+            .args(args)
+            .output()
+            .expect("ip runs");
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    // Replies to the client's ports 40000-40999 may not leave the node.
+    let client_route = format!("{client}/32");
+    ip(&["route", "add", "prohibit", &client_route, "table", "100"]);
+    let rule = ["dport", "40000-40999", "table", "100", "priority", "100"];
+    ip(&[&["rule", "add"][..], &rule].concat());
+    let dir = manifest_dir("hrrule");
+    std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
+    let daemon = node_port_daemon(&bed, &pod.node_veth, &ext, &dir.0, &["--bpf-host-routing"]);
+    let target = format!("{}:30053", bed.node_ipv4());
+    let answered_from = |port: u16| {
+        let out = std::process::Command::new(probe())
+            .arg("--netns")
+            .arg(&ext.netns)
+            .args(["udp", &target, "--source-port", &port.to_string()])
+            .args(["--count", "1", "--timeout-ms", "300"])
+            .output()
+            .expect("probe runs");
+        let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
+        !outcomes.is_empty() && outcomes.iter().all(|o| o.is_ok())
+    };
+    assert!(
+        eventually(20, || answered_from(50001)),
+        "the node port never answered; log:\n{}",
+        daemon.log()
+    );
+    // Each pair within a second: the first flow's answer is still remembered when the
+    // second one's reply looks.
+    let pairs = |round: &str, base: u16| {
+        for i in 0..3 {
+            assert!(
+                answered_from(50_000 + base + i),
+                "{round}: a port outside the rule's range"
+            );
+            assert!(
+                !answered_from(40_000 + base + i),
+                "{round}: a reply the rule prohibits was delivered; log:\n{}",
+                daemon.log()
+            );
+        }
+    };
+    pairs("rule there from the start", 10);
+    let said = |what: &str| daemon.log().matches(what).count();
+    let by_port = "routing rule selects destination ports";
+    let by_address = "no port steers a route";
+    assert_eq!(
+        said(by_port),
+        1,
+        "the daemon saw the rule; log:\n{}",
+        daemon.log()
+    );
+    ip(&[&["rule", "del"][..], &rule].concat());
+    assert!(
+        eventually(10, || said(by_address) == 1),
+        "the daemon saw the rule go; log:\n{}",
+        daemon.log()
+    );
+    assert!(
+        answered_from(40_020),
+        "with the rule gone, its ports are answered"
+    );
+    ip(&[&["rule", "add"][..], &rule].concat());
+    assert!(
+        eventually(10, || said(by_port) == 2),
+        "the daemon saw the rule come back; log:\n{}",
+        daemon.log()
+    );
+    pairs("rule added while running", 30);
+}

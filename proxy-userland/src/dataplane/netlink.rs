@@ -239,3 +239,34 @@ pub fn error_in(body: &[u8]) -> io::Error {
         .map_or(-libc::EIO, |b| i32::from_ne_bytes([b[0], b[1], b[2], b[3]]));
     io::Error::from_raw_os_error(-code)
 }
+
+/// The flag bits of an attribute's type (NLA_F_NESTED, NLA_F_NET_BYTEORDER).
+const NLA_TYPE_MASK: u16 = 0x3fff;
+
+fn align(len: usize) -> usize {
+    (len + 3) & !3
+}
+
+/// (type without flag bits, payload) of each attribute (`rtattr`, `nlattr`) in `buf`;
+/// stops at a malformed one.
+pub fn attributes(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        let len = usize::from(u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]));
+        let ty = u16::from_ne_bytes([*buf.get(2)?, *buf.get(3)?]) & NLA_TYPE_MASK;
+        if len < 4 || len > buf.len() {
+            return None;
+        }
+        let payload = &buf[4..len];
+        buf = &buf[align(len).min(buf.len())..];
+        Some((ty, payload))
+    })
+}
+
+/// One attribute as the kernel writes it, padded: what [`attributes`] reads back.
+pub fn attribute(ty: u16, payload: &[u8]) -> Vec<u8> {
+    let mut a = ((4 + payload.len()) as u16).to_ne_bytes().to_vec();
+    a.extend_from_slice(&ty.to_ne_bytes());
+    a.extend_from_slice(payload);
+    a.resize(align(a.len()), 0);
+    a
+}

@@ -28,6 +28,7 @@ use super::{
     AttachOptions,
     devices::{DeviceError, NodeDevices},
     pods::{self, PodDevices},
+    route_keys::RouteKeys,
 };
 use crate::dataplane::netns::in_netns;
 
@@ -95,6 +96,8 @@ pub enum LoadError {
     Devices(#[from] DeviceError),
     #[error("per-packet translation on the pods' devices: {0} (it needs tcx, kernel 6.6 or later)")]
     PodDevices(io::Error),
+    #[error("watching whether ports steer routes: {0}")]
+    RouteKeys(io::Error),
 }
 
 impl LoadError {
@@ -120,6 +123,9 @@ pub struct Attached {
     pub node_devices: Option<NodeDevices>,
     /// The watcher that keeps the pods' devices' programs attached, when asked for.
     pub pod_devices: Option<PodDevices>,
+    /// The watcher that tells the per-packet programs how to key the FIB's answers, while
+    /// any is attached.
+    _route_keys: Option<RouteKeys>,
 }
 
 impl Attached {
@@ -407,6 +413,24 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         }
         None => None,
     };
+    let route_keys = if node_devices.is_some() || pod_devices.is_some() {
+        let name = map_names::ROUTE_KEYS;
+        let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+        let map =
+            aya::maps::Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
+        // Where the programs' packets are looked up in the FIB: the devices' namespaces.
+        let mut namespaces = Vec::new();
+        if packet.is_some() {
+            namespaces.push(packet.and_then(|p| p.netns.clone()));
+        }
+        if let Some(p) = &opts.pods {
+            namespaces.push(p.netns.clone());
+        }
+        namespaces.dedup();
+        Some(RouteKeys::start(map, namespaces).map_err(LoadError::RouteKeys)?)
+    } else {
+        None
+    };
     // Only once the pods' devices translate may the socket hooks leave pods' traffic to
     // them; without a pod path, a pinned map from an earlier run is set back to "all".
     pods::write_sock_config(&mut ebpf, opts.pods.as_ref()).map_err(LoadError::PodDevices)?;
@@ -432,6 +456,7 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         ebpf,
         node_devices,
         pod_devices,
+        _route_keys: route_keys,
     })
 }
 

@@ -8,6 +8,8 @@
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
 //! - [`pods`]: per-packet Service translation on the pods' devices, which come and go.
+//! - [`route_keys`]: whether ports steer routes here, which says how the packet path
+//!   may remember the FIB's answers.
 //! - [`stale_sockets`]: connected UDP sockets of removed backends, destroyed so clients
 //!   reconnect instead of sending into the void.
 
@@ -20,6 +22,7 @@ pub mod maps;
 pub mod pods;
 pub mod program;
 pub mod repoint;
+pub mod route_keys;
 pub mod stale_sockets;
 
 use std::path::{Path, PathBuf};

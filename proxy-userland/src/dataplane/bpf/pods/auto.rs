@@ -12,7 +12,7 @@ use std::{collections::BTreeSet, io, mem::size_of, net::IpAddr};
 
 use bytemuck::{Pod, Zeroable};
 
-use crate::dataplane::netlink::{NetlinkSocket, NlMsgHdr};
+use crate::dataplane::netlink::{NetlinkSocket, NlMsgHdr, attributes};
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
@@ -22,8 +22,6 @@ const IFLA_IFNAME: u16 = 3;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
 const IFLA_LINK_NETNSID: u16 = 37;
-/// The flag bits of an attribute's type (NLA_F_NESTED, NLA_F_NET_BYTEORDER).
-const NLA_TYPE_MASK: u16 = 0x3fff;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
@@ -93,24 +91,6 @@ pub fn links_here() -> io::Result<Vec<Link>> {
         }
     })?;
     Ok(out)
-}
-
-fn align(len: usize) -> usize {
-    (len + 3) & !3
-}
-
-/// (type without flag bits, payload) of each attribute in `buf`; stops at a malformed one.
-fn attributes(mut buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    std::iter::from_fn(move || {
-        let len = usize::from(u16::from_ne_bytes([*buf.first()?, *buf.get(1)?]));
-        let ty = u16::from_ne_bytes([*buf.get(2)?, *buf.get(3)?]) & NLA_TYPE_MASK;
-        if len < 4 || len > buf.len() {
-            return None;
-        }
-        let payload = &buf[4..len];
-        buf = &buf[align(len).min(buf.len())..];
-        Some((ty, payload))
-    })
 }
 
 /// One RTM_NEWLINK body; None if it is too short to be one.
@@ -208,13 +188,7 @@ mod tests {
             ..IfInfoMsg::default()
         })
         .to_vec();
-        let attr = |ty: u16, payload: &[u8]| {
-            let mut a = ((4 + payload.len()) as u16).to_ne_bytes().to_vec();
-            a.extend_from_slice(&ty.to_ne_bytes());
-            a.extend_from_slice(payload);
-            a.resize(align(a.len()), 0);
-            a
-        };
+        let attr = crate::dataplane::netlink::attribute;
         body.extend(attr(IFLA_IFNAME, b"cali1\0"));
         body.extend(attr(IFLA_LINK_NETNSID, &3i32.to_ne_bytes()));
         body.extend(attr(
