@@ -659,10 +659,11 @@ fn translate_ingress_ip<P: Packet, I: Ip>(pkt: &mut P, from_pod: bool) -> Result
     };
     if found != Found::Flow {
         // A bare SYN is no reply of a flow we translate (a server answers with SYN-ACK):
-        // one to a frontend opens a flow, without a look at the reply filter, whose slot
-        // for a fresh client port is seldom in the cache.
-        let opens_flow = found == Found::Frontend && f.opening();
-        if !opens_flow && let Some(flags) = reply_nat::<I>(f, &mut w.nat, &mut w.now) {
+        // it opens a flow of ours or is none of ours, without a look at the reply filter,
+        // whose slot for a fresh client port is seldom in the cache.
+        if !f.opening()
+            && let Some(flags) = reply_nat::<I>(f, &mut w.nat, &mut w.now)
+        {
             return Ok(translate_reply::<P, I>(pkt, f, from_pod, flags, w));
         }
         // No reply of ours: nor will the egress of the device it leaves by find one (the
