@@ -46,7 +46,7 @@ use anyhow::{Context as _, Result};
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::{AttachOptions, BpfDataplane, PodPathConfig},
+        bpf::{AttachOptions, BpfDataplane, PodPathConfig, host_stack::HostRouting},
         iptables::{Family, IptablesConfig, IptablesDataplane, apply::Backend},
     },
     model::{NodeInfo, ProxyState, ServiceKey},
@@ -447,7 +447,7 @@ fn data_path(sizes: &[u32], conns: usize, rounds: usize) -> Result<Vec<DataRow>>
     };
     let mut host_routed = pod_path.clone();
     if let Some(p) = &mut host_routed.pods {
-        p.host_routing = true;
+        p.host_routing = HostRouting::True;
     }
     let (ipt_bed, _ipt_pods) = common::bed_with_pods("benchipt", 1);
     // iptables translates after routing: the node needs a route for service addresses.

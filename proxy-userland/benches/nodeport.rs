@@ -28,7 +28,9 @@ use anyhow::{Context as _, Result};
 use proxy_userland::{
     dataplane::{
         Dataplane, Scope,
-        bpf::{AttachOptions, BpfDataplane, PacketPathConfig, PodPathConfig},
+        bpf::{
+            AttachOptions, BpfDataplane, PacketPathConfig, PodPathConfig, host_stack::HostRouting,
+        },
         iptables::{Family, IptablesConfig, IptablesDataplane, apply::Backend},
     },
     model::ProxyState,
@@ -97,7 +99,7 @@ fn attach(
     let pods = pods.map(|pods| PodPathConfig {
         netns: Some(bed.node_netns().to_string()),
         prefixes: pods.iter().map(|p| p.node_veth.clone()).collect(),
-        host_routing: true,
+        host_routing: HostRouting::True,
         ..Default::default()
     });
     let mut dp = BpfDataplane::attach_with(

@@ -19,7 +19,7 @@ use std::{
 
 use clap::{ArgMatches, FromArgMatches, Parser, ValueEnum, parser::ValueSource};
 pub use file::KubeProxyConfiguration;
-pub use values::{Cidr, LogLevel, NodePortAddress};
+pub use values::{Cidr, HostRouting, LogLevel, NodePortAddress};
 
 use self::mode::Mode;
 use crate::{
@@ -244,12 +244,15 @@ pub struct Args {
     #[arg(long, default_value_t = false)]
     pub bpf_socket_lb_host_namespace_only: bool,
 
-    /// eBPF pod path: a pod's translated packet for a pod on this node goes straight into
-    /// that pod's namespace (bpf_redirect_peer, as Cilium's BPF host routing), skipping the
-    /// host's routing and netfilter. Off by default: a CNI that enforces NetworkPolicy with
-    /// iptables on the host would not see that traffic.
-    #[arg(long, default_value_t = false)]
-    pub bpf_host_routing: bool,
+    /// eBPF pod path: a translated packet for a pod on this node goes straight into that
+    /// pod's namespace (bpf_redirect_peer, as Cilium's BPF host routing), and its reply
+    /// straight out, skipping the host's routing and netfilter. "auto" (the default): only
+    /// while no netfilter hook a forwarded packet crosses holds more than counters, logging
+    /// and accepts, so that a CNI's NetworkPolicy or a firewall there is never skipped;
+    /// "true" (the flag alone): always; "false": never.
+    #[arg(long, value_enum, value_name = "WHEN", num_args = 0..=1,
+          default_value_t = HostRouting::Auto, default_missing_value = "true")]
+    pub bpf_host_routing: HostRouting,
 
     /// eBPF: "native" runs the node-port ingress work in XDP ahead of tc on devices whose
     /// driver supports native XDP (the others keep tc); "disabled" uses tc alone.
@@ -650,6 +653,14 @@ impl Args {
                 }
                 self.pod_interfaces = v;
             }
+            if let (Some(v), false) = (set(&fp.bpf_host_routing), given("bpf_host_routing")) {
+                self.bpf_host_routing = HostRouting::from_str(&v, false).map_err(|_| {
+                    invalid(
+                        "fastpath.bpfHostRouting",
+                        format!("{v:?} is not \"auto\", \"true\" or \"false\""),
+                    )
+                })?;
+            }
             if let (Some(s), false) = (
                 set(&fp.service_cluster_ip_range),
                 given("service_cluster_ip_range"),
@@ -944,6 +955,31 @@ mod tests {
             .to_string()
     }
 
+    /// Host routing is chosen by what the host's netfilter does unless told; the flag alone
+    /// turns it on, as before it took a value; a flag beats the file.
+    #[test]
+    fn host_routing_is_auto_unless_told() {
+        let host_routing =
+            |flags: &[&str], yaml: &str| merged(flags, yaml).unwrap().bpf_host_routing;
+        assert_eq!(host_routing(&[], ""), HostRouting::Auto);
+        assert_eq!(host_routing(&["--bpf-host-routing"], ""), HostRouting::True);
+        assert_eq!(
+            host_routing(&["--bpf-host-routing", "false"], ""),
+            HostRouting::False
+        );
+        assert_eq!(
+            host_routing(&["--bpf-host-routing=auto"], ""),
+            HostRouting::Auto
+        );
+        let file = "fastpath: {bpfHostRouting: \"false\"}\n";
+        assert_eq!(host_routing(&[], file), HostRouting::False);
+        assert_eq!(
+            host_routing(&["--bpf-host-routing"], file),
+            HostRouting::True
+        );
+        assert!(Args::try_from_iter(["fastpath", "--bpf-host-routing=always"]).is_err());
+    }
+
     #[test]
     fn defaults_match_kube_proxy() {
         let a = Args::try_from_iter(["fastpath"]).unwrap();
@@ -1186,6 +1222,11 @@ mod tests {
                 "fastpath: {podInterfaces: veth}\n",
                 "fastpath.podInterfaces",
                 "neither \"auto\" nor \"none\"",
+            ),
+            (
+                "fastpath: {bpfHostRouting: sometimes}\n",
+                "fastpath.bpfHostRouting",
+                "not \"auto\", \"true\" or \"false\"",
             ),
             (
                 "fastpath: {serviceClusterIPRange: 198.19.0.0/16/2}\n",

@@ -205,3 +205,83 @@ fn routing_rules_that_select_ports_are_followed() {
     );
     pairs("rule added while running", 30);
 }
+
+/// `--bpf-host-routing auto`, the default: host routing while the node's netfilter does
+/// nothing to forwarded traffic, and the stack's path as soon as it does. A counting rule
+/// leaves it on (the node forwards none of the node port's packets); a rule that drops
+/// the client's datagrams to the pod is honoured within moments of being added, where
+/// host routing would carry them past it; once the rule goes, host routing is back.
+#[test]
+fn auto_host_routing_gives_way_to_a_forward_filter() {
+    let mut bed = Testbed::new("hrauto").expect("test bed");
+    let pod = bed.add_pod("pod-1", pod_ip(1), None).expect("pod");
+    bed.serve(probe(), &pod, &["--udp", "0.0.0.0:5353"])
+        .expect("pod server");
+    let client = Ipv4Addr::new(198, 18, 2, 1);
+    let ext = bed
+        .add_pod("ext", client, None)
+        .expect("external client namespace");
+    let dir = manifest_dir("hrauto");
+    std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
+    let daemon = node_port_daemon(&bed, &pod.node_veth, &ext, &dir.0, &[]);
+    let target = format!("{}:30053", bed.node_ipv4());
+    let answered = |count: &str| {
+        let out = std::process::Command::new(probe())
+            .arg("--netns")
+            .arg(&ext.netns)
+            .args(["udp", &target, "--fresh-socket", "--count", count])
+            .args(["--timeout-ms", "300"])
+            .output()
+            .expect("probe runs");
+        let outcomes = xtask::probe::parse(&String::from_utf8_lossy(&out.stdout));
+        outcomes.iter().filter(|o| o.is_ok()).count()
+    };
+    let said = |what: &str| daemon.log().matches(what).count();
+    let (on, off) = ("host routing on", "host routing off");
+    assert!(
+        eventually(20, || answered("1") == 1 && said(on) == 1),
+        "the node port never answered with host routing on; log:\n{}",
+        daemon.log()
+    );
+    let node = bed.node_netns().to_string();
+    count_forwarded(&node, "");
+    assert_eq!(answered("10"), 10, "a counting rule changes nothing");
+    assert_eq!(
+        forwarded(&node),
+        0,
+        "host routing carried every packet past the stack"
+    );
+    assert_eq!((said(on), said(off)), (1, 0), "log:\n{}", daemon.log());
+
+    let nft = |args: &str| {
+        let status = std::process::Command::new("ip")
+            .args(["netns", "exec", &node, "nft"])
+            .args(args.split_whitespace())
+            .status()
+            .expect("nft runs");
+        assert!(status.success(), "nft {args}");
+    };
+    nft("add table inet fpblock");
+    nft("add chain inet fpblock fw { type filter hook forward priority 0 ; }");
+    nft(&format!(
+        "add rule inet fpblock fw ip saddr {client} udp dport 5353 drop"
+    ));
+    assert!(
+        eventually(5, || answered("1") == 0),
+        "the client's datagrams still reach the pod past a rule that drops them; log:\n{}",
+        daemon.log()
+    );
+    assert!(
+        daemon
+            .log()
+            .contains("host routing off: nftables chain inet fpblock fw"),
+        "the daemon says why; log:\n{}",
+        daemon.log()
+    );
+    nft("delete table inet fpblock");
+    assert!(
+        eventually(5, || answered("1") == 1 && said(on) == 2),
+        "with the rule gone, host routing is back; log:\n{}",
+        daemon.log()
+    );
+}

@@ -18,7 +18,7 @@ mod synthetic;
 use common::*;
 use proxy_userland::dataplane::{
     Dataplane, Scope,
-    bpf::{AttachOptions, BpfDataplane, PodPathConfig},
+    bpf::{AttachOptions, BpfDataplane, PodPathConfig, host_stack::HostRouting},
 };
 
 const CONNECTIONS: usize = 2000;
@@ -87,7 +87,11 @@ fn the_pod_paths_cost_per_packet_does_not_grow_with_services() {
                     netns: Some(bed.node_netns().to_string()),
                     // The bed's pods' host-side devices are fpv0, fpv1, ...
                     prefixes: vec!["fpv".into()],
-                    host_routing,
+                    host_routing: if host_routing {
+                        HostRouting::True
+                    } else {
+                        HostRouting::False
+                    },
                     ..PodPathConfig::default()
                 }),
                 ..AttachOptions::default()

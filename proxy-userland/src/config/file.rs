@@ -128,6 +128,8 @@ pub struct Fastpath {
     pub log_level: Option<String>,
     /// `--pod-interfaces`: "auto" or "none".
     pub pod_interfaces: Option<String>,
+    /// `--bpf-host-routing`: "auto", "true" or "false".
+    pub bpf_host_routing: Option<String>,
     /// `--service-cluster-ip-range`: comma-separated, one CIDR per family.
     #[serde(rename = "serviceClusterIPRange")]
     pub service_cluster_ip_range: Option<String>,

@@ -231,6 +231,19 @@ pub fn maglev_table_size(s: &str) -> Result<u32, String> {
         .ok_or_else(|| format!("{s:?} is not one of the table sizes {sizes:?}"))
 }
 
+/// How to choose host routing (`--bpf-host-routing`; the daemon's default is `Auto`, a
+/// configuration built in code has it off unless it says otherwise).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HostRouting {
+    /// On while nothing in the host's netfilter acts on forwarded traffic.
+    Auto,
+    /// Always on.
+    True,
+    /// Always off.
+    #[default]
+    False,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,7 @@ use proxy_common::maps as map_names;
 use super::{
     AttachOptions,
     devices::{DeviceError, NodeDevices},
+    host_stack::{AutoHostRouting, HostRouting},
     pods::{self, PodDevices},
     route_keys::RouteKeys,
 };
@@ -96,7 +97,7 @@ pub enum LoadError {
     Devices(#[from] DeviceError),
     #[error("per-packet translation on the pods' devices: {0} (it needs tcx, kernel 6.6 or later)")]
     PodDevices(io::Error),
-    #[error("watching whether ports steer routes: {0}")]
+    #[error("starting a watcher of the host's routing or netfilter: {0}")]
     RouteKeys(io::Error),
 }
 
@@ -126,6 +127,8 @@ pub struct Attached {
     /// The watcher that tells the per-packet programs how to key the FIB's answers, while
     /// any is attached.
     _route_keys: Option<RouteKeys>,
+    /// The watcher that turns host routing on and off (`--bpf-host-routing auto`).
+    _auto_host_routing: Option<AutoHostRouting>,
 }
 
 impl Attached {
@@ -413,27 +416,38 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         }
         None => None,
     };
-    let route_keys = if node_devices.is_some() || pod_devices.is_some() {
+    // The namespaces the per-packet programs' devices are in: where their packets meet the
+    // FIB and the host's netfilter.
+    let mut namespaces = Vec::new();
+    if node_devices.is_some() {
+        namespaces.push(packet.and_then(|p| p.netns.clone()));
+    }
+    if let Some(p) = &opts.pods {
+        namespaces.push(p.netns.clone());
+    }
+    namespaces.dedup();
+    let route_keys = if namespaces.is_empty() {
+        None
+    } else {
         let name = map_names::ROUTE_KEYS;
         let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
         let map =
             aya::maps::Array::try_from(map).map_err(|source| LoadError::Map { name, source })?;
-        // Where the programs' packets are looked up in the FIB: the devices' namespaces.
-        let mut namespaces = Vec::new();
-        if packet.is_some() {
-            namespaces.push(packet.and_then(|p| p.netns.clone()));
-        }
-        if let Some(p) = &opts.pods {
-            namespaces.push(p.netns.clone());
-        }
-        namespaces.dedup();
-        Some(RouteKeys::start(map, namespaces).map_err(LoadError::RouteKeys)?)
-    } else {
-        None
+        Some(RouteKeys::start(map, namespaces.clone()).map_err(LoadError::RouteKeys)?)
     };
     // Only once the pods' devices translate may the socket hooks leave pods' traffic to
     // them; without a pod path, a pinned map from an earlier run is set back to "all".
     pods::write_sock_config(&mut ebpf, opts.pods.as_ref()).map_err(LoadError::PodDevices)?;
+    let auto_host_routing = match &opts.pods {
+        Some(p) if p.host_routing == HostRouting::Auto => {
+            let name = map_names::SOCK_CONFIG;
+            let map = ebpf.take_map(name).ok_or(LoadError::MissingMap { name })?;
+            let map = aya::maps::Array::try_from(map)
+                .map_err(|source| LoadError::Map { name, source })?;
+            Some(AutoHostRouting::start(map, namespaces).map_err(LoadError::RouteKeys)?)
+        }
+        _ => None,
+    };
     // The socket hooks take pods' traffic again: an earlier run's pod path can go.
     if let (None, Some(l)) = (&opts.pods, &layout) {
         remove_pinned(&l.pod_links)?;
@@ -457,6 +471,7 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         node_devices,
         pod_devices,
         _route_keys: route_keys,
+        _auto_host_routing: auto_host_routing,
     })
 }
 

@@ -8,6 +8,8 @@
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
 //! - [`pods`]: per-packet Service translation on the pods' devices, which come and go.
+//! - [`host_stack`]: `--bpf-host-routing auto`, host routing while the host's netfilter
+//!   does nothing to forwarded traffic.
 //! - [`route_keys`]: whether ports steer routes here, which says how the packet path
 //!   may remember the FIB's answers.
 //! - [`stale_sockets`]: connected UDP sockets of removed backends, destroyed so clients
@@ -15,6 +17,7 @@
 
 pub mod devices;
 mod filter_seed;
+pub mod host_stack;
 pub mod lb;
 pub mod loader;
 pub mod maglev;

@@ -27,6 +27,7 @@ use std::{
 
 use aya::programs::ProgramFd;
 
+use crate::config::HostRouting;
 use crate::dataplane::netns;
 
 mod auto;
@@ -50,9 +51,10 @@ pub struct PodPathConfig {
     /// Socket load-balancing for the host namespace only (Cilium's
     /// socketLB.hostNamespaceOnly): pods' TCP is translated per packet too.
     pub host_namespace_only: bool,
-    /// Translated packets for pods on this node go straight into their namespace
-    /// (`--bpf-host-routing`; see `proxy_common::sockcfg::flags::HOST_ROUTING`).
-    pub host_routing: bool,
+    /// Whether translated packets for pods on this node go straight into their namespace
+    /// (`--bpf-host-routing`; see `proxy_common::sockcfg::flags::HOST_ROUTING` and
+    /// `host_stack`, which turns it on and off for `Auto`).
+    pub host_routing: HostRouting,
 }
 
 impl PodPathConfig {
@@ -421,7 +423,7 @@ pub fn write_sock_config(ebpf: &mut aya::Ebpf, pods: Option<&PodPathConfig>) -> 
                 } else {
                     0
                 }
-                | if cfg.host_routing {
+                | if cfg.host_routing == HostRouting::True {
                     flags::HOST_ROUTING
                 } else {
                     0
