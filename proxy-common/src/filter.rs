@@ -15,10 +15,13 @@
 //!   protocol ([`proto_bit`]), for every node port (master entries under address 0, which
 //!   packets to any node address reach). Exact, so a packet to a node address on another
 //!   port (the kubelet's, SSH) skips the node-address and node-port lookups.
-//! - `FP_REPLY_BITS` (512 KiB), kept by the programs: the slot of every (backend address, port,
-//!   protocol) a reply entry was written for, set before the entry. Never cleared: its keys
-//!   are bounded by the backends that ever had a per-packet flow, and a stale slot costs
-//!   one lookup.
+//! - `FP_REPLY_BITS2` (512 KiB), kept by the programs: the slot of every (backend address,
+//!   port, protocol) a reply entry was written for, set before the entry. Never cleared: its
+//!   keys are bounded by the backends that ever had a per-packet flow, and a stale slot
+//!   costs one lookup. An address and protocol pick the element, the port the byte in it
+//!   ([`reply_slot`]): every packet a client sends from its ever-new ports reads the one
+//!   cache line, where a slot hashed from the port too missed the cache on each new
+//!   connection's packets (`FP_REPLY_BITS`, hashed so, was replaced by this map).
 //!
 //! One byte per slot rather than one bit: a program sets a slot with a plain store, where
 //! setting a bit needs an atomic read-modify-write (kernel 5.12) for two CPUs not to lose
@@ -55,7 +58,7 @@ pub const fn proto_bit(proto: u8) -> u8 {
     }
 }
 
-/// Where hash `h` (from [`addr_hash`] or [`reply_hash`]) lands: the element and the byte within it.
+/// Where hash `h` (from [`addr_hash`]) lands: the element and the byte within it.
 #[inline(always)]
 pub const fn slot(h: u32) -> (u32, usize) {
     let h = finish(h);
@@ -95,11 +98,13 @@ pub fn addr_hash(n: usize, word: impl Fn(usize) -> u32) -> u32 {
     h
 }
 
-/// The replies' filter hash of a backend's address (its [`addr_hash`]), port (as stored,
-/// network order) and protocol.
+/// The replies' filter slot of a backend's address (its [`addr_hash`]), port (as stored,
+/// network order) and protocol: the element from the address and protocol, the byte from
+/// the port.
 #[inline(always)]
-pub fn reply_hash(addr_hash: u32, port: u16, proto: u8) -> u32 {
-    mix(addr_hash, u32::from(port) | (u32::from(proto) << 16))
+pub fn reply_slot_of(addr_hash: u32, port: u16, proto: u8) -> (u32, usize) {
+    let (element, _) = slot(mix(addr_hash, u32::from(proto)));
+    (element, usize::from(u16::from_be(port)) & (ENTRY_SLOTS - 1))
 }
 
 /// The frontends' filter slot of an address given as its words (the daemon's side).
@@ -110,11 +115,7 @@ pub fn addr_slot(words: &[u32]) -> (u32, usize) {
 /// The replies' filter slot of a backend's address (as in [`addr_slot`]), port and
 /// protocol.
 pub fn reply_slot(words: &[u32], port: u16, proto: u8) -> (u32, usize) {
-    slot(reply_hash(
-        addr_hash(words.len(), |i| words[i]),
-        port,
-        proto,
-    ))
+    reply_slot_of(addr_hash(words.len(), |i| words[i]), port, proto)
 }
 
 #[cfg(test)]
@@ -134,5 +135,36 @@ mod tests {
             seen[i] = true;
         }
         assert!(shared < 40, "{shared} of 4,096 addresses share a slot");
+    }
+
+    #[test]
+    fn a_sources_ports_share_its_element_and_sources_spread() {
+        let client = [0xc612_0201u32.to_be()];
+        let (element, _) = reply_slot(&client, 40_000u16.to_be(), crate::proto::TCP);
+        let mut bytes = [false; ENTRY_SLOTS];
+        for p in 40_000u16..40_064 {
+            let (e, b) = reply_slot(&client, p.to_be(), crate::proto::TCP);
+            assert_eq!(e, element, "port {p}");
+            bytes[b] = true;
+        }
+        assert!(
+            bytes.iter().all(|b| *b),
+            "64 ports fill the element's bytes"
+        );
+        let (udp, _) = reply_slot(&client, 40_000u16.to_be(), crate::proto::UDP);
+        assert_ne!(udp, element, "a protocol has elements of its own");
+        // 4,096 backends' addresses over 8,192 elements: a spread hash leaves about a
+        // fifth of them sharing one.
+        let mut seen = [false; ENTRIES as usize];
+        let mut shared = 0;
+        for a in 0u32..4096 {
+            let (e, _) = reply_slot(&[(0xc613_0000u32 + a).to_be()], 8080u16.to_be(), 6);
+            shared += usize::from(seen[e as usize]);
+            seen[e as usize] = true;
+        }
+        assert!(
+            shared < 1_000,
+            "{shared} of 4,096 addresses share an element"
+        );
     }
 }

@@ -28,7 +28,10 @@ pub const SERVICE_RANGES6: &str = "FP_SVC_RANGE6";
 pub const STATS: &str = "FP_STATS";
 /// See [`crate::filter`].
 pub const FRONT_FILTER: &str = "FP_FRONT_BITS";
-pub const REPLY_FILTER: &str = "FP_REPLY_BITS";
+pub const REPLY_FILTER: &str = "FP_REPLY_BITS2";
+/// Pinned maps of earlier daemons that no program reads any more: removed once this
+/// daemon's programs are attached.
+pub const RETIRED: [&str; 1] = ["FP_REPLY_BITS"];
 pub const NODE_PORTS: &str = "FP_NODE_PORTS";
 /// The host ends of the pods' devices the pod path is attached to (ifindex -> 1): where a
 /// translated packet may be redirected into a pod's namespace (see `sockcfg::HOST_ROUTING`).

@@ -15,8 +15,8 @@ fn addr_hash<I: Ip>(addr: &I::Addr) -> u32 {
 }
 
 #[inline(always)]
-fn reply_hash<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> u32 {
-    filter::reply_hash(addr_hash::<I>(addr), port, proto)
+fn reply_slot<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> (u32, usize) {
+    filter::reply_slot_of(addr_hash::<I>(addr), port, proto)
 }
 
 /// Whether slot `byte` of element `entry` is set; a missing element reads as set, so a
@@ -52,14 +52,14 @@ pub fn may_be_node_port(port: u16, proto: u8) -> bool {
 /// Whether a packet from `addr`:`port` may be the reply of a flow with a reply entry.
 #[inline(always)]
 pub fn may_be_reply<I: Ip>(addr: &I::Addr, port: u16, proto: u8) -> bool {
-    let (index, byte) = filter::slot(reply_hash::<I>(addr, port, proto));
+    let (index, byte) = reply_slot::<I>(addr, port, proto);
     is_set(REPLY_FILTER.get(index), byte)
 }
 
 /// Notes that a reply entry for answers from `addr`:`port` is about to be written.
 #[inline(always)]
 pub fn note_reply<I: Ip>(addr: &I::Addr, port: u16, proto: u8) {
-    let (index, byte) = filter::slot(reply_hash::<I>(addr, port, proto));
+    let (index, byte) = reply_slot::<I>(addr, port, proto);
     if let Some(e) = REPLY_FILTER.get_ptr_mut(index) {
         // SAFETY: a non-null pointer from the array is an element of this map's value type
         // that lives as long as the map. A byte store is whole on every CPU, and other

@@ -145,7 +145,7 @@ pub static MAGLEV: HashOfMaps<
 #[map(name = "FP_FRONT_BITS")]
 pub static FRONT_FILTER: Array<filter::Entry> = Array::with_max_entries(filter::ENTRIES, 0);
 
-#[map(name = "FP_REPLY_BITS")]
+#[map(name = "FP_REPLY_BITS2")]
 pub static REPLY_FILTER: Array<filter::Entry> = Array::with_max_entries(filter::ENTRIES, 0);
 
 #[map(name = "FP_NODE_PORTS")]

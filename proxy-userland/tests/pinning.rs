@@ -466,6 +466,33 @@ fn an_upgrade_that_adds_the_filters_keeps_a_pods_udp_flow_answered() {
     cleanup_in(&b.bed, b.pin_arg());
 }
 
+/// The replies' filter was laid out anew (`FP_REPLY_BITS` -> `FP_REPLY_BITS2`: a client's
+/// ports share a cache line). A daemon upgraded from the old layout finds only the old
+/// map pinned: it fills the new one from the pinned flows before its programs read it, so
+/// the pod's live UDP flow keeps its answers, and removes the old pin once its programs
+/// are attached.
+#[test]
+fn an_upgrade_that_relays_the_reply_filter_keeps_the_flow_and_drops_the_old_pin() {
+    use proxy_common::maps::{REPLY_FILTER, RETIRED};
+
+    let b = PinnedPods::new("pinrly", &[pod_ip(1)]);
+    let first = b.answering_daemon();
+    let udp = b.udp_across(120, false);
+    b.stop(first);
+    let maps = loader::PinLayout::new(&b.pin).maps;
+    // What the earlier daemon left: its filter under the old name, none under the new.
+    std::fs::rename(maps.join(REPLY_FILTER), maps.join(RETIRED[0])).expect("renamed");
+    let mut second = b.daemon();
+    answered_from_the_cluster_ip(udp, 120, &second, "the upgrade");
+    assert!(
+        maps.join(REPLY_FILTER).exists() && !maps.join(RETIRED[0]).exists(),
+        "the new filter is pinned and the old one gone: {:?}",
+        std::fs::read_dir(&maps).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+    );
+    assert!(second.stop().success(), "{}", second.log());
+    cleanup_in(&b.bed, b.pin_arg());
+}
+
 /// A bed whose client pod's UDP to `demo/web` takes the pod path, with daemons that pin
 /// in a bpffs of its own.
 struct PinnedPods {

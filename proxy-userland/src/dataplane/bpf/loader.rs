@@ -465,6 +465,15 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
                 Err(_) => drop(std::fs::remove_file(&path)),
             }
         }
+        // With the old programs gone, nothing reads the maps they alone used.
+        for name in map_names::RETIRED {
+            match std::fs::remove_file(l.maps.join(name)) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    tracing::warn!("removing the retired pinned map {name}: {e}")
+                }
+                _ => {}
+            }
+        }
     }
     Ok(Attached {
         ebpf,
