@@ -6,7 +6,7 @@ mod common;
 use std::{net::Ipv4Addr, process::Stdio, time::Duration};
 
 use common::*;
-use xtask::testbed::Testbed;
+use xtask::testbed::{Pod, Testbed};
 
 /// A node port whose one backend is pod 1, over UDP.
 fn manifest() -> String {
@@ -22,6 +22,42 @@ fn manifest() -> String {
     )
 }
 
+/// The client host's address.
+const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 2, 1);
+
+/// What every test here starts from: pod 1 answering UDP on 5353, the node port of
+/// [`manifest`] in a manifest folder, and a client host ("ext", [`CLIENT`]).
+struct Bed {
+    bed: Testbed,
+    pod: Pod,
+    ext: Pod,
+    dir: RmDir,
+}
+
+impl Bed {
+    fn new(tag: &str) -> Self {
+        let mut bed = Testbed::new(tag).expect("test bed");
+        let pod = bed.add_pod("pod-1", pod_ip(1), None).expect("pod");
+        bed.serve(probe(), &pod, &["--udp", "0.0.0.0:5353"])
+            .expect("pod server");
+        let ext = bed
+            .add_pod("ext", CLIENT, None)
+            .expect("external client namespace");
+        let dir = manifest_dir(tag);
+        std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
+        Self { bed, pod, ext, dir }
+    }
+
+    /// The daemon with the pod path on `pod_devices` and `extra` flags.
+    fn daemon(&self, pod_devices: &str, extra: &[&str]) -> Daemon {
+        node_port_daemon(&self.bed, pod_devices, &self.ext, &self.dir.0, extra)
+    }
+
+    fn node_port(&self) -> String {
+        format!("{}:30053", self.bed.node_ipv4())
+    }
+}
+
 /// A pod replaced by one with the same address on another device (its runtime recreated
 /// it; the endpoint never changed) gets a live flow's packets within about a second: the
 /// node port's host-routed packets follow the FIB's new answer, not the one remembered for
@@ -30,19 +66,18 @@ fn manifest() -> String {
 /// pod of the moment.
 #[test]
 fn a_flow_follows_its_backends_address_to_a_new_device() {
-    let mut bed = Testbed::new("hrmove").expect("test bed");
-    let old = bed.add_pod("pod-1", pod_ip(1), None).expect("pod");
-    bed.serve(probe(), &old, &["--udp", "0.0.0.0:5353"])
-        .expect("pod server");
-    let ext = bed
-        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
-        .expect("external client namespace");
-    let dir = manifest_dir("hrmove");
-    std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
+    let b = Bed::new("hrmove");
     // The replacement's device will be the bed's next: fpv2 (ext has fpv1).
-    let pod_devices = format!("{},fpv2", old.node_veth);
-    let daemon = node_port_daemon(&bed, &pod_devices, &ext, &dir.0, &["--bpf-host-routing"]);
-    let target = format!("{}:30053", bed.node_ipv4());
+    let pod_devices = format!("{},fpv2", b.pod.node_veth);
+    let daemon = b.daemon(&pod_devices, &["--bpf-host-routing"]);
+    let target = b.node_port();
+    // The manifest folder stays while the daemon reads it.
+    let Bed {
+        mut bed,
+        ext,
+        dir: _dir,
+        ..
+    } = b;
     let udp = |args: &[&str]| {
         let mut cmd = std::process::Command::new(probe());
         cmd.arg("--netns")
@@ -116,15 +151,9 @@ fn a_flow_follows_its_backends_address_to_a_new_device() {
 /// a rule would send the second flow's reply where the first one's went.
 #[test]
 fn routing_rules_that_select_ports_are_followed() {
-    let mut bed = Testbed::new("hrrule").expect("test bed");
-    let pod = bed.add_pod("pod-1", pod_ip(1), None).expect("pod");
-    bed.serve(probe(), &pod, &["--udp", "0.0.0.0:5353"])
-        .expect("pod server");
-    let client = Ipv4Addr::new(198, 18, 2, 1);
-    let ext = bed
-        .add_pod("ext", client, None)
-        .expect("external client namespace");
-    let node = bed.node_netns().to_string();
+    let b = Bed::new("hrrule");
+    let (client, ext, target) = (CLIENT, &b.ext, b.node_port());
+    let node = b.bed.node_netns().to_string();
     let ip = |args: &[&str]| {
         let out = std::process::Command::new("ip")
             .args(["-n", &node])
@@ -142,10 +171,7 @@ fn routing_rules_that_select_ports_are_followed() {
     ip(&["route", "add", "prohibit", &client_route, "table", "100"]);
     let rule = ["dport", "40000-40999", "table", "100", "priority", "100"];
     ip(&[&["rule", "add"][..], &rule].concat());
-    let dir = manifest_dir("hrrule");
-    std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
-    let daemon = node_port_daemon(&bed, &pod.node_veth, &ext, &dir.0, &["--bpf-host-routing"]);
-    let target = format!("{}:30053", bed.node_ipv4());
+    let daemon = b.daemon(&b.pod.node_veth, &["--bpf-host-routing"]);
     let answered_from = |port: u16| {
         let out = std::process::Command::new(probe())
             .arg("--netns")
@@ -213,18 +239,9 @@ fn routing_rules_that_select_ports_are_followed() {
 /// host routing would carry them past it; once the rule goes, host routing is back.
 #[test]
 fn auto_host_routing_gives_way_to_a_forward_filter() {
-    let mut bed = Testbed::new("hrauto").expect("test bed");
-    let pod = bed.add_pod("pod-1", pod_ip(1), None).expect("pod");
-    bed.serve(probe(), &pod, &["--udp", "0.0.0.0:5353"])
-        .expect("pod server");
-    let client = Ipv4Addr::new(198, 18, 2, 1);
-    let ext = bed
-        .add_pod("ext", client, None)
-        .expect("external client namespace");
-    let dir = manifest_dir("hrauto");
-    std::fs::write(dir.0.join("dns.yaml"), manifest()).unwrap();
-    let daemon = node_port_daemon(&bed, &pod.node_veth, &ext, &dir.0, &[]);
-    let target = format!("{}:30053", bed.node_ipv4());
+    let b = Bed::new("hrauto");
+    let (client, ext, target) = (CLIENT, &b.ext, b.node_port());
+    let daemon = b.daemon(&b.pod.node_veth, &[]);
     let answered = |count: &str| {
         let out = std::process::Command::new(probe())
             .arg("--netns")
@@ -243,7 +260,7 @@ fn auto_host_routing_gives_way_to_a_forward_filter() {
         "the node port never answered with host routing on; log:\n{}",
         daemon.log()
     );
-    let node = bed.node_netns().to_string();
+    let node = b.bed.node_netns().to_string();
     count_forwarded(&node, "");
     assert_eq!(answered("10"), 10, "a counting rule changes nothing");
     assert_eq!(

@@ -13,6 +13,7 @@
 //! - [`mode`]: probing the node and choosing the mode, as kube-proxy's getProxyMode.
 //! - [`leftovers`]: kube-proxy's nftables and IPVS modes' state, removed when we start.
 //! - [`netns`]: running a proxier for another network namespace.
+//! - [`watcher`]: the threads that keep looking at the kernel's devices, rules and hooks.
 
 pub mod bpf;
 pub mod frontends;
@@ -25,6 +26,7 @@ pub mod nftables;
 pub mod primary;
 pub mod start;
 pub mod userspace;
+pub mod watcher;
 
 use std::collections::BTreeSet;
 

@@ -196,6 +196,19 @@ impl NetlinkSocket {
         Ok(true)
     }
 
+    /// [`Self::wait_for_news`] on `socket` if there is one, else a sleep of `timeout`; a
+    /// read error is reported (as `what`'s) and slept off.
+    pub fn wait_or_sleep(socket: Option<&Self>, timeout: Duration, what: &str) {
+        match socket.map(|s| s.wait_for_news(timeout)) {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                tracing::warn!("{what}: reading events: {e}");
+                std::thread::sleep(timeout);
+            }
+            None => std::thread::sleep(timeout),
+        }
+    }
+
     /// Reads the answer to a dump request sent on this socket: `each(type, payload)` for
     /// every message, until NLMSG_DONE; NLMSG_ERROR ends it with that error. Bounded: a
     /// dump that has not ended after [`MAX_DUMP_RECVS`] datagrams is an error. `what` names

@@ -19,11 +19,7 @@
 use std::{
     collections::BTreeSet,
     io,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
+    sync::atomic::Ordering,
     time::{Duration, Instant},
 };
 
@@ -32,7 +28,7 @@ use proxy_common::{SockConfig, sockcfg::flags};
 use serde_json::Value;
 
 pub use crate::config::HostRouting;
-use crate::dataplane::{iptables, netns};
+use crate::dataplane::{iptables, netns, watcher::Watcher};
 
 /// How often the thread looks.
 const LOOK: Duration = Duration::from_millis(500);
@@ -202,8 +198,7 @@ fn legacy_here(ns: Option<&str>) -> Result<Option<String>, String> {
 
 /// Keeps `SockConfig`'s host-routing bit in step with the host's netfilter until dropped.
 pub struct AutoHostRouting {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _watcher: Watcher,
 }
 
 impl AutoHostRouting {
@@ -213,54 +208,41 @@ impl AutoHostRouting {
         map: Array<MapData, SockConfig>,
         namespaces: Vec<Option<String>>,
     ) -> io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name("fp-host-routing".into())
-                .spawn(move || {
-                    let mut looks: Vec<Look> = namespaces.into_iter().map(Look::new).collect();
-                    let mut map = map;
-                    let mut on = None;
-                    while !stop.load(Ordering::Relaxed) {
-                        let mut verdict = Ok(None);
-                        for look in &mut looks {
-                            verdict = look.refresh();
-                            if !matches!(verdict, Ok(None)) {
-                                break;
-                            }
+        Watcher::spawn("fp-host-routing", move |stop| {
+            let mut looks: Vec<Look> = namespaces.into_iter().map(Look::new).collect();
+            let mut map = map;
+            let mut on = None;
+            while !stop.load(Ordering::Relaxed) {
+                let verdict = looks
+                    .iter_mut()
+                    .map(Look::refresh)
+                    .find(|v| !matches!(v, Ok(None)))
+                    .unwrap_or(Ok(None));
+                let want = matches!(verdict, Ok(None));
+                if on != Some(want) {
+                    match set_host_routing(&mut map, want) {
+                        Ok(()) => {
+                            on = Some(want);
+                            report(&verdict);
                         }
-                        let want = matches!(verdict, Ok(None));
-                        if on != Some(want) {
-                            match set_host_routing(&mut map, want) {
-                                Ok(()) => {
-                                    on = Some(want);
-                                    match verdict {
-                                        Ok(None) => tracing::info!("host routing on: nothing in netfilter acts on forwarded traffic"),
-                                        Ok(Some(why)) => tracing::info!("host routing off: {why}"),
-                                        Err(e) => tracing::warn!("host routing off: cannot read netfilter's rules ({e})"),
-                                    }
-                                }
-                                Err(e) => tracing::warn!("host routing: {e}"),
-                            }
-                        }
-                        std::thread::sleep(LOOK);
+                        Err(e) => tracing::warn!("host routing: {e}"),
                     }
-                })?
-        };
-        Ok(Self {
-            stop,
-            thread: Some(thread),
+                }
+                std::thread::sleep(LOOK);
+            }
         })
+        .map(|w| Self { _watcher: w })
     }
 }
 
-impl Drop for AutoHostRouting {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+/// Says what a change of host routing follows.
+fn report(verdict: &Result<Option<String>, String>) {
+    match verdict {
+        Ok(None) => {
+            tracing::info!("host routing on: nothing in netfilter acts on forwarded traffic")
         }
+        Ok(Some(why)) => tracing::info!("host routing off: {why}"),
+        Err(e) => tracing::warn!("host routing off: cannot read netfilter's rules ({e})"),
     }
 }
 

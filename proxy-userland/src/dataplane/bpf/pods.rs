@@ -19,16 +19,15 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
     },
-    thread::JoinHandle,
     time::Duration,
 };
 
 use aya::programs::ProgramFd;
 
 use crate::config::HostRouting;
-use crate::dataplane::netns;
+use crate::dataplane::{netlink::NetlinkSocket, netns, watcher::Watcher};
 
 mod auto;
 mod pins;
@@ -141,17 +140,15 @@ struct PodDevice {
 
 /// The watcher thread; stops and detaches everything on drop.
 pub struct PodDevices {
-    stop: Arc<AtomicBool>,
     attached: Arc<AtomicUsize>,
-    thread: Option<JoinHandle<()>>,
+    _watcher: Watcher,
 }
 
 /// A socket the kernel tells of every device change in this thread's namespace
 /// (RTMGRP_LINK; no capability needed).
-fn link_news() -> io::Result<crate::dataplane::netlink::NetlinkSocket> {
+fn link_news() -> io::Result<NetlinkSocket> {
     const RTMGRP_LINK: u32 = 1;
-    let socket =
-        crate::dataplane::netlink::NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_ROUTE)?;
+    let socket = NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_ROUTE)?;
     socket.join_groups(RTMGRP_LINK)?;
     Ok(socket)
 }
@@ -168,63 +165,50 @@ impl PodDevices {
         known: KnownDevices,
         pin_dir: Option<&Path>,
     ) -> io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
         let attached = Arc::new(AtomicUsize::new(0));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let mut pins = pin_dir.map(pins::Pins::open).transpose()?;
-        let thread = {
-            let (cfg, stop, attached) = (cfg.clone(), stop.clone(), attached.clone());
-            std::thread::Builder::new()
-                .name("fp-pod-devices".into())
-                .spawn(move || {
-                    if let Some(ns) = &cfg.netns
-                        && let Err(e) = netns::enter(ns)
+        let watcher = {
+            let (cfg, attached) = (cfg.clone(), attached.clone());
+            Watcher::spawn("fp-pod-devices", move |stop| {
+                if let Some(ns) = &cfg.netns
+                    && let Err(e) = netns::enter(ns)
+                {
+                    let _ = ready_tx.send(Err(io::Error::other(e.to_string())));
+                    return;
+                }
+                // Told of every device change from before the first look, so a new
+                // pod's device gets the programs as it appears; the looks twice a
+                // second remain for what a lost message would hide.
+                let news = link_news()
+                    .inspect_err(|e| {
+                        tracing::warn!("pod devices: no link events ({e}); looking twice a second")
+                    })
+                    .ok();
+                let mut devices: BTreeMap<u32, PodDevice> = BTreeMap::new();
+                let mut known = known;
+                let progs = (&ingress, &egress);
+                let first =
+                    rescan(&cfg, progs, &mut devices, pins.as_mut()).and(known.follow(&devices));
+                attached.store(devices.len(), Ordering::Relaxed);
+                let _ = ready_tx.send(first);
+                while !stop.load(Ordering::Relaxed) {
+                    NetlinkSocket::wait_or_sleep(news.as_ref(), RESCAN, "pod devices");
+                    if let Err(e) =
+                        rescan(&cfg, progs, &mut devices, pins.as_mut()).and(known.follow(&devices))
                     {
-                        let _ = ready_tx.send(Err(io::Error::other(e.to_string())));
-                        return;
+                        tracing::warn!("pod devices: {e}");
                     }
-                    // Told of every device change from before the first look, so a new
-                    // pod's device gets the programs as it appears; the looks twice a
-                    // second remain for what a lost message would hide.
-                    let news = link_news()
-                        .inspect_err(|e| {
-                            tracing::warn!(
-                                "pod devices: no link events ({e}); looking twice a second"
-                            )
-                        })
-                        .ok();
-                    let mut devices: BTreeMap<u32, PodDevice> = BTreeMap::new();
-                    let mut known = known;
-                    let progs = (&ingress, &egress);
-                    let first = rescan(&cfg, progs, &mut devices, pins.as_mut())
-                        .and(known.follow(&devices));
                     attached.store(devices.len(), Ordering::Relaxed);
-                    let _ = ready_tx.send(first);
-                    while !stop.load(Ordering::Relaxed) {
-                        match news.as_ref().map(|n| n.wait_for_news(RESCAN)) {
-                            Some(Ok(_)) => {}
-                            Some(Err(e)) => {
-                                tracing::warn!("pod devices: reading link events: {e}");
-                                std::thread::sleep(RESCAN);
-                            }
-                            None => std::thread::sleep(RESCAN),
-                        }
-                        if let Err(e) = rescan(&cfg, progs, &mut devices, pins.as_mut())
-                            .and(known.follow(&devices))
-                        {
-                            tracing::warn!("pod devices: {e}");
-                        }
-                        attached.store(devices.len(), Ordering::Relaxed);
-                    }
-                })?
+                }
+            })?
         };
-        let watcher = PodDevices {
-            stop,
+        let devices = PodDevices {
             attached,
-            thread: Some(thread),
+            _watcher: watcher,
         };
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(watcher),
+            Ok(Ok(())) => Ok(devices),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(io::Error::other("the pod device watcher died")),
         }
@@ -278,15 +262,6 @@ impl KnownDevices {
             }
         }
         Ok(())
-    }
-}
-
-impl Drop for PodDevices {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -12,16 +12,7 @@
 //! and twice a second anyway (sysctls send no news). Until it has looked, and while a look
 //! fails, the key is the whole tuple, as it always is where ports do steer.
 
-use std::{
-    io,
-    mem::size_of,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread::JoinHandle,
-    time::Duration,
-};
+use std::{io, mem::size_of, sync::atomic::Ordering, time::Duration};
 
 use aya::maps::{Array, MapData};
 use bytemuck::{Pod, Zeroable};
@@ -30,6 +21,7 @@ use proxy_common::maps::ROUTES_BY_ADDRESS;
 use crate::dataplane::{
     netlink::{NetlinkSocket, NlMsgHdr, attributes},
     netns,
+    watcher::Watcher,
 };
 
 const RTM_NEWRULE: u16 = 32;
@@ -187,8 +179,7 @@ fn rule_news(ns: Option<&str>) -> io::Result<NetlinkSocket> {
 
 /// Keeps `FP_ROUTE_KEYS` up to date until dropped.
 pub struct RouteKeys {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _watcher: Watcher,
 }
 
 impl RouteKeys {
@@ -201,48 +192,21 @@ impl RouteKeys {
             by_address: None,
         };
         keys.update(verdict(&namespaces))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name("fp-route-keys".into())
-                .spawn(move || {
-                    let first = namespaces.first().cloned().flatten();
-                    let news = rule_news(first.as_deref())
-                        .inspect_err(|e| {
-                            tracing::warn!(
-                                "route keys: no rule events ({e}); looking twice a second"
-                            )
-                        })
-                        .ok();
-                    while !stop.load(Ordering::Relaxed) {
-                        match news.as_ref().map(|n| n.wait_for_news(RECHECK)) {
-                            Some(Ok(_)) => {}
-                            Some(Err(e)) => {
-                                tracing::warn!("route keys: reading rule events: {e}");
-                                std::thread::sleep(RECHECK);
-                            }
-                            None => std::thread::sleep(RECHECK),
-                        }
-                        if let Err(e) = keys.update(verdict(&namespaces)) {
-                            tracing::warn!("route keys: {e}");
-                        }
-                    }
-                })?
-        };
-        Ok(Self {
-            stop,
-            thread: Some(thread),
+        Watcher::spawn("fp-route-keys", move |stop| {
+            let first = namespaces.first().cloned().flatten();
+            let news = rule_news(first.as_deref())
+                .inspect_err(|e| {
+                    tracing::warn!("route keys: no rule events ({e}); looking twice a second")
+                })
+                .ok();
+            while !stop.load(Ordering::Relaxed) {
+                NetlinkSocket::wait_or_sleep(news.as_ref(), RECHECK, "route keys");
+                if let Err(e) = keys.update(verdict(&namespaces)) {
+                    tracing::warn!("route keys: {e}");
+                }
+            }
         })
-    }
-}
-
-impl Drop for RouteKeys {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        .map(|w| Self { _watcher: w })
     }
 }
 
