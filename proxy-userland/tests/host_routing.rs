@@ -271,12 +271,7 @@ fn auto_host_routing_gives_way_to_a_forward_filter() {
     assert_eq!((said(on), said(off)), (1, 0), "log:\n{}", daemon.log());
 
     let nft = |args: &str| {
-        let status = std::process::Command::new("ip")
-            .args(["netns", "exec", &node, "nft"])
-            .args(args.split_whitespace())
-            .status()
-            .expect("nft runs");
-        assert!(status.success(), "nft {args}");
+        netns_nft(&node, &args.split_whitespace().collect::<Vec<_>>());
     };
     nft("add table inet fpblock");
     nft("add chain inet fpblock fw { type filter hook forward priority 0 ; }");
@@ -300,5 +295,43 @@ fn auto_host_routing_gives_way_to_a_forward_filter() {
         eventually(5, || answered("1") == 1 && said(on) == 2),
         "with the rule gone, host routing is back; log:\n{}",
         daemon.log()
+    );
+}
+
+/// As deploy/ runs it (the ConfigMap's config, whose pod path and host routing are
+/// `auto`, and the DaemonSet's capabilities): the watcher can read netfilter's rules, so on
+/// a node whose netfilter does nothing to forwarded traffic host routing comes on, and a
+/// forward rule that drops turns it off, with its reason.
+#[test]
+fn as_shipped_host_routing_follows_the_nodes_netfilter() {
+    let b = Bed::new("hrship");
+    let manifests = format!("--manifests={}", b.dir.0.display());
+    let shipped = start_as_shipped(&b.bed, &[&manifests]);
+    let log = || shipped.daemon.log();
+    assert!(
+        eventually(20, || log().contains("host routing on")),
+        "host routing never came on; log:\n{}",
+        log()
+    );
+    let node = b.bed.node_netns();
+    netns_nft(node, &["add", "table", "inet", "fpship"]);
+    let chain = "{ type filter hook forward priority 0 ; }";
+    netns_nft(node, &["add", "chain", "inet", "fpship", "fw", chain]);
+    netns_nft(
+        node,
+        &[
+            "add", "rule", "inet", "fpship", "fw", "udp", "dport", "5353", "drop",
+        ],
+    );
+    assert!(
+        eventually(5, || log()
+            .contains("host routing off: nftables chain inet fpship fw")),
+        "host routing stayed on past a dropping rule; log:\n{}",
+        log()
+    );
+    assert!(
+        !log().contains("cannot read netfilter's rules"),
+        "log:\n{}",
+        log()
     );
 }
