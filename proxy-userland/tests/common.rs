@@ -791,14 +791,23 @@ pub fn start_in_node(bed: &Testbed, mode: &str, manifests: &Path, extra: &[&str]
 
 /// `nft` in network namespace `netns`; its output.
 pub fn netns_nft(netns: &str, args: &[&str]) -> String {
+    netns_tool(netns, "nft", args)
+}
+
+/// `ip ARGS` in `netns`, which must succeed; its output.
+pub fn netns_ip(netns: &str, args: &[&str]) -> String {
+    netns_tool(netns, "ip", args)
+}
+
+fn netns_tool(netns: &str, tool: &str, args: &[&str]) -> String {
     let out = Command::new("ip")
-        .args(["netns", "exec", netns, "nft"])
+        .args(["netns", "exec", netns, tool])
         .args(args)
         .output()
-        .expect("nft");
+        .expect(tool);
     assert!(
         out.status.success(),
-        "nft {args:?}: {}",
+        "{tool} {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()

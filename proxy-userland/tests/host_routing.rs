@@ -155,16 +155,7 @@ fn routing_rules_that_select_ports_are_followed() {
     let (client, ext, target) = (CLIENT, &b.ext, b.node_port());
     let node = b.bed.node_netns().to_string();
     let ip = |args: &[&str]| {
-        let out = std::process::Command::new("ip")
-            .args(["-n", &node])
-            .args(args)
-            .output()
-            .expect("ip runs");
-        assert!(
-            out.status.success(),
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        netns_ip(&node, args);
     };
     // Replies to the client's ports 40000-40999 may not leave the node.
     let client_route = format!("{client}/32");
