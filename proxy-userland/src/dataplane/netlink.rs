@@ -209,6 +209,27 @@ impl NetlinkSocket {
         }
     }
 
+    /// A route-netlink socket (no capability needed) that has asked for a dump of `ty`
+    /// with the family header `body`: [`Self::read_dump`] reads the answer.
+    pub fn route_dump(ty: u16, body: &[u8]) -> io::Result<Self> {
+        const NLM_F_REQUEST: u16 = 0x1;
+        const NLM_F_DUMP: u16 = 0x300;
+        let socket = Self::open(libc::SOCK_DGRAM, libc::NETLINK_ROUTE)?
+            .with_recv_timeout(Duration::from_secs(5))?;
+        let hdr = NlMsgHdr {
+            len: (size_of::<NlMsgHdr>() + body.len()) as u32,
+            ty,
+            flags: NLM_F_REQUEST | NLM_F_DUMP,
+            seq: 1,
+            pid: 0,
+        };
+        let mut req = Vec::with_capacity(hdr.len as usize);
+        req.extend_from_slice(bytemuck::bytes_of(&hdr));
+        req.extend_from_slice(body);
+        socket.send(&req)?;
+        Ok(socket)
+    }
+
     /// Reads the answer to a dump request sent on this socket: `each(type, payload)` for
     /// every message, until NLMSG_DONE; NLMSG_ERROR ends it with that error. Bounded: a
     /// dump that has not ended after [`MAX_DUMP_RECVS`] datagrams is an error. `what` names

@@ -19,15 +19,13 @@ use bytemuck::{Pod, Zeroable};
 use proxy_common::maps::ROUTES_BY_ADDRESS;
 
 use crate::dataplane::{
-    netlink::{NetlinkSocket, NlMsgHdr, attributes},
+    netlink::{NetlinkSocket, attributes},
     netns,
     watcher::Watcher,
 };
 
 const RTM_NEWRULE: u16 = 32;
 const RTM_GETRULE: u16 = 34;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP: u16 = 0x300;
 const FRA_SPORT_RANGE: u16 = 23;
 const FRA_DPORT_RANGE: u16 = 24;
 /// rtnetlink's rule groups as bind's bit mask: RTNLGRP_IPV4_RULE (8), RTNLGRP_IPV6_RULE (19).
@@ -107,23 +105,11 @@ fn read_sysctl(path: &str) -> io::Result<Option<u32>> {
 
 /// A rule of `family` that selects ports, described; one RTM_GETRULE dump.
 fn rule_by_port(family: libc::c_int) -> io::Result<Option<String>> {
-    let socket = NetlinkSocket::open(libc::SOCK_DGRAM, libc::NETLINK_ROUTE)?
-        .with_recv_timeout(Duration::from_secs(5))?;
-    let hdr = NlMsgHdr {
-        len: (size_of::<NlMsgHdr>() + size_of::<FibRuleHdr>()) as u32,
-        ty: RTM_GETRULE,
-        flags: NLM_F_REQUEST | NLM_F_DUMP,
-        seq: 1,
-        pid: 0,
-    };
     let rule = FibRuleHdr {
         family: family as u8,
         ..FibRuleHdr::default()
     };
-    let mut req = Vec::with_capacity(hdr.len as usize);
-    req.extend_from_slice(bytemuck::bytes_of(&hdr));
-    req.extend_from_slice(bytemuck::bytes_of(&rule));
-    socket.send(&req)?;
+    let socket = NetlinkSocket::route_dump(RTM_GETRULE, bytemuck::bytes_of(&rule))?;
     let mut found = None;
     let dumped = socket.read_dump("rtnetlink rule", |ty, body| {
         if ty == RTM_NEWRULE && found.is_none() {

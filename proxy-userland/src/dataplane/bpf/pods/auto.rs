@@ -16,8 +16,6 @@ use crate::dataplane::netlink::{NetlinkSocket, NlMsgHdr, attributes};
 
 const RTM_NEWLINK: u16 = 16;
 const RTM_GETLINK: u16 = 18;
-const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_DUMP: u16 = 0x300;
 const IFLA_IFNAME: u16 = 3;
 const IFLA_LINKINFO: u16 = 18;
 const IFLA_INFO_KIND: u16 = 1;
@@ -71,19 +69,7 @@ pub fn pod_devices(
 /// Every device of this thread's network namespace, through one RTM_GETLINK dump (no
 /// capability needed).
 pub fn links_here() -> io::Result<Vec<Link>> {
-    let socket = NetlinkSocket::open(libc::SOCK_DGRAM, libc::NETLINK_ROUTE)?
-        .with_recv_timeout(std::time::Duration::from_secs(5))?;
-    let hdr = NlMsgHdr {
-        len: (size_of::<NlMsgHdr>() + size_of::<IfInfoMsg>()) as u32,
-        ty: RTM_GETLINK,
-        flags: NLM_F_REQUEST | NLM_F_DUMP,
-        seq: 1,
-        pid: 0,
-    };
-    let mut req = Vec::with_capacity(hdr.len as usize);
-    req.extend_from_slice(bytemuck::bytes_of(&hdr));
-    req.extend_from_slice(bytemuck::bytes_of(&IfInfoMsg::default()));
-    socket.send(&req)?;
+    let socket = NetlinkSocket::route_dump(RTM_GETLINK, bytemuck::bytes_of(&IfInfoMsg::default()))?;
     let mut out = Vec::new();
     socket.read_dump("rtnetlink link", |ty, body| {
         if ty == RTM_NEWLINK {
