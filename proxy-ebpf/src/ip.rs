@@ -18,9 +18,9 @@ use proxy_common::{
 use crate::{
     flow::{Flow, Leaving, Route, Scratch},
     maps::{
-        BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, Lookup, NODE_ADDRS4,
-        NODE_ADDRS6, ROUTES4, ROUTES6, SCRATCH4, SCRATCH6, SERVICE_RANGES4, SERVICE_RANGES6,
-        SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6,
+        BACKENDS4, BACKENDS6, CT4, CT6, DEVICE_ADDRS4, DEVICE_ADDRS6, HEAD4, HEAD6, Lookup,
+        NODE_ADDRS4, NODE_ADDRS6, ROUTES4, ROUTES6, SCRATCH4, SCRATCH6, SERVICE_RANGES4,
+        SERVICE_RANGES6, SERVICES4, SERVICES6, SOURCE_RANGES4, SOURCE_RANGES6,
     },
     packet::Packet,
 };
@@ -52,6 +52,14 @@ pub trait Ip {
     const L3_CSUM: Option<usize>;
     /// The address in 32-bit words, for checksum updates.
     const WORDS: usize;
+    /// Where the L4 header starts in a frame whose IP header has no options or extension
+    /// headers.
+    const L4_PLAIN: usize;
+    /// Such a frame's bytes from the destination MAC to the L4 destination port, as 16-bit
+    /// words: what a translation rewrites (see `crate::rewrite`).
+    type Head: bytemuck::Pod + AsMut<[u16]>;
+    /// This CPU's room for a [`Self::Head`] (`maps::HEAD4`, `HEAD6`).
+    fn head() -> Option<*mut Self::Head>;
     /// Word `i` (< [`Self::WORDS`]) of `a`, as in memory.
     fn word(a: &Self::Addr, i: usize) -> u32;
 
@@ -165,6 +173,8 @@ impl Ip for V4 {
     const DST: usize = ETH_HLEN + 16;
     const L3_CSUM: Option<usize> = Some(ETH_HLEN + 10);
     const WORDS: usize = 1;
+    const L4_PLAIN: usize = ETH_HLEN + 20;
+    type Head = [u16; (ETH_HLEN + 20 + 4) / 2];
 
     #[inline(always)]
     fn word(a: &u32, _i: usize) -> u32 {
@@ -232,6 +242,11 @@ impl Ip for V4 {
     }
 
     #[inline(always)]
+    fn head() -> Option<*mut Self::Head> {
+        HEAD4.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
     fn routes() -> &'static PerCpuArray<Route<u32>> {
         &ROUTES4
     }
@@ -292,6 +307,8 @@ impl Ip for V6 {
     const DST: usize = ETH_HLEN + 24;
     const L3_CSUM: Option<usize> = None;
     const WORDS: usize = 4;
+    const L4_PLAIN: usize = ETH_HLEN + IP6_HLEN;
+    type Head = [u16; (ETH_HLEN + IP6_HLEN + 4) / 2];
 
     #[inline(always)]
     fn word(a: &Addr6, i: usize) -> u32 {
@@ -356,6 +373,11 @@ impl Ip for V6 {
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<Addr6>> {
         SCRATCH6.get_ptr_mut(0)
+    }
+
+    #[inline(always)]
+    fn head() -> Option<*mut Self::Head> {
+        HEAD6.get_ptr_mut(0)
     }
 
     #[inline(always)]

@@ -16,6 +16,7 @@
 //! - [`flow`]: one packet's tuple and the per-CPU scratch space its translation works in.
 //! - [`icmp`]: ICMP "too big" errors about those flows, translated back for the other end.
 //! - [`packet`]: what the node-port logic needs from tc and from XDP, implemented for both.
+//! - [`rewrite`]: a flow's translation written into its packet, checksums and MACs with it.
 //! - [`route`]: the FIB's answers for the flows the packet path sends on, remembered per
 //!   CPU for a second.
 //! - [`lb`]: backend selection shared by every hook.
@@ -43,6 +44,7 @@ mod nodeport;
 mod packet;
 mod refuse;
 mod release;
+mod rewrite;
 mod route;
 mod sock4;
 mod sock6;

@@ -118,6 +118,15 @@ pub static SCRATCH4: PerCpuArray<Scratch<u32>> = PerCpuArray::with_max_entries(1
 #[map(name = "FP_SCRATCH6")]
 pub static SCRATCH6: PerCpuArray<Scratch<Addr6>> = PerCpuArray::with_max_entries(1, 0);
 
+/// Per CPU, the head of the packet being translated, as `rewrite` builds it before its one
+/// store (see `ip::Ip::Head`); a map's rather than the stack's, which the redirecting
+/// paths have no room on. Not shared with the daemon.
+#[map(name = "FP_HEAD4")]
+pub static HEAD4: PerCpuArray<[u16; 19]> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "FP_HEAD6")]
+pub static HEAD6: PerCpuArray<[u16; 29]> = PerCpuArray::with_max_entries(1, 0);
+
 /// Per CPU, the FIB's recent answers for flows the packet path sends on itself (see
 /// `route`); not shared with the daemon.
 #[map(name = "FP_ROUTES4")]

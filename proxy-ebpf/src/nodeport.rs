@@ -31,7 +31,9 @@ use crate::{
     maglev,
     maps::{AFFINITY, Lookup, SOCK_CONFIG, count},
     packet::{FIB_NOT_FWDED, Packet},
-    refuse, route,
+    refuse,
+    rewrite::{apply, store_macs},
+    route,
 };
 
 /// Tries at finding a free SNAT port before giving up on a new flow.
@@ -53,58 +55,6 @@ fn parse<P: Packet, I: Ip>(pkt: &P, f: &mut Flow<I::Addr>) -> Option<()> {
         0
     };
     Some(())
-}
-
-/// Rewrites one address and port of the packet (`source` picks which), fixing the IP and
-/// L4 checksums incrementally, a word of the address at a time. `f` holds the values the
-/// packet has now.
-#[inline(always)]
-fn rewrite<P: Packet, I: Ip>(
-    pkt: &mut P,
-    f: &Flow<I::Addr>,
-    source: bool,
-    addr: I::Addr,
-    port: u16,
-) -> Result<(), ()> {
-    let (old_addr, old_port, addr_off, port_off) = if source {
-        (f.saddr, f.sport, I::SRC, f.l4)
-    } else {
-        (f.daddr, f.dport, I::DST, f.l4 + 2)
-    };
-    let udp = f.proto == proto::UDP;
-    let csum = f.l4 + if udp { 6 } else { 16 };
-    if !I::same(&addr, &old_addr) {
-        for i in 0..I::WORDS {
-            let (from, to) = (I::word(&old_addr, i), I::word(&addr, i));
-            if from != to {
-                pkt.l4_csum_replace(csum, from, to, 4, true, udp)?;
-                if let Some(l3) = I::L3_CSUM {
-                    pkt.l3_csum_replace(l3, from, to)?;
-                }
-            }
-        }
-        pkt.store(addr_off, &addr)?;
-    }
-    if port != old_port {
-        pkt.l4_csum_replace(csum, u32::from(old_port), u32::from(port), 2, false, udp)?;
-        pkt.store(port_off, &port)?;
-    }
-    Ok(())
-}
-
-#[inline(always)]
-fn apply<P: Packet, I: Ip>(pkt: &mut P, f: &Flow<I::Addr>, nat: &Nat<I::Addr>) -> Result<(), ()> {
-    if P::XDP {
-        count(nat::stat::XDP);
-    }
-    // Each rewrite reads only the fields it replaces, so both work from the tuple as parsed.
-    if let Some((a, p)) = nat.dst {
-        rewrite::<P, I>(pkt, f, false, a, p)?;
-    }
-    if let Some((a, p)) = nat.src {
-        rewrite::<P, I>(pkt, f, true, a, p)?;
-    }
-    Ok(())
 }
 
 /// Translates the packet and sends it out of the device the FIB names for its new
@@ -159,7 +109,7 @@ fn redirect_translated<P: Packet, I: Ip>(
         route::lookup::<P, I>(pkt, fib, now, &to, false).0
     };
     if ret == FIB_NOT_FWDED {
-        apply::<P, I>(pkt, f, nat)?;
+        apply::<P, I>(pkt, f, nat, None)?;
         pkt.note_settled(true);
         return Ok(P::PASS);
     }
@@ -170,10 +120,9 @@ fn redirect_translated<P: Packet, I: Ip>(
         count(nat::stat::DROP_NAT);
         return Ok(P::DROP);
     }
-    apply::<P, I>(pkt, f, nat)?;
-    if ret == crate::packet::FIB_SUCCESS {
-        store_macs(pkt, fib)?;
-    }
+    // Without a neighbour entry the kernel fills the MACs in (see `Packet::redirect`).
+    let macs = (ret == crate::packet::FIB_SUCCESS).then_some(&*fib);
+    apply::<P, I>(pkt, f, nat, macs)?;
     pkt.note_settled(true);
     Ok(pkt.redirect(ret, fib.ifindex))
 }
@@ -190,16 +139,6 @@ fn leaving<I: Ip>(f: &Flow<I::Addr>, nat: &Nat<I::Addr>) -> Leaving<I::Addr> {
         dport,
         proto: f.proto,
     }
-}
-
-/// Writes the FIB's MACs into the Ethernet header: one store of both, where two would
-/// each cost a helper call.
-#[inline(always)]
-fn store_macs<P: Packet>(pkt: &mut P, fib: &FibParams) -> Result<(), ()> {
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(&fib.dmac);
-    macs[6..].copy_from_slice(&fib.smac);
-    pkt.store(0, &macs)
 }
 
 /// A reply (backend -> client, or -> our SNAT address) of a flow we translate: what it
@@ -851,7 +790,7 @@ fn translate_reply<P: Packet, I: Ip>(
     if from_pod {
         return to_local_pod::<P, I>(pkt, f, nat, fib, now);
     }
-    if apply::<P, I>(pkt, f, nat).is_err() {
+    if apply::<P, I>(pkt, f, nat, None).is_err() {
         return P::PASS;
     }
     pkt.note_settled(true);
@@ -878,18 +817,16 @@ fn to_local_pod<P: Packet, I: Ip>(
     fib: &mut FibParams,
     now: u64,
 ) -> i32 {
-    if apply::<P, I>(pkt, f, nat).is_err() {
+    // The route first, so that its MACs go into the packet with the translation.
+    let peer = !P::XDP && host_routing() && {
+        let (ret, pod) = route::lookup::<P, I>(pkt, fib, now, &leaving::<I>(f, nat), true);
+        ret == crate::packet::FIB_SUCCESS && pod
+    };
+    if apply::<P, I>(pkt, f, nat, peer.then_some(&*fib)).is_err() {
         return P::PASS;
     }
     pkt.note_settled(true);
-    if P::XDP || !host_routing() {
-        return P::PASS;
-    }
-    let (ret, pod) = route::lookup::<P, I>(pkt, fib, now, &leaving::<I>(f, nat), true);
-    if ret != crate::packet::FIB_SUCCESS || !pod {
-        return P::PASS;
-    }
-    if store_macs(pkt, fib).is_err() {
+    if !peer {
         return P::PASS;
     }
     pkt.redirect_peer(fib.ifindex)
@@ -914,7 +851,7 @@ fn dsr_forward<P: Packet, I: Ip>(
         count(nat::stat::DROP_NAT);
         return P::DROP;
     }
-    if apply::<P, I>(pkt, f, nat).is_err() {
+    if apply::<P, I>(pkt, f, nat, None).is_err() {
         return P::PASS;
     }
     // Without its option the backend's answer would come from its own address, which the
@@ -983,7 +920,7 @@ fn egress_ip<P: Packet, I: Ip>(pkt: &mut P) -> Result<i32, ()> {
         s.work.now = 0;
         if reply_nat::<I>(f, &mut s.work.nat, &mut s.work.now).is_some() {
             count(nat::stat::TRANSLATED);
-            apply::<P, I>(pkt, f, &s.work.nat)?;
+            apply::<P, I>(pkt, f, &s.work.nat, None)?;
         }
     }
     Ok(P::PASS)

@@ -10,7 +10,10 @@ use aya_ebpf::{
         BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_OK, TC_ACT_SHOT, bpf_adj_room_mode,
         xdp_action,
     },
-    helpers::{bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer, bpf_skb_change_tail},
+    helpers::{
+        bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer, bpf_skb_change_tail,
+        bpf_skb_load_bytes,
+    },
     programs::{TcContext, XdpContext},
 };
 use bytemuck::Pod;
@@ -39,6 +42,8 @@ pub trait Packet {
     /// `Pod`: packet bytes are whatever the sender made them.
     fn load<T: Pod>(&self, offset: usize) -> Option<T>;
     fn store<T: Pod>(&mut self, offset: usize, value: &T) -> Result<(), ()>;
+    /// As [`Self::load`], into `dst` (map memory: no copy on the stack).
+    fn load_into<T: Pod>(&self, offset: usize, dst: &mut T) -> Result<(), ()>;
     /// Fixes the IPv4 header checksum at `offset` for a 4-byte field changing `from` -> `to`.
     fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()>;
     /// Fixes the L4 checksum at `offset` for a `size`-byte field (2 or 4) changing; `pseudo`:
@@ -52,6 +57,11 @@ pub trait Packet {
         pseudo: bool,
         udp: bool,
     ) -> Result<(), ()>;
+    /// Adds `diff`, a one's-complement sum of (!old + new) over changed 16-bit words (as in
+    /// memory), into the L4 checksum at `offset`; `pseudo` and `udp` as for
+    /// [`Self::l4_csum_replace`].
+    fn l4_csum_diff(&mut self, offset: usize, diff: u32, pseudo: bool, udp: bool)
+    -> Result<(), ()>;
     fn ifindex(&self) -> u32;
     fn as_ctx(&self) -> *mut c_void;
     /// Whether a FIB answer lets this hook send the packet out itself.
@@ -97,6 +107,31 @@ impl Packet for TcContext {
     }
 
     #[inline(always)]
+    fn load_into<T: Pod>(&self, offset: usize, dst: &mut T) -> Result<(), ()> {
+        if let Some(src) = linear_ptr::<T>(self, offset) {
+            // SAFETY: `src` is `size_of::<T>()` readable packet bytes (see `linear_ptr`),
+            // `dst` a live, exclusive `T`; packet and map memory do not overlap, and any
+            // bytes are a valid `T: Pod`.
+            unsafe {
+                core::ptr::copy_nonoverlapping(src, dst as *mut T as *mut u8, mem::size_of::<T>())
+            };
+            return Ok(());
+        }
+        let len = mem::size_of::<T>() as u32;
+        // SAFETY: our own program's context, and `dst` a live, exclusive `T` of exactly
+        // `len` bytes, which is all the helper writes; any bytes are a valid `T: Pod`.
+        let ret = unsafe {
+            bpf_skb_load_bytes(
+                self.skb.skb as *const c_void,
+                offset as u32,
+                dst as *mut T as *mut c_void,
+                len,
+            )
+        };
+        if ret == 0 { Ok(()) } else { Err(()) }
+    }
+
+    #[inline(always)]
     fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()> {
         TcContext::l3_csum_replace(self, offset, u64::from(from), u64::from(to), 4).map_err(drop)
     }
@@ -121,6 +156,25 @@ impl Packet for TcContext {
         }
         TcContext::l4_csum_replace(self, offset, u64::from(from), u64::from(to), flags)
             .map_err(drop)
+    }
+
+    // Size 0: the helper takes `to` as the difference, and `from` must be 0.
+    #[inline(always)]
+    fn l4_csum_diff(
+        &mut self,
+        offset: usize,
+        diff: u32,
+        pseudo: bool,
+        udp: bool,
+    ) -> Result<(), ()> {
+        let mut flags = 0;
+        if pseudo {
+            flags |= u64::from(BPF_F_PSEUDO_HDR);
+        }
+        if udp {
+            flags |= u64::from(BPF_F_MARK_MANGLED_0);
+        }
+        TcContext::l4_csum_replace(self, offset, 0, u64::from(diff), flags).map_err(drop)
     }
 
     #[inline(always)]
@@ -237,6 +291,12 @@ impl Packet for XdpContext {
     }
 
     #[inline(always)]
+    fn load_into<T: Pod>(&self, offset: usize, dst: &mut T) -> Result<(), ()> {
+        *dst = Packet::load(self, offset).ok_or(())?;
+        Ok(())
+    }
+
+    #[inline(always)]
     fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()> {
         let csum: u16 = Packet::load(self, offset).ok_or(())?;
         Packet::store(self, offset, &csum_update(csum, from, to, 4))
@@ -259,6 +319,25 @@ impl Packet for XdpContext {
             return Ok(());
         }
         let mut new = csum_update(csum, from, to, size);
+        if udp && new == 0 {
+            new = 0xffff;
+        }
+        Packet::store(self, offset, &new)
+    }
+
+    #[inline(always)]
+    fn l4_csum_diff(
+        &mut self,
+        offset: usize,
+        diff: u32,
+        _pseudo: bool,
+        udp: bool,
+    ) -> Result<(), ()> {
+        let csum: u16 = Packet::load(self, offset).ok_or(())?;
+        if udp && csum == 0 {
+            return Ok(());
+        }
+        let mut new = !crate::rewrite::fold(u32::from(!csum) + diff);
         if udp && new == 0 {
             new = 0xffff;
         }
@@ -324,6 +403,16 @@ impl Packet for XdpContext {
 /// the verifier learns no readable range).
 #[inline(always)]
 fn linear<T: Pod>(ctx: &TcContext, offset: usize) -> Option<T> {
+    let ptr = linear_ptr::<T>(ctx, offset)?;
+    // SAFETY: [ptr, ptr + size_of::<T>()) lies within the packet's linear data (see
+    // `linear_ptr`), which nothing moves while the program runs between helper calls; the
+    // read is unaligned, and any bytes are a valid `T: Pod`.
+    Some(unsafe { core::ptr::read_unaligned(ptr as *const T) })
+}
+
+/// Where `T` at `offset` starts in the linear data of a tc packet, if all of it lies there.
+#[inline(always)]
+fn linear_ptr<T: Pod>(ctx: &TcContext, offset: usize) -> Option<*const u8> {
     let offset = bounded(offset)?;
     let ptr = ctx.data() + offset;
     let window = if mem::size_of::<T>() < 2 {
@@ -334,10 +423,7 @@ fn linear<T: Pod>(ctx: &TcContext, offset: usize) -> Option<T> {
     if ptr + window > ctx.data_end() {
         return None;
     }
-    // SAFETY: [ptr, ptr + size_of::<T>()) lies within the packet's linear data (checked
-    // against data_end just above), which nothing moves while the program runs between
-    // helper calls; the read is unaligned, and any bytes are a valid `T: Pod`.
-    Some(unsafe { core::ptr::read_unaligned(ptr as *const T) })
+    Some(ptr as *const u8)
 }
 
 /// Headers lie in the first few hundred bytes. Offsets read back from a map (the flow in

@@ -799,6 +799,14 @@ pub fn netns_ip(netns: &str, args: &[&str]) -> String {
     netns_tool(netns, "ip", args)
 }
 
+/// Makes `pod` send (from its `eth0`) with its checksums computed in full, as packets from
+/// another host's NIC arrive, and not left partial for a device to finish, as a veth does
+/// by default: the receiving stack trusts a partial checksum and would not notice one our
+/// programs got wrong, while a full one it verifies, dropping the packet when it is wrong.
+pub fn send_full_checksums(pod: &xtask::testbed::Pod) {
+    netns_tool(&pod.netns, "ethtool", &["-K", "eth0", "tx", "off"]);
+}
+
 fn netns_tool(netns: &str, tool: &str, args: &[&str]) -> String {
     let out = Command::new("ip")
         .args(["netns", "exec", netns, tool])

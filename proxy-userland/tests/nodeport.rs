@@ -243,12 +243,17 @@ fn nodeport_addresses_of_one_family_leave_the_other_on_every_address() {
 /// A dual-stack Service's node ports answer on the node's IPv6 address as on its IPv4
 /// one, each family served by the pods' addresses of that family, without SNAT for local
 /// pods, and the replies come from the node port.
+/// Both families' node ports, to pods on this node. The client and the pods send full
+/// checksums, which the receivers verify after our programs rewrote the packets.
 #[test]
 fn dual_stack_node_port_reaches_local_pods_over_both_families() {
-    let (mut bed, _pods) = bed_with_dual_stack_pods("npdual", 2, &["--echo-peer"]);
+    let (mut bed, pods) = bed_with_dual_stack_pods("npdual", 2, &["--echo-peer"]);
     let ext = bed
         .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
         .expect("external client namespace");
+    for p in pods.iter().chain([&ext]) {
+        send_full_checksums(p);
+    }
     let mut dp = attach(&bed, &[&ext.node_veth]);
     let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
     svc.cluster_ips.push("2001:db8:ff00::10".parse().unwrap());

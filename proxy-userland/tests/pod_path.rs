@@ -369,7 +369,9 @@ fn node_ports_reach_pods_of_this_node_with_the_pod_path_on_their_devices() {
 
 /// The same with `--bpf-host-routing`: a node port's packets for pods on this node go from
 /// the node device's tc straight into the pod, past the host's stack (its forward hook
-/// counts none of them once the neighbours are known); answers are as before.
+/// counts none of them once the neighbours are known); answers are as before. The client
+/// and the pods send full checksums, which the receivers verify: the programs rewrite
+/// every packet of these flows, its MACs, addresses and checksums in one store.
 #[test]
 fn host_routing_takes_node_port_traffic_to_local_pods_past_the_hosts_stack() {
     node_ports_reach_local_pods("podnphr", true);
@@ -386,6 +388,9 @@ fn node_ports_reach_local_pods(tag: &str, host_routing: bool) {
     let mut extra: Vec<&str> = Vec::new();
     if host_routing {
         extra.push("--bpf-host-routing");
+        for p in pods.iter().chain([&ext]) {
+            send_full_checksums(p);
+        }
     }
     let daemon = node_port_daemon(&bed, &pod_devices, &ext, &dir.0, &extra);
     let node = bed.node_ipv4();
