@@ -65,7 +65,11 @@ pub fn note_reply<I: Ip>(addr: &I::Addr, port: u16, proto: u8) {
         // that lives as long as the map. A byte store is whole on every CPU, and other
         // CPUs only ever store 1 into slots too: none can undo another's.
         let e = unsafe { &mut *e };
-        if let Some(b) = e.get_mut(byte) {
+        // Read first: a slot is set for good after a backend's first flow, and a store to
+        // it anyway would dirty a cache line the other CPUs read on every packet.
+        if let Some(b) = e.get_mut(byte)
+            && *b == 0
+        {
             *b = 1;
         }
     }

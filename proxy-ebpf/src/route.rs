@@ -82,8 +82,8 @@ pub fn lookup<P: Packet, I: Ip>(
             && I::same(&r.daddr, &to.daddr)
         {
             p.ifindex = r.out_ifindex;
-            p.smac = r.smac;
-            p.dmac = r.dmac;
+            copy_mac(&mut p.smac, &r.smac);
+            copy_mac(&mut p.dmac, &r.dmac);
             if want_pod && r.pod == POD_UNKNOWN {
                 r.pod = pod_device(r.out_ifindex);
             }
@@ -122,6 +122,18 @@ pub fn lookup<P: Packet, I: Ip>(
 }
 
 /// Whether the daemon found that no port steers a route here (see the module docs).
+/// A MAC copied a byte at a time, inline: an array assignment between two maps' values
+/// compiles to a call to a subprogram that moves it byte by byte in a loop (BPF has no
+/// memmove of its own), on every redirected packet.
+#[inline(always)]
+fn copy_mac(dst: &mut [u8; 6], src: &[u8; 6]) {
+    for i in 0..6 {
+        // SAFETY: `i` is within both arrays, and `dst` is exclusively borrowed; volatile
+        // keeps the compiler from turning the stores back into a memmove call.
+        unsafe { core::ptr::write_volatile(dst.as_mut_ptr().add(i), src[i]) };
+    }
+}
+
 #[inline(always)]
 fn by_address() -> bool {
     ROUTE_KEYS
