@@ -11,10 +11,13 @@
 //! programs' devices are in. NAT chains do not count: they see a connection's first packet
 //! only, and the programs translate before them.
 //!
-//! A thread of its own looks at start and then twice a second: the nf_tables generation
-//! says whether to list the ruleset again; legacy tables, which have none, are listed
-//! every few seconds while they exist. A look that fails counts as "filtered": host
-//! routing is left off rather than risk skipping a policy.
+//! A thread of its own looks at start, then whenever nf_tables announces a change in the
+//! first namespace (nfnetlink's nftables group: a rule a CNI adds is honoured as soon as
+//! the ruleset is listed, not at the next poll), and twice a second in any case: the
+//! nf_tables generation says whether to list the ruleset again; legacy tables, which
+//! announce nothing and have no generation, are listed every few seconds while they exist.
+//! A look that fails counts as "filtered": host routing is left off rather than risk
+//! skipping a policy.
 
 use std::{
     collections::BTreeSet,
@@ -28,10 +31,15 @@ use proxy_common::{SockConfig, sockcfg::flags};
 use serde_json::Value;
 
 pub use crate::config::HostRouting;
-use crate::dataplane::{iptables, netns, watcher::Watcher};
+use crate::dataplane::{iptables, netlink::NetlinkSocket, netns, watcher::Watcher};
 
-/// How often the thread looks.
+/// How often the thread looks without news.
 const LOOK: Duration = Duration::from_millis(500);
+/// The least time between two looks: a burst of changes (a CNI's batch, one message per
+/// object) is listed once, not once per message.
+const SETTLE: Duration = Duration::from_millis(20);
+/// nfnetlink's group for nf_tables changes (NFNLGRP_NFTABLES, 7), as bind's bit mask.
+const NFTABLES_GROUP: u32 = 1 << (7 - 1);
 /// How often what has no generation to go by (legacy iptables, a namespace without
 /// nf_tables) is listed again.
 const SLOW_LOOK: Duration = Duration::from_secs(5);
@@ -209,6 +217,14 @@ impl AutoHostRouting {
         namespaces: Vec<Option<String>>,
     ) -> io::Result<Self> {
         Watcher::spawn("fp-host-routing", move |stop| {
+            let first = namespaces.first().cloned().flatten();
+            let news = ruleset_news(first.as_deref())
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        "host routing: no nf_tables events ({e}); looking twice a second"
+                    )
+                })
+                .ok();
             let mut looks: Vec<Look> = namespaces.into_iter().map(Look::new).collect();
             let mut map = map;
             let mut on = None;
@@ -228,11 +244,22 @@ impl AutoHostRouting {
                         Err(e) => tracing::warn!("host routing: {e}"),
                     }
                 }
-                std::thread::sleep(LOOK);
+                std::thread::sleep(SETTLE);
+                NetlinkSocket::wait_or_sleep(news.as_ref(), LOOK, "host routing");
             }
         })
         .map(|w| Self { _watcher: w })
     }
+}
+
+/// A socket told of every nf_tables change in `ns` (None: ours), where it was made.
+fn ruleset_news(ns: Option<&str>) -> io::Result<NetlinkSocket> {
+    let open = || {
+        let socket = NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_NETFILTER)?;
+        socket.join_groups(NFTABLES_GROUP)?;
+        Ok(socket)
+    };
+    netns::in_netns(ns, open).map_err(|e| io::Error::other(e.to_string()))?
 }
 
 /// Says what a change of host routing follows.
