@@ -292,7 +292,22 @@ impl Packet for XdpContext {
 
     #[inline(always)]
     fn load_into<T: Pod>(&self, offset: usize, dst: &mut T) -> Result<(), ()> {
-        *dst = Packet::load(self, offset).ok_or(())?;
+        let offset = bounded(offset).ok_or(())?;
+        let ptr = self.data() + offset;
+        if ptr + mem::size_of::<T>() > self.data_end() {
+            return Err(());
+        }
+        // SAFETY: [ptr, ptr + size_of::<T>()) lies within the packet (checked against
+        // data_end just above), `dst` is a live, exclusive `T` in map memory, which the
+        // packet does not overlap, and any bytes are a valid `T: Pod`. Copied in place: a
+        // copy through the stack compiles to a call to a byte-at-a-time memmove.
+        unsafe {
+            core::ptr::copy_nonoverlapping(
+                ptr as *const u8,
+                dst as *mut T as *mut u8,
+                mem::size_of::<T>(),
+            )
+        };
         Ok(())
     }
 
