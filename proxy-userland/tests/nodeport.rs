@@ -747,6 +747,8 @@ fn add_node_b_for(bed: &mut Testbed, dual: bool) -> String {
         args.extend(["--tcp", "[::]:8080", "--udp", "[::]:5353"]);
     }
     bed.serve(probe(), &pod, &args).expect("pod-b serves");
+    // Its answers come back through our programs' double rewrite: checked in full.
+    send_full_checksums(&pod);
     b.bed_veth
 }
 
@@ -768,12 +770,15 @@ fn ipv6_node_port_on_node_a_reaches_a_pod_on_node_b_through_snat() {
 }
 
 /// A client outside reaches node A's node port (its IPv6 one with `v6`, the Service then
-/// dual-stack); the only endpoint, pod-b, is on node B (Cluster policy).
+/// dual-stack); the only endpoint, pod-b, is on node B (Cluster policy). The client and
+/// pod-b send full checksums, which the receivers verify after both addresses and both
+/// ports were rewritten.
 fn reaches_a_pod_on_node_b_through_snat(tag: &str, v6: bool) {
     let (mut bed, _pods) = bed_with_pods(tag, 1);
     let ext = bed
         .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), EXT6.parse().ok())
         .expect("external client namespace");
+    send_full_checksums(&ext);
     let link = add_node_b_for(&mut bed, v6);
     let mut dp = attach(&bed, &[&ext.node_veth, &link]);
     let mut svc = node_port_service("web", WEB_IP, NODE_PORT);
