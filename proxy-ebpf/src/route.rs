@@ -127,10 +127,10 @@ pub fn lookup<P: Packet, I: Ip>(
 /// memmove of its own), on every redirected packet.
 #[inline(always)]
 fn copy_mac(dst: &mut [u8; 6], src: &[u8; 6]) {
-    for i in 0..6 {
-        // SAFETY: `i` is within both arrays, and `dst` is exclusively borrowed; volatile
-        // keeps the compiler from turning the stores back into a memmove call.
-        unsafe { core::ptr::write_volatile(dst.as_mut_ptr().add(i), src[i]) };
+    for (d, s) in dst.iter_mut().zip(src) {
+        // SAFETY: `d` is a live, exclusive byte of `dst`; volatile keeps the compiler from
+        // turning the stores back into a memmove call.
+        unsafe { core::ptr::write_volatile(d, *s) };
     }
 }
 
