@@ -352,7 +352,7 @@ impl Packet for XdpContext {
         if udp && csum == 0 {
             return Ok(());
         }
-        let mut new = !crate::rewrite::fold(u32::from(!csum) + diff);
+        let mut new = !fold(u32::from(!csum) + diff);
         if udp && new == 0 {
             new = 0xffff;
         }
@@ -447,6 +447,14 @@ fn linear_ptr<T: Pod>(ctx: &TcContext, offset: usize) -> Option<*const u8> {
 #[inline(always)]
 fn bounded(offset: usize) -> Option<usize> {
     (offset <= 0xfff).then_some(offset)
+}
+
+/// A 32-bit one's-complement sum folded to 16 bits.
+#[inline(always)]
+pub fn fold(mut sum: u32) -> u16 {
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum as u16
 }
 
 /// RFC 1624 incremental update of a checksum (as stored, network order) for a field of

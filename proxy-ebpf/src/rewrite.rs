@@ -16,7 +16,7 @@ use proxy_common::proto;
 use crate::{
     flow::{Flow, Nat},
     ip::Ip,
-    packet::Packet,
+    packet::{Packet, fold},
 };
 
 /// Writes `nat` into the packet, whose tuple as parsed is `f`, and the FIB's MACs from
@@ -118,14 +118,6 @@ fn put_word(words: &mut [u16], at: usize, new: u16, diff: &mut u32) {
         *diff += u32::from(!old) + u32::from(new);
         words[at] = new;
     }
-}
-
-/// A 32-bit one's-complement sum folded to 16 bits.
-#[inline(always)]
-pub fn fold(mut sum: u32) -> u16 {
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum as u16
 }
 
 /// Rewrites one address and port of the packet (`source` picks which), fixing the IP and
