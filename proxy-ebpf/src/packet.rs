@@ -314,7 +314,11 @@ impl Packet for XdpContext {
     #[inline(always)]
     fn l3_csum_replace(&mut self, offset: usize, from: u32, to: u32) -> Result<(), ()> {
         let csum: u16 = Packet::load(self, offset).ok_or(())?;
-        Packet::store(self, offset, &csum_update(csum, from, to, 4))
+        Packet::store(
+            self,
+            offset,
+            &!fold(u32::from(!csum) + field_diff(from, to, 4)),
+        )
     }
 
     // XDP sees the checksum on the wire, which NICs deliver complete. (A veth peer that
@@ -326,18 +330,10 @@ impl Packet for XdpContext {
         from: u32,
         to: u32,
         size: u8,
-        _pseudo: bool,
+        pseudo: bool,
         udp: bool,
     ) -> Result<(), ()> {
-        let csum: u16 = Packet::load(self, offset).ok_or(())?;
-        if udp && csum == 0 {
-            return Ok(());
-        }
-        let mut new = csum_update(csum, from, to, size);
-        if udp && new == 0 {
-            new = 0xffff;
-        }
-        Packet::store(self, offset, &new)
+        Packet::l4_csum_diff(self, offset, field_diff(from, to, size), pseudo, udp)
     }
 
     #[inline(always)]
@@ -457,19 +453,15 @@ pub fn fold(mut sum: u32) -> u16 {
     sum as u16
 }
 
-/// RFC 1624 incremental update of a checksum (as stored, network order) for a field of
-/// `size` bytes (2 or 4) changing from `from` to `to` (both as stored in memory).
+/// What a field of `size` bytes (2 or 4) changing `from` -> `to` (both as in memory) adds
+/// to a checksum (RFC 1624): !old + new over its 16-bit words, in memory order as
+/// [`Packet::l4_csum_diff`] takes it.
 #[inline(always)]
-fn csum_update(csum: u16, from: u32, to: u32, size: u8) -> u16 {
-    let (f, t) = (from.to_ne_bytes(), to.to_ne_bytes());
-    let mut sum = u32::from(!u16::from_be(csum));
-    sum +=
-        u32::from(!u16::from_be_bytes([f[0], f[1]])) + u32::from(u16::from_be_bytes([t[0], t[1]]));
+fn field_diff(from: u32, to: u32, size: u8) -> u32 {
+    let half = |v: u32, i: u32| (v >> (16 * i)) as u16;
+    let mut diff = u32::from(!half(from, 0)) + u32::from(half(to, 0));
     if size == 4 {
-        sum += u32::from(!u16::from_be_bytes([f[2], f[3]]))
-            + u32::from(u16::from_be_bytes([t[2], t[3]]));
+        diff += u32::from(!half(from, 1)) + u32::from(half(to, 1));
     }
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    (!(sum as u16)).to_be()
+    diff
 }

@@ -149,6 +149,17 @@ impl NetlinkSocket {
         Ok(())
     }
 
+    /// A socket of netlink `protocol` made in `ns` (None: ours) that has joined `groups`:
+    /// told of every such change made there.
+    pub fn news_in(ns: Option<&str>, protocol: libc::c_int, groups: u32) -> io::Result<Self> {
+        let open = || {
+            let socket = Self::open(libc::SOCK_RAW, protocol)?;
+            socket.join_groups(groups)?;
+            Ok(socket)
+        };
+        super::netns::in_netns(ns, open).map_err(|e| io::Error::other(e.to_string()))?
+    }
+
     /// Waits up to `timeout` for a message; true if one came. All queued messages are then
     /// read and dropped: the caller only wants to know that something changed (an overrun,
     /// ENOBUFS, counts as a change too).

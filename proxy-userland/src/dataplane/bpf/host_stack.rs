@@ -254,12 +254,7 @@ impl AutoHostRouting {
 
 /// A socket told of every nf_tables change in `ns` (None: ours), where it was made.
 fn ruleset_news(ns: Option<&str>) -> io::Result<NetlinkSocket> {
-    let open = || {
-        let socket = NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_NETFILTER)?;
-        socket.join_groups(NFTABLES_GROUP)?;
-        Ok(socket)
-    };
-    netns::in_netns(ns, open).map_err(|e| io::Error::other(e.to_string()))?
+    NetlinkSocket::news_in(ns, libc::NETLINK_NETFILTER, NFTABLES_GROUP)
 }
 
 /// Says what a change of host routing follows.

@@ -155,12 +155,7 @@ fn verdict(namespaces: &[Option<String>]) -> io::Result<Option<String>> {
 
 /// A socket told of every rule change in `ns` (None: ours), where it was made.
 fn rule_news(ns: Option<&str>) -> io::Result<NetlinkSocket> {
-    let open = || {
-        let socket = NetlinkSocket::open(libc::SOCK_RAW, libc::NETLINK_ROUTE)?;
-        socket.join_groups(RULE_GROUPS)?;
-        Ok(socket)
-    };
-    netns::in_netns(ns, open).map_err(|e| io::Error::other(e.to_string()))?
+    NetlinkSocket::news_in(ns, libc::NETLINK_ROUTE, RULE_GROUPS)
 }
 
 /// Keeps `FP_ROUTE_KEYS` up to date until dropped.
