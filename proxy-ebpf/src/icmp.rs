@@ -22,6 +22,7 @@ use crate::{
     kernel,
     maps::{Lookup, count},
     packet::{FIB_NOT_FWDED, FIB_SUCCESS, Packet},
+    rewrite::store_macs,
 };
 
 /// Offsets in an ICMP header: its checksum, and the packet it quotes.
@@ -270,8 +271,7 @@ fn send_on<P: Packet, I: Ip>(
         count(nat::stat::ICMP_DROPPED);
         return P::DROP;
     }
-    if ret == FIB_SUCCESS && (pkt.store(0, &fib.dmac).is_err() || pkt.store(6, &fib.smac).is_err())
-    {
+    if ret == FIB_SUCCESS && store_macs(pkt, fib).is_err() {
         count(nat::stat::ICMP_DROPPED);
         return P::DROP;
     }
