@@ -180,8 +180,27 @@ fn node_port_reaches_local_pods_over_tcp_and_udp_and_replies_come_from_the_node(
             "reply from the node port: {a:?}"
         );
     }
+    // Every flow the pods saw was a new one in the programs' counters. Two fresh UDP
+    // sockets may draw the same port (one flow, as for conntrack: about one run in 600;
+    // it failed a full suite once), so the flows are counted as the pods saw them.
+    let flows = |outcomes: &[xtask::probe::Outcome]| {
+        outcomes
+            .iter()
+            .filter_map(|a| a.seen_from())
+            .collect::<BTreeSet<_>>()
+            .len() as u64
+    };
+    assert_eq!(
+        flows(&attempts),
+        30,
+        "each connection its own port: {attempts:?}"
+    );
     let stats = dp.programmer().maps().packet_stats();
-    assert!(stats.new_flows >= 40, "{stats:?}");
+    assert!(
+        stats.new_flows >= 30 + flows(&udp),
+        "{stats:?}, UDP flows {}",
+        flows(&udp)
+    );
 
     // A port nobody serves is left to the node's stack, which refuses it.
     let other = tcp_from(&ext, &node_addr(&bed, 30999), 1);
