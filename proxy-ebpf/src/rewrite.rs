@@ -88,8 +88,7 @@ fn apply_at_once<P: Packet, I: Ip>(
         }
     }
     pkt.store(0, &*head)?;
-    let udp = f.proto == proto::UDP;
-    let csum = f.l4 + if udp { 6 } else { 16 };
+    let (csum, udp) = l4_csum(f);
     if addrs != 0 {
         pkt.l4_csum_diff(csum, addrs, true, udp)?;
     }
@@ -97,6 +96,13 @@ fn apply_at_once<P: Packet, I: Ip>(
         pkt.l4_csum_diff(csum, ports, false, udp)?;
     }
     Ok(())
+}
+
+/// Where the packet's L4 checksum is, and whether it is UDP's (where 0 means "none").
+#[inline(always)]
+fn l4_csum<A>(f: &Flow<A>) -> (usize, bool) {
+    let udp = f.proto == proto::UDP;
+    (f.l4 + if udp { 6 } else { 16 }, udp)
 }
 
 /// Puts `addr` at word `at`, adding what changed to `diff`.
@@ -136,8 +142,7 @@ fn rewrite<P: Packet, I: Ip>(
     } else {
         (f.daddr, f.dport, I::DST, f.l4 + 2)
     };
-    let udp = f.proto == proto::UDP;
-    let csum = f.l4 + if udp { 6 } else { 16 };
+    let (csum, udp) = l4_csum(f);
     if !I::same(&addr, &old_addr) {
         for i in 0..I::WORDS {
             let (from, to) = (I::word(&old_addr, i), I::word(&addr, i));
