@@ -232,5 +232,7 @@ pub mod stat {
     /// Socket calls refused: the address is inside a service range and no frontend
     /// serves it (no Service holds the address, or not on that port and protocol).
     pub const REFUSED_SERVICE_RANGE: u32 = 8;
-    pub const COUNT: u32 = 9;
+    /// Dropped: a new flow found the flow table full (the daemon's collector makes room).
+    pub const DROP_FLOW_TABLE_FULL: u32 = 9;
+    pub const COUNT: u32 = 10;
 }

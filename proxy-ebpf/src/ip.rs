@@ -7,7 +7,7 @@ use core::mem;
 use aya_ebpf::{
     bindings::bpf_fib_lookup as FibParams,
     helpers::bpf_fib_lookup,
-    maps::{LruHashMap, PerCpuArray, lpm_trie::Key as LpmKey},
+    maps::{HashMap, PerCpuArray, lpm_trie::Key as LpmKey},
 };
 use proxy_common::{
     Addr6, CtKey, CtValue, FlowAddr, Service4Key, Service6Key, ServiceValue, SourceRange, maglev,
@@ -145,7 +145,7 @@ pub trait Ip {
     /// This family's remembered FIB answers (see `route`).
     fn routes() -> &'static PerCpuArray<Route<Self::Addr>>;
     /// This family's flow table.
-    fn ct() -> &'static LruHashMap<CtKey<Self::Addr>, CtValue<Self::Addr>>;
+    fn ct() -> &'static HashMap<CtKey<Self::Addr>, CtValue<Self::Addr>>;
     /// Whether node ports answer on `addr`.
     fn node_address(addr: Self::Addr) -> bool;
     /// Whether `addr` is inside a service range (where ClusterIPs come from).
@@ -252,7 +252,7 @@ impl Ip for V4 {
     }
 
     #[inline(always)]
-    fn ct() -> &'static LruHashMap<CtKey<u32>, CtValue<u32>> {
+    fn ct() -> &'static HashMap<CtKey<u32>, CtValue<u32>> {
         &CT4
     }
 
@@ -386,7 +386,7 @@ impl Ip for V6 {
     }
 
     #[inline(always)]
-    fn ct() -> &'static LruHashMap<CtKey<Addr6>, CtValue<Addr6>> {
+    fn ct() -> &'static HashMap<CtKey<Addr6>, CtValue<Addr6>> {
         &CT6
     }
 

@@ -62,11 +62,19 @@ pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
     HashMap::with_max_entries(AFFINITY_MATCH_MAX, BPF_F_NO_PREALLOC);
 
 /// The packet path's flows: forward and reply entries (see `proxy_common::nat`).
+///
+/// A plain, preallocated hash map, not an LRU one: a new flow takes an element from a
+/// per-CPU free list, where an LRU map refills that list and rotates its lists under a
+/// global lock, touching cold entries, which cost a host-routed node-port connection about
+/// 1.4% of its rate (docs/benchmarks.md). Entries go when the daemon's collector finds
+/// them expired, or when it evicts the oldest of a table near full; a new flow that finds
+/// the table full is dropped and counted (`stat::DROP_FLOW_TABLE_FULL`), and its client's
+/// retry finds room once the collector has run (see `flow_gc` in the daemon).
 #[map(name = "FP_CT4")]
-pub static CT4: LruHashMap<Ct4Key, Ct4Value> = LruHashMap::with_max_entries(CT_MAX, 0);
+pub static CT4: HashMap<Ct4Key, Ct4Value> = HashMap::with_max_entries(CT_MAX, 0);
 
 #[map(name = "FP_CT6")]
-pub static CT6: LruHashMap<Ct6Key, Ct6Value> = LruHashMap::with_max_entries(CT_MAX, 0);
+pub static CT6: HashMap<Ct6Key, Ct6Value> = HashMap::with_max_entries(CT_MAX, 0);
 
 /// loadBalancerSourceRanges per frontend (aya adds the BPF_F_NO_PREALLOC tries need).
 #[map(name = "FP_SRC_RANGE4")]

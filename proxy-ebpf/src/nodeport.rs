@@ -304,7 +304,7 @@ fn choose_backend<I: Ip>(
 }
 
 /// A source port on `snat_addr` no other flow to `backend` uses, claimed by writing the
-/// reply entry that will translate the backend's answers.
+/// reply entry that will translate the backend's answers. Err: the drop's counter.
 #[inline(always)]
 fn claim_snat_port<I: Ip>(
     f: &Flow<I::Addr>,
@@ -312,7 +312,7 @@ fn claim_snat_port<I: Ip>(
     snat_addr: I::Addr,
     reply: &CtValue<I::Addr>,
     now: u64,
-) -> Option<u16> {
+) -> Result<u16, u32> {
     let span = u32::from(nat::SNAT_PORT_MAX - nat::SNAT_PORT_MIN) + 1;
     filter::note_reply::<I>(&b.addr, b.port, f.proto);
     for _ in 0..SNAT_TRIES {
@@ -327,18 +327,35 @@ fn claim_snat_port<I: Ip>(
             dir: nat::dir::REPLY,
             _pad: [0; 2],
         };
-        if I::ct().insert(key, reply, u64::from(BPF_NOEXIST)).is_ok() {
-            return Some(port);
+        match record::<I>(key, reply, u64::from(BPF_NOEXIST)) {
+            Ok(()) => return Ok(port),
+            Err(nat::stat::DROP_FLOW_TABLE_FULL) => return Err(nat::stat::DROP_FLOW_TABLE_FULL),
+            Err(_) => {}
         }
         // Taken: by a live flow, or by one idle past its timeout that we may reuse.
         if let Some(old) = I::ct().lookup(key)
             && f.expired(old.last_seen_ns, old.flags, now)
             && I::ct().insert(key, reply, 0).is_ok()
         {
-            return Some(port);
+            return Ok(port);
         }
     }
-    None
+    Err(nat::stat::DROP_NAT)
+}
+
+/// Writes a flow entry; Err: the counter of the drop it causes, a full flow table's apart
+/// (see `maps::CT4`).
+#[inline(always)]
+fn record<I: Ip>(key: CtKey<I::Addr>, value: &CtValue<I::Addr>, flags: u64) -> Result<(), u32> {
+    // The kernel's answer when a preallocated hash map has no free element.
+    const E2BIG: i32 = 7;
+    I::ct().insert(key, value, flags).map_err(|e| {
+        if e == -E2BIG {
+            nat::stat::DROP_FLOW_TABLE_FULL
+        } else {
+            nat::stat::DROP_NAT
+        }
+    })
 }
 
 /// Whether the client may use this frontend (loadBalancerSourceRanges).
@@ -428,9 +445,7 @@ fn new_flow<P: Packet, I: Ip>(
         };
         reply.snat_addr = f.saddr;
         reply.snat_port = f.sport;
-        let Some(port) = claim_snat_port::<I>(f, &b, addr, reply, now) else {
-            return Err(drop_as(nat::stat::DROP_NAT));
-        };
+        let port = claim_snat_port::<I>(f, &b, addr, reply, now).map_err(drop_as)?;
         (snat_addr, snat_port) = (addr, port);
     } else {
         let key = CtKey {
@@ -451,9 +466,7 @@ fn new_flow<P: Packet, I: Ip>(
         // By reference: the entry stays in the scratch map instead of a stack copy.
         let reply: &CtValue<I::Addr> = reply;
         filter::note_reply::<I>(&b.addr, b.port, f.proto);
-        if I::ct().insert(key, reply, 0).is_err() {
-            return Err(drop_as(nat::stat::DROP_NAT));
-        }
+        record::<I>(key, reply, 0).map_err(drop_as)?;
     }
     let forward = &mut w.forward;
     *forward = CtValue {
@@ -467,12 +480,7 @@ fn new_flow<P: Packet, I: Ip>(
         flags: ct_flags,
         ..Default::default()
     };
-    if I::ct()
-        .insert(f.key(nat::dir::FORWARD), forward as &CtValue<I::Addr>, 0)
-        .is_err()
-    {
-        return Err(drop_as(nat::stat::DROP_NAT));
-    }
+    record::<I>(f.key(nat::dir::FORWARD), forward, 0).map_err(drop_as)?;
     count(nat::stat::NEW_FLOW);
     Ok(())
 }

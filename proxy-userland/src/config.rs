@@ -73,6 +73,18 @@ pub struct Args {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub bpf_lb_map_max: Option<u32>,
 
+    /// Entries of each address family's eBPF flow table (node ports, external and
+    /// load-balancer IPs, the pod path), two per flow; default 262144. Cilium splits it
+    /// between --bpf-ct-global-tcp-max and --bpf-ct-global-any-max. A new flow that finds
+    /// the table full is dropped and counted, and the table is collected at once.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(16..=16_777_216))]
+    pub bpf_ct_max: Option<u32>,
+
+    /// How often idle entries of the eBPF flow table are collected (Cilium's flag; at least
+    /// 1s). A table that fills up is collected within a second whatever this says.
+    #[arg(long, value_parser = values::interval, default_value = "30s")]
+    pub conntrack_gc_interval: Duration,
+
     /// How the packet path (node ports, external and load-balancer IPs) picks a new flow's
     /// backend: `random`, or `maglev` (every node picks the same backend for a flow, so a
     /// flow moved between nodes keeps it). A Service's `service.cilium.io/lb-algorithm`

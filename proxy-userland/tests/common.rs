@@ -78,6 +78,20 @@ pub fn web_manifest(pods: &[Ipv4Addr]) -> String {
     yaml
 }
 
+/// As [`web_manifest`], a NodePort (http on 30080) whose endpoints are on this node.
+pub fn web_node_port_manifest(pods: &[Ipv4Addr]) -> String {
+    web_manifest(pods)
+        .replace(
+            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP}",
+            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}",
+        )
+        .replace("spec:\n", "spec:\n  type: NodePort\n")
+        .replace(
+            "  conditions: {ready: true}",
+            "  conditions: {ready: true}\n  nodeName: node-a",
+        )
+}
+
 /// Conditions of a ready endpoint, and of a terminating one that still serves (its pod
 /// got SIGTERM and drains).
 pub const READY: &str = "{ready: true}";

@@ -482,16 +482,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
     let ext = bed
         .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
         .expect("client");
-    let manifest = web_manifest(&[pod_ip(1), pod_ip(2)])
-        .replace(
-            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP}",
-            "  - {name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}",
-        )
-        .replace("spec:\n", "spec:\n  type: NodePort\n")
-        .replace(
-            "  conditions: {ready: true}",
-            "  conditions: {ready: true}\n  nodeName: node-a",
-        );
+    let manifest = web_node_port_manifest(&[pod_ip(1), pod_ip(2)]);
     std::fs::write(bed.dir().join("web.yaml"), manifest).unwrap();
     let bpffs = Bpffs::mount(bed.dir());
     let pins = bpffs.0.join("fastpath");
@@ -620,4 +611,75 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
         pins,
     ]);
     eprintln!("$ fastpath explain tcp {target} --from 198.18.2.1\n{text}");
+}
+
+/// The flow table is collected: connections through a node port that ended (both sides
+/// closed) stay in `fastpath inspect flows` for the closing timeout (10 s), then leave it,
+/// taken by the daemon's collector (every second here with `--conntrack-gc-interval`,
+/// every 30 s by default).
+#[test]
+fn ended_node_port_connections_leave_the_flow_table_after_the_closing_timeout() {
+    let (mut bed, _pods) = bed_with_pods("ctgc", 2);
+    let ext = bed
+        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
+        .expect("client");
+    std::fs::write(
+        bed.dir().join("web.yaml"),
+        web_node_port_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
+    let bpffs = Bpffs::mount(bed.dir());
+    let pins = bpffs.0.join("fastpath");
+    let (pins, admin) = (pins.to_str().unwrap(), format!("127.0.0.1:{}", free_port()));
+    let daemon = Daemon::start(
+        bed.cgroup_path(),
+        &[
+            "--manifests",
+            bed.dir().join("web.yaml").to_str().unwrap(),
+            "--netns",
+            bed.node_netns(),
+            "--nodeport-devices",
+            &ext.node_veth,
+            "--metrics-bind-address",
+            &admin,
+            "--bpf-pin-dir",
+            pins,
+            "--conntrack-gc-interval",
+            "1s",
+        ],
+    );
+    let target = format!("{}:30080", bed.node_ipv4());
+    let from_ext = |count: &str| {
+        let mut cmd = Command::new(PROBE);
+        cmd.args(["--netns", &ext.netns, "tcp", &target]).args([
+            "--count",
+            count,
+            "--timeout-ms",
+            "1000",
+        ]);
+        xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
+    };
+    assert!(
+        eventually(20, || from_ext("1")[0].is_ok()),
+        "the NodePort never answered; log:\n{}",
+        daemon.log()
+    );
+    let outcomes = from_ext("10");
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    let ended_at = std::time::Instant::now();
+    let flows = || -> usize {
+        let flows = json(&["inspect", "flows", "--admin", &admin, "--bpf-pin-dir", pins]);
+        flows.as_array().map_or(0, Vec::len)
+    };
+    let listed = flows();
+    assert!(listed >= 11, "{listed} flows listed");
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    assert_eq!(flows(), listed, "nothing goes before the closing timeout");
+    assert!(
+        eventually(20, || flows() == 0),
+        "{} flows left; log:\n{}",
+        flows(),
+        daemon.log()
+    );
+    assert!(ended_at.elapsed() >= std::time::Duration::from_secs(10));
 }

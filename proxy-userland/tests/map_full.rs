@@ -142,3 +142,126 @@ fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
     );
     drop(shipped);
 }
+
+/// The packet path's flow table, as shipped but made small (`--bpf-ct-max=64`: 32 flows)
+/// so that one pod's UDP fills it through the pod path: a new flow that finds the table
+/// full is dropped and counted; within a second the collector makes room (the longest idle
+/// flows go, as an LRU map's would) and says so in the log; new flows are served again,
+/// and a client that keeps sending through one socket keeps its flow throughout.
+#[test]
+fn a_full_flow_table_drops_new_flows_until_the_collector_makes_room() {
+    let (bed, client) = bed_with_client("ctfull", false);
+    let dir = manifest_dir("ctfull");
+    std::fs::write(
+        dir.0.join("web.yaml"),
+        web_manifest(&[pod_ip(1), pod_ip(2)]),
+    )
+    .unwrap();
+    let metrics_port = free_port();
+    let shipped = start_as_shipped(
+        &bed,
+        &[
+            &format!("--manifests={}", dir.0.display()),
+            "--bpf-ct-max=64",
+            &format!("--metrics-bind-address=127.0.0.1:{metrics_port}"),
+            // The packet counters reach /metrics with each sync.
+            "--sync-period=2s",
+        ],
+    );
+    let log = || shipped.daemon.log();
+    let once = ["udp", WEB_DNS, "--count", "1", "--timeout-ms", "300"];
+    assert!(
+        eventually(20, || pod_probe(&bed, &client, &once)[0].is_ok()),
+        "the Service never answered; log:\n{}",
+        log()
+    );
+    // One socket, a datagram every 100 ms for the whole test.
+    let busy = pod_client(&bed, &client)
+        .args([
+            "udp",
+            WEB_DNS,
+            "--connected",
+            "--count",
+            "80",
+            "--interval-ms",
+            "100",
+            "--timeout-ms",
+            "500",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("probe runs");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Short-lived clients, each a flow of its own (a socket per request).
+    let many = pod_probe(
+        &bed,
+        &client,
+        &[
+            "udp",
+            WEB_DNS,
+            "--fresh-socket",
+            "--count",
+            "60",
+            "--timeout-ms",
+            "300",
+        ],
+    );
+    let answered = many.iter().filter(|o| o.is_ok()).count();
+    assert!(
+        answered < many.len(),
+        "60 new flows fit a table of 32; log:\n{}",
+        log()
+    );
+    // More flows were served than the table holds: the collector made room.
+    assert!(
+        answered > 32,
+        "{answered} of 60 new flows answered; log:\n{}",
+        log()
+    );
+    assert!(
+        log().contains("the flow table was full"),
+        "the log says what happened; log:\n{}",
+        log()
+    );
+    let busy = busy.wait_with_output().expect("busy client ends");
+    let busy = xtask::probe::parse(&String::from_utf8_lossy(&busy.stdout));
+    assert_eq!(busy.len(), 80);
+    assert!(
+        busy.iter().all(|o| o.is_ok()),
+        "the busy client's flow was never evicted: {:?}",
+        busy.iter().filter(|o| !o.is_ok()).collect::<Vec<_>>()
+    );
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let after = pod_probe(
+        &bed,
+        &client,
+        &[
+            "udp",
+            WEB_DNS,
+            "--fresh-socket",
+            "--count",
+            "5",
+            "--timeout-ms",
+            "300",
+        ],
+    );
+    assert!(
+        after.iter().all(|o| o.is_ok()),
+        "new flows are served once there is room: {after:?}"
+    );
+    let dropped = || {
+        let text = http_get(bed.node_netns(), metrics_port, "/metrics");
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("fastpath_packets_total{result=\"dropped_flow_table_full\"} ")
+            })
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        eventually(10, || dropped() >= 1.0),
+        "the drops are counted; metrics:\n{}",
+        http_get(bed.node_netns(), metrics_port, "/metrics")
+    );
+    drop(shipped);
+}

@@ -296,6 +296,7 @@ impl Metrics {
             "Packets the eBPF packet path handled (from other hosts, and from pods on their \
              devices with the pod path), by what became of them: \
              new_flow, translated, dropped_no_backend, dropped_source_range, dropped_nat, \
+             dropped_flow_table_full (a new flow found the flow table full), \
              icmp_translated (ICMP 'too big' errors about a flow, translated back), icmp_dropped; xdp \
              counts those XDP translated itself; refused_service_range counts socket calls \
              refused at connect/sendmsg (an address in a service range that no Service serves)",
@@ -361,6 +362,7 @@ impl Metrics {
             ("icmp_translated", s.icmp_translated),
             ("icmp_dropped", s.icmp_dropped),
             ("refused_service_range", s.refused_service_range),
+            ("dropped_flow_table_full", s.dropped_flow_table_full),
         ];
         for (result, n) in all {
             Self::catch_up(&self.packets.get_or_create(&ResultLabel { result }), n);

@@ -33,6 +33,16 @@ pub fn seconds(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A period of background work: at least one second, so that a typo (`0s`, `30ms`) does
+/// not turn it into a busy loop.
+pub fn interval(s: &str) -> Result<Duration, String> {
+    let d = duration(s)?;
+    if d < Duration::from_secs(1) {
+        return Err(format!("{s:?} is under 1s"));
+    }
+    Ok(d)
+}
+
 /// `--log-level`: one level (`error`, `warn`, `info`, `debug`, `trace`, `off`) or tracing
 /// directives `TARGET=LEVEL` separated by commas (`info,proxy_userland::sync=debug`).
 /// Checked strictly: tracing's own filter parser takes any word as a target name, so a
@@ -264,6 +274,8 @@ mod tests {
         }
         assert!(seconds("500ms").is_err());
         assert_eq!(seconds("0s"), Ok(Duration::ZERO));
+        assert_eq!(interval("1m"), Ok(Duration::from_secs(60)));
+        assert!(interval("0s").is_err() && interval("999ms").is_err() && interval("x").is_err());
     }
 
     #[test]

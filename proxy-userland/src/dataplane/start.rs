@@ -31,6 +31,10 @@ pub struct StartOptions {
     pub packet_auto: bool,
     /// eBPF: entries of the service and backend maps; None: built-in sizes.
     pub bpf_lb_map_max: Option<u32>,
+    /// eBPF: entries of each family's flow table; None: the built-in size.
+    pub bpf_ct_max: Option<u32>,
+    /// eBPF: how often the flow table's idle entries are collected; None: the default.
+    pub conntrack_gc_interval: Option<std::time::Duration>,
     /// eBPF: per-packet Service translation on the pods' devices; None: off.
     pub pods: Option<PodPathConfig>,
     /// eBPF: the packet path's backend choice and forwarding mode.
@@ -83,6 +87,8 @@ pub fn start(mode: Mode, opts: &StartOptions) -> Result<Proxier, StartError> {
                 lb_map_max: opts.bpf_lb_map_max,
                 pods: opts.pods.clone(),
                 lb: opts.bpf_lb,
+                ct_max: opts.bpf_ct_max,
+                ct_gc_interval: opts.conntrack_gc_interval,
             };
             let attached = match BpfDataplane::attach_with(&cgroup, &attach) {
                 // Devices nobody named, or a kernel that refuses the packet programs: keep
@@ -211,6 +217,8 @@ impl StartOptions {
             packet,
             packet_auto,
             bpf_lb_map_max: args.bpf_lb_map_max,
+            bpf_ct_max: args.bpf_ct_max,
+            conntrack_gc_interval: Some(args.conntrack_gc_interval),
             bpf_lb: super::bpf::lb::LbConfig {
                 algorithm: args.bpf_lb_algorithm,
                 mode: args.bpf_lb_mode,

@@ -78,16 +78,8 @@ fn open<K: aya::Pod, V: aya::Pod>(
     Ok(HashMap::try_from(map)?)
 }
 
-fn monotonic_ns() -> u64 {
-    // SAFETY: timespec is two integers; all zeros is a valid value.
-    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    // SAFETY: `ts` is a live, writable timespec; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-}
-
 fn idle(last_ns: u64) -> f64 {
-    monotonic_ns().saturating_sub(last_ns) as f64 / 1e9
+    crate::dataplane::bpf::flow_gc::monotonic_ns().saturating_sub(last_ns) as f64 / 1e9
 }
 
 fn v4(a: u32) -> Ipv4Addr {

@@ -237,6 +237,11 @@ pub fn load_and_attach(cgroup: &Path, opts: &AttachOptions) -> Result<Attached, 
         // A backend slot of either family's service map can need a match entry.
         loader.map_max_entries(map_names::AFFINITY_MATCH, max.max(1).saturating_mul(2));
     }
+    if let Some(max) = opts.ct_max {
+        for name in [map_names::CT4, map_names::CT6] {
+            loader.map_max_entries(name, max);
+        }
+    }
     // Read-only in the programs: the verifier sees the value, and every node of a cluster
     // hashes flows alike.
     loader.override_global("MAGLEV_SEED", &opts.lb.maglev_seed, true);

@@ -11,7 +11,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{
-        Array, HashMap, HashOfMaps, IterableMap, MapData, MapError, PerCpuArray,
+        Array, HashMap, HashOfMaps, IterableMap, Map, MapData, MapError, PerCpuArray,
         lpm_trie::{Key as LpmKey, LpmTrie},
     },
 };
@@ -27,7 +27,7 @@ use proxy_common::{
     service::scope,
 };
 
-use super::loader::LoadError;
+use super::{flow_gc::FlowTables, loader::LoadError};
 use crate::{
     dataplane::frontends::{BackendAddr, Frontend, FrontendScope},
     model::Protocol,
@@ -144,6 +144,8 @@ pub struct PacketStats {
     pub icmp_dropped: u64,
     /// Socket calls refused: inside a service range, and no frontend serves the address.
     pub refused_service_range: u64,
+    /// New flows dropped because the flow table was full.
+    pub dropped_flow_table_full: u64,
 }
 
 fn take<K: aya::Pod, V: aya::Pod>(
@@ -535,6 +537,16 @@ impl ServiceMaps {
         out
     }
 
+    /// Handles of their own on the flow tables and the programs' counters, for the
+    /// collector's thread (see [`flow_gc`](super::flow_gc)).
+    pub fn flow_tables(&self) -> Result<FlowTables, MapError> {
+        Ok(FlowTables {
+            ct4: census::own_handle(&self.ct4)?,
+            ct6: census::own_handle(&self.ct6)?,
+            stats: PerCpuArray::try_from(Map::from_map_data(census::own_data(self.stats.map())?)?)?,
+        })
+    }
+
     /// The packet programs' counters, summed over CPUs.
     pub fn packet_stats(&self) -> PacketStats {
         let get = |i: u32| -> u64 {
@@ -553,6 +565,7 @@ impl ServiceMaps {
             icmp_translated: get(nat::stat::ICMP_TRANSLATED),
             icmp_dropped: get(nat::stat::ICMP_DROPPED),
             refused_service_range: get(nat::stat::REFUSED_SERVICE_RANGE),
+            dropped_flow_table_full: get(nat::stat::DROP_FLOW_TABLE_FULL),
         }
     }
 

@@ -4,6 +4,7 @@
 //!   for node ports and external addresses, to the node's devices.
 //! - [`devices`]: which devices those are, and the node's addresses.
 //! - [`filter_seed`]: the packet path's filters filled from pinned maps made without them.
+//! - [`flow_gc`]: the flow table's collector (idle flows, and room for new ones).
 //! - [`maps`]: typed access to the service, backend and reverse-NAT maps, written in the
 //!   order that keeps every lookup consistent.
 //! - [`program`]: what is programmed now, and the diff that brings it to the model.
@@ -17,6 +18,7 @@
 
 pub mod devices;
 mod filter_seed;
+pub mod flow_gc;
 pub mod host_stack;
 pub mod lb;
 pub mod loader;
@@ -35,7 +37,7 @@ pub use loader::LoadError;
 pub use pods::PodPathConfig;
 
 use self::{loader::Attached, maps::ServiceMaps, program::Programmer};
-use super::{Dataplane, Scope, SyncReport};
+use super::{Dataplane, Scope, SyncReport, watcher::Watcher};
 use crate::model::{NodeInfo, ProxyState, ServiceRanges};
 
 /// How to load and attach the programs.
@@ -52,6 +54,11 @@ pub struct AttachOptions {
     pub pods: Option<PodPathConfig>,
     /// The packet path's backend choice and forwarding mode.
     pub lb: lb::LbConfig,
+    /// Entries of each family's flow table; None: the built-in size (262,144).
+    pub ct_max: Option<u32>,
+    /// How often the flow table's idle entries are collected (see [`flow_gc`]); None: the
+    /// default.
+    pub ct_gc_interval: Option<std::time::Duration>,
 }
 
 pub struct BpfDataplane {
@@ -63,6 +70,8 @@ pub struct BpfDataplane {
     service_ranges: Option<ServiceRanges>,
     // Held for its links: dropping it detaches the programs and frees the maps.
     _attached: Attached,
+    /// The flow table's collector, stopped with the dataplane.
+    _flow_gc: Watcher,
 }
 
 impl BpfDataplane {
@@ -109,6 +118,23 @@ impl BpfDataplane {
                 "node-port programs attached"
             );
         }
+        let flow_tables = (programmer.maps().flow_tables()).map_err(|source| LoadError::Map {
+            name: proxy_common::maps::CT4,
+            source,
+        })?;
+        if flow_tables.inherited_lru() {
+            tracing::info!(
+                "the flow table is an LRU map pinned by an earlier version, kept so that its \
+                 flows go on; `fastpath --cleanup` (or a reboot) lets the next start make the \
+                 faster hash table"
+            );
+        }
+        let flow_gc = flow_tables
+            .spawn(opts.ct_gc_interval.unwrap_or(flow_gc::DEFAULT_INTERVAL))
+            .map_err(|e| LoadError::Map {
+                name: proxy_common::maps::CT4,
+                source: aya::maps::MapError::IoError(e),
+            })?;
         if opts.pin_dir.is_some() {
             let adopted = programmer.adopt_existing();
             if adopted > 0 {
@@ -123,6 +149,7 @@ impl BpfDataplane {
             packet: opts.packet.clone(),
             service_ranges: None,
             _attached: attached,
+            _flow_gc: flow_gc,
         })
     }
 

@@ -55,15 +55,8 @@ impl Walk {
     fn new<K: Pod + Send + 'static, V: Pod + Send + 'static>(
         map: &HashMap<MapData, K, V>,
     ) -> Result<Self, MapError> {
-        let data = map.map();
-        let max = data.info()?.max_entries() as usize;
-        let fd = data
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(MapError::IoError)?;
-        let own: HashMap<MapData, K, V> =
-            HashMap::try_from(Map::from_map_data(MapData::from_fd(fd)?)?)?;
+        let max = map.map().info()?.max_entries() as usize;
+        let own = own_handle(map)?;
         Ok(Walk(Box::new(move |stop: &AtomicBool| {
             let mut n = 0;
             for key in own.keys() {
@@ -81,6 +74,23 @@ impl Walk {
             n
         })))
     }
+}
+
+/// A handle of our own on the same map, for another thread.
+pub(super) fn own_handle<K: Pod, V: Pod>(
+    map: &HashMap<MapData, K, V>,
+) -> Result<HashMap<MapData, K, V>, MapError> {
+    HashMap::try_from(Map::from_map_data(own_data(map.map())?)?)
+}
+
+/// A duplicate of a map's descriptor.
+pub(super) fn own_data(data: &MapData) -> Result<MapData, MapError> {
+    let fd = data
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(MapError::IoError)?;
+    MapData::from_fd(fd)
 }
 
 impl ServiceMaps {

@@ -1,0 +1,393 @@
+//! The flow table's collector.
+//!
+//! The packet programs' flow tables (`FP_CT4`, `FP_CT6`) are plain preallocated hash maps,
+//! not LRU ones (an LRU insert cost a host-routed node-port connection about 1.4% of its
+//! rate; see proxy-ebpf's `maps::CT4`). Nothing in the kernel removes their entries, so
+//! this thread does, as Cilium's conntrack GC does for its tables:
+//!
+//! - every `interval`, entries idle past their timeout (`nat::ct_timeout_ns`: 10 s once a
+//!   TCP flow closes, 60 s unanswered, 120 s UDP, 6 h established TCP) are deleted;
+//! - within a second of a new flow finding a table full (the programs count it), at once;
+//! - a table still over [`HIGH_WATER`] after that sheds entries down to [`LOW_WATER`]:
+//!   first closing and unanswered flows (those conntrack's early drop would take), then
+//!   the longest idle, as an LRU map would have.
+//!
+//! Until then a new flow that finds no room is dropped and counted
+//! (`dropped_flow_table_full`); a TCP client's retried SYN comes a second later, when
+//! there is room again.
+
+use std::{
+    collections::HashSet,
+    hash::Hash,
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant},
+};
+
+use aya::{
+    Pod,
+    maps::{HashMap, IterableMap as _, MapData, PerCpuArray},
+};
+use proxy_common::{CtKey, CtValue, nat};
+
+use crate::dataplane::watcher::Watcher;
+
+/// How often idle entries are looked for by default (`--conntrack-gc-interval`).
+pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(30);
+/// How often the drop counter is read for a table that filled up.
+const TICK: Duration = Duration::from_secs(1);
+/// Fill (of the table's size, in percent) above which a sweep also evicts live entries...
+pub const HIGH_WATER: usize = 90;
+/// ... down to this.
+pub const LOW_WATER: usize = 80;
+
+/// Handles of the collector's own on both flow tables and the programs' counters.
+pub struct FlowTables {
+    pub ct4: HashMap<MapData, CtKey<u32>, CtValue<u32>>,
+    pub ct6: HashMap<MapData, CtKey<proxy_common::Addr6>, CtValue<proxy_common::Addr6>>,
+    pub stats: PerCpuArray<MapData, u64>,
+}
+
+/// What one sweep of one table did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sweep {
+    /// Flows deleted because they were idle past their timeout.
+    pub expired: usize,
+    /// Live flows deleted to bring a nearly full table down.
+    pub evicted: usize,
+    /// Entries left.
+    pub left: usize,
+}
+
+impl std::ops::Add for Sweep {
+    type Output = Sweep;
+    fn add(self, o: Sweep) -> Sweep {
+        Sweep {
+            expired: self.expired + o.expired,
+            evicted: self.evicted + o.evicted,
+            left: self.left + o.left,
+        }
+    }
+}
+
+impl FlowTables {
+    /// New flows dropped so far for want of room, summed over CPUs.
+    fn full_drops(&self) -> u64 {
+        self.stats
+            .get(&nat::stat::DROP_FLOW_TABLE_FULL, 0)
+            .map(|per_cpu| per_cpu.iter().sum())
+            .unwrap_or(0)
+    }
+
+    /// Whether the tables are LRU maps a daemon before this one pinned, which the programs
+    /// keep using (with their LRU's eviction and its cost) until the pins go.
+    pub fn inherited_lru(&self) -> bool {
+        let kind = self.ct4.map().info().ok().and_then(|i| i.map_type().ok());
+        kind == Some(aya::maps::MapType::LruHash)
+    }
+
+    /// Sweeps both tables once.
+    pub fn sweep(&mut self, stop: &AtomicBool) -> Sweep {
+        let now = monotonic_ns();
+        sweep(&mut self.ct4, now, stop) + sweep(&mut self.ct6, now, stop)
+    }
+
+    /// Sweeps every `interval`, and within a [`TICK`] of a full table's drop, until the
+    /// returned watcher is dropped.
+    pub fn spawn(mut self, interval: Duration) -> std::io::Result<Watcher> {
+        Watcher::spawn("flow-gc", move |stop| {
+            let mut drops = self.full_drops();
+            let mut last = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                if last.elapsed() < TICK {
+                    continue;
+                }
+                let now_drops = self.full_drops();
+                let full = now_drops != drops;
+                if !full && last.elapsed() < interval {
+                    continue;
+                }
+                drops = now_drops;
+                let done = self.sweep(stop);
+                last = Instant::now();
+                if done.evicted > 0 || full {
+                    tracing::warn!(
+                        expired = done.expired,
+                        evicted = done.evicted,
+                        left = done.left,
+                        "the flow table was full: new flows were dropped (see \
+                         fastpath_packets_total{{result=\"dropped_flow_table_full\"}})"
+                    );
+                } else {
+                    tracing::debug!(expired = done.expired, left = done.left, "flow table swept");
+                }
+            }
+        })
+    }
+}
+
+/// One table's sweep. The walk is bounded by the table's size: a key deleted under it (a
+/// program may delete one) restarts the kernel's walk from the first key.
+fn sweep<A: Copy + Default + Eq + Hash>(
+    table: &mut HashMap<MapData, CtKey<A>, CtValue<A>>,
+    now: u64,
+    stop: &AtomicBool,
+) -> Sweep
+where
+    CtKey<A>: Pod,
+    CtValue<A>: Pod,
+{
+    let Ok(capacity) = table.map().info().map(|i| i.max_entries() as usize) else {
+        return Sweep::default();
+    };
+    let mut entries = Vec::new();
+    for entry in table.iter() {
+        if entries.len() >= capacity || stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let Ok(entry) = entry else { break };
+        entries.push(entry);
+    }
+    // A flow is its forward entry with the reply entry it names; a reply entry alone (a
+    // DSR flow's, on the backend's node) is a flow too.
+    let paired: HashSet<Tuple<A>> = entries
+        .iter()
+        .filter(|(k, _)| k.dir == nat::dir::FORWARD)
+        .map(|(k, v)| tuple(&reply_key(k, v)))
+        .collect();
+    let mut done = Sweep::default();
+    // Live flows: (evict first, last packet, key).
+    let mut live = Vec::new();
+    for (key, value) in &entries {
+        if key.dir == nat::dir::REPLY && paired.contains(&tuple(key)) {
+            continue;
+        }
+        match state(table, key, now) {
+            Some(Flow::Dead) if remove_flow(table, key, value) => done.expired += 1,
+            Some(Flow::Live {
+                early_drop,
+                last_seen,
+            }) => {
+                live.push((!early_drop, last_seen, *key, *value));
+            }
+            Some(Flow::Dead) | None => {}
+        }
+    }
+    // Entries, not flows, fill the table: a forward entry's flow holds two.
+    let size = |k: &CtKey<A>| if k.dir == nat::dir::FORWARD { 2 } else { 1 };
+    let mut used: usize = live.iter().map(|(_, _, k, _)| size(k)).sum();
+    if used * 100 > capacity * HIGH_WATER {
+        live.sort_unstable_by_key(|(keep, seen, _, _)| (*keep, *seen));
+        for (_, _, key, value) in &live {
+            if used * 100 <= capacity * LOW_WATER {
+                break;
+            }
+            if remove_flow(table, key, value) {
+                done.evicted += 1;
+                used -= size(key);
+            }
+        }
+    }
+    done.left = used;
+    done
+}
+
+/// Addresses, ports and protocol of a key.
+type Tuple<A> = (A, A, u16, u16, u8);
+
+fn tuple<A: Copy>(k: &CtKey<A>) -> Tuple<A> {
+    (k.saddr, k.daddr, k.sport, k.dport, k.proto)
+}
+
+/// The reply entry a forward entry names (as the programs' `known_flow` builds it).
+fn reply_key<A: Copy + Default + PartialEq>(k: &CtKey<A>, v: &CtValue<A>) -> CtKey<A>
+where
+    CtValue<A>: Pod,
+{
+    let snat = v.snat_addr != A::default();
+    CtKey {
+        saddr: v.addr,
+        daddr: if snat { v.snat_addr } else { k.saddr },
+        sport: v.port,
+        dport: if snat { v.snat_port } else { k.sport },
+        proto: k.proto,
+        dir: nat::dir::REPLY,
+        _pad: [0; 2],
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum Flow {
+    /// Past its timeout, or a forward entry whose reply entry is gone: the programs would
+    /// start the flow over.
+    Dead,
+    Live {
+        early_drop: bool,
+        last_seen: u64,
+    },
+}
+
+/// A flow's state as the programs judge it, read now (not from the walk: a program may
+/// have given the key to a new flow since). None: the entry is gone.
+fn state<A: Copy + Default + PartialEq>(
+    table: &HashMap<MapData, CtKey<A>, CtValue<A>>,
+    key: &CtKey<A>,
+    now: u64,
+) -> Option<Flow>
+where
+    CtKey<A>: Pod,
+    CtValue<A>: Pod,
+{
+    let value = table.get(key, 0).ok()?;
+    let reply = (key.dir == nat::dir::FORWARD)
+        .then(|| table.get(&reply_key(key, &value), 0).ok())
+        .flatten();
+    Some(judge(key, &value, reply.as_ref(), now))
+}
+
+/// The programs' rule (`known_flow`, `reply_nat`): a forward entry holds while the reply
+/// entry it names does, and a flow's timeout follows its reply entry's flags (only that
+/// entry learns that the backend answered) from the later of the two entries' last packets.
+fn judge<A>(key: &CtKey<A>, value: &CtValue<A>, reply: Option<&CtValue<A>>, now: u64) -> Flow {
+    let (flags, last_seen) = if key.dir == nat::dir::FORWARD {
+        let Some(reply) = reply else {
+            return Flow::Dead;
+        };
+        (reply.flags, value.last_seen_ns.max(reply.last_seen_ns))
+    } else {
+        (value.flags, value.last_seen_ns)
+    };
+    if now.saturating_sub(last_seen) > nat::ct_timeout_ns(key.proto, flags) {
+        return Flow::Dead;
+    }
+    let early_drop = flags & nat::ct_flags::CLOSING != 0
+        || flags & (nat::ct_flags::SEEN_REPLY | nat::ct_flags::DSR) == 0;
+    Flow::Live {
+        early_drop,
+        last_seen,
+    }
+}
+
+/// Deletes a flow: the entry, and for a forward entry the reply entry it names.
+fn remove_flow<A: Copy + Default + PartialEq>(
+    table: &mut HashMap<MapData, CtKey<A>, CtValue<A>>,
+    key: &CtKey<A>,
+    value: &CtValue<A>,
+) -> bool
+where
+    CtKey<A>: Pod,
+    CtValue<A>: Pod,
+{
+    if key.dir == nat::dir::FORWARD {
+        let _ = table.remove(&reply_key(key, value));
+    }
+    table.remove(key).is_ok()
+}
+
+/// The programs' clock (bpf_ktime_get_ns, CLOCK_MONOTONIC; the coarse variant lags it by a
+/// tick at most).
+pub fn monotonic_ns() -> u64 {
+    // SAFETY: timespec is two integers; all zeros is a valid value.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `ts` is a live, writable timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::proto;
+
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn key(dir: u8, proto: u8) -> CtKey<u32> {
+        CtKey {
+            saddr: 1,
+            daddr: 2,
+            sport: 3,
+            dport: 4,
+            proto,
+            dir,
+            _pad: [0; 2],
+        }
+    }
+
+    fn entry(flags: u16, last_seen_ns: u64) -> CtValue<u32> {
+        CtValue {
+            flags,
+            last_seen_ns,
+            ..Default::default()
+        }
+    }
+
+    const ANSWERED: u16 = nat::ct_flags::SEEN_REPLY;
+    const CLOSING: u16 = nat::ct_flags::CLOSING | nat::ct_flags::SEEN_REPLY;
+
+    #[test]
+    fn a_forward_entry_lives_by_its_reply_entrys_flags() {
+        let now = 100_000 * S;
+        let fwd = key(nat::dir::FORWARD, proto::TCP);
+        // The forward entry never learns of the answer: 2 minutes idle is no unanswered
+        // flow's end while its reply entry says it was answered.
+        let quiet = entry(0, now - 120 * S);
+        let answered = entry(ANSWERED, now - 120 * S);
+        assert_eq!(
+            judge(&fwd, &quiet, Some(&answered), now),
+            Flow::Live {
+                early_drop: false,
+                last_seen: now - 120 * S
+            }
+        );
+        // The later of the two entries' packets counts.
+        let stale_reply = entry(ANSWERED, now - 7 * 3600 * S);
+        assert!(matches!(
+            judge(&fwd, &entry(0, now - S), Some(&stale_reply), now),
+            Flow::Live { last_seen, .. } if last_seen == now - S
+        ));
+        assert_eq!(
+            judge(&fwd, &entry(0, now - 7 * 3600 * S), Some(&stale_reply), now),
+            Flow::Dead
+        );
+        // Without its reply entry the programs start the flow over.
+        assert_eq!(judge(&fwd, &quiet, None, now), Flow::Dead);
+    }
+
+    #[test]
+    fn timeouts_follow_the_programs() {
+        let now = 100_000 * S;
+        let reply = |p| key(nat::dir::REPLY, p);
+        let cases = [
+            (proto::TCP, CLOSING, 9, true),
+            (proto::TCP, CLOSING, 11, false),
+            (proto::UDP, 0, 59, true),
+            (proto::UDP, 0, 61, false),
+            (proto::UDP, ANSWERED, 119, true),
+            (proto::UDP, ANSWERED, 121, false),
+            (proto::TCP, ANSWERED, 5 * 3600, true),
+            (proto::TCP, ANSWERED, 7 * 3600, false),
+            (proto::UDP, nat::ct_flags::DSR, 119, true),
+        ];
+        for (p, flags, idle, live) in cases {
+            let got = judge(&reply(p), &entry(flags, now - idle * S), None, now);
+            assert_eq!(
+                got != Flow::Dead,
+                live,
+                "proto {p} flags {flags:#x} idle {idle} s"
+            );
+        }
+    }
+
+    #[test]
+    fn closing_and_unanswered_flows_are_evicted_first() {
+        let now = 100_000 * S;
+        let r = key(nat::dir::REPLY, proto::TCP);
+        for (flags, early) in [(CLOSING, true), (0, true), (ANSWERED, false)] {
+            assert!(matches!(
+                judge(&r, &entry(flags, now), None, now),
+                Flow::Live { early_drop, .. } if early_drop == early
+            ));
+        }
+    }
+}
