@@ -40,3 +40,15 @@ impl Drop for Watcher {
         }
     }
 }
+
+/// Nice 19 for the calling thread: bookkeeping (the map census, the flow table's
+/// collector) comes after a busy node's syncs and traffic.
+pub fn lower_priority() {
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc::gettid() };
+    // SAFETY: setpriority on our own thread id with a valid `which`; it only reads its
+    // arguments. Failure (no permission) leaves the priority as it was, which is fine.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
+    }
+}

@@ -95,6 +95,9 @@ impl FlowTables {
     /// returned watcher is dropped.
     pub fn spawn(mut self, interval: Duration) -> std::io::Result<Watcher> {
         Watcher::spawn("flow-gc", move |stop| {
+            // A flood that keeps the table full has it sweep every second: after traffic
+            // and syncs, not before.
+            crate::dataplane::watcher::lower_priority();
             let mut drops = self.full_drops();
             let mut last = Instant::now();
             while !stop.load(Ordering::Relaxed) {

@@ -129,7 +129,7 @@ impl LruCensus {
         let thread = std::thread::Builder::new()
             .name("map-census".into())
             .spawn(move || {
-                lower_priority();
+                crate::dataplane::watcher::lower_priority();
                 loop {
                     let counts = self.count(&flag);
                     if flag.load(Ordering::Relaxed) {
@@ -167,16 +167,5 @@ impl Drop for CensusThread {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-    }
-}
-
-/// The census is bookkeeping: nice 19, so a busy node's syncs and traffic come first.
-fn lower_priority() {
-    // SAFETY: gettid has no preconditions.
-    let tid = unsafe { libc::gettid() };
-    // SAFETY: setpriority on our own thread id with a valid `which`; it only reads its
-    // arguments. Failure (no permission) leaves the priority as it was, which is fine.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19);
     }
 }
