@@ -64,12 +64,13 @@ pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, u8> =
 /// The packet path's flows: forward and reply entries (see `proxy_common::nat`).
 ///
 /// A plain, preallocated hash map, not an LRU one: a new flow takes an element from a
-/// per-CPU free list, where an LRU map refills that list and rotates its lists under a
-/// global lock, touching cold entries, which cost a host-routed node-port connection about
-/// 1.4% of its rate (docs/benchmarks.md). Entries go when the daemon's collector finds
-/// them expired, or when it evicts the oldest of a table near full; a new flow that finds
-/// the table full is dropped and counted (`stat::DROP_FLOW_TABLE_FULL`), and its client's
-/// retry finds room once the collector has run (see `flow_gc` in the daemon).
+/// per-CPU free list, where an LRU map now and then refills that list and rotates its lists
+/// under a global lock, touching cold entries, which made a connection's program time
+/// vary from 3.3 to 6.0 us between runs of the node-port bench (3.4 to 3.6 us without it;
+/// docs/benchmarks.md). Entries go when the daemon's collector finds them expired, or when
+/// it evicts the oldest of a table near full; a new flow that finds the table full is
+/// dropped and counted (`stat::DROP_FLOW_TABLE_FULL`), and its client's retry finds room
+/// once the collector has run (see `flow_gc` in the daemon).
 #[map(name = "FP_CT4")]
 pub static CT4: HashMap<Ct4Key, Ct4Value> = HashMap::with_max_entries(CT_MAX, 0);
 

@@ -1,24 +1,23 @@
 //! The flow table's collector.
 //!
 //! The packet programs' flow tables (`FP_CT4`, `FP_CT6`) are plain preallocated hash maps,
-//! not LRU ones (an LRU insert cost a host-routed node-port connection about 1.4% of its
-//! rate; see proxy-ebpf's `maps::CT4`). Nothing in the kernel removes their entries, so
-//! this thread does, as Cilium's conntrack GC does for its tables:
+//! not LRU ones, whose inserts now and then cost far more (see proxy-ebpf's `maps::CT4`).
+//! Nothing in the kernel removes their entries, so this thread does, as Cilium's
+//! conntrack GC does for its tables:
 //!
 //! - every `interval`, entries idle past their timeout (`nat::ct_timeout_ns`: 10 s once a
 //!   TCP flow closes, 60 s unanswered, 120 s UDP, 6 h established TCP) are deleted;
 //! - within a second of a new flow finding a table full (the programs count it), at once;
 //! - a table still over [`HIGH_WATER`] after that sheds entries down to [`LOW_WATER`]:
 //!   first closing and unanswered flows (those conntrack's early drop would take), then
-//!   the longest idle, as an LRU map would have.
+//!   the longest idle, as an LRU map would have; and it is swept again every second until
+//!   a sweep need not evict.
 //!
 //! Until then a new flow that finds no room is dropped and counted
 //! (`dropped_flow_table_full`); a TCP client's retried SYN comes a second later, when
 //! there is room again.
 
 use std::{
-    collections::HashSet,
-    hash::Hash,
     sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
 };
@@ -100,6 +99,9 @@ impl FlowTables {
             crate::dataplane::watcher::lower_priority();
             let mut drops = self.full_drops();
             let mut last = Instant::now();
+            // The last sweep had to evict: new flows may fill the room it made before
+            // the next one finds out, so it looks again every tick until it need not.
+            let mut pressed = false;
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
                 if last.elapsed() < TICK {
@@ -107,12 +109,13 @@ impl FlowTables {
                 }
                 let now_drops = self.full_drops();
                 let full = now_drops != drops;
-                if !full && last.elapsed() < interval {
+                if !full && !pressed && last.elapsed() < interval {
                     continue;
                 }
                 drops = now_drops;
                 let done = self.sweep(stop);
                 last = Instant::now();
+                pressed = done.evicted > 0;
                 if done.evicted > 0 || full {
                     tracing::warn!(
                         expired = done.expired,
@@ -129,9 +132,10 @@ impl FlowTables {
     }
 }
 
-/// One table's sweep. The walk is bounded by the table's size: a key deleted under it (a
-/// program may delete one) restarts the kernel's walk from the first key.
-fn sweep<A: Copy + Default + Eq + Hash>(
+/// One table's sweep. Entries are deleted after the walk, which a deleted key would
+/// restart from the first key (a program may delete one too: the walk is bounded by the
+/// table's size).
+fn sweep<A: Copy + Default + PartialEq>(
     table: &mut HashMap<MapData, CtKey<A>, CtValue<A>>,
     now: u64,
     stop: &AtomicBool,
@@ -143,63 +147,54 @@ where
     let Ok(capacity) = table.map().info().map(|i| i.max_entries() as usize) else {
         return Sweep::default();
     };
-    let mut entries = Vec::new();
-    for entry in table.iter() {
-        if entries.len() >= capacity || stop.load(Ordering::Relaxed) {
+    let mut dead = Vec::new();
+    // Every flow has one reply entry (a DSR flow on its backend's node has nothing else):
+    // the live flows by theirs, (evict first, last packet, key, entry).
+    let mut live = Vec::new();
+    let mut used = 0;
+    for (walked, entry) in table.iter().enumerate() {
+        if walked >= capacity || stop.load(Ordering::Relaxed) {
             break;
         }
-        let Ok(entry) = entry else { break };
-        entries.push(entry);
-    }
-    // A flow is its forward entry with the reply entry it names; a reply entry alone (a
-    // DSR flow's, on the backend's node) is a flow too.
-    let paired: HashSet<Tuple<A>> = entries
-        .iter()
-        .filter(|(k, _)| k.dir == nat::dir::FORWARD)
-        .map(|(k, v)| tuple(&reply_key(k, v)))
-        .collect();
-    let mut done = Sweep::default();
-    // Live flows: (evict first, last packet, key).
-    let mut live = Vec::new();
-    for (key, value) in &entries {
-        if key.dir == nat::dir::REPLY && paired.contains(&tuple(key)) {
-            continue;
-        }
-        match state(table, key, now) {
-            Some(Flow::Dead) if remove_flow(table, key, value) => done.expired += 1,
-            Some(Flow::Live {
-                early_drop,
-                last_seen,
-            }) => {
-                live.push((!early_drop, last_seen, *key, *value));
+        let Ok((key, _)) = entry else { break };
+        match state(table, &key, now) {
+            Some((Flow::Dead, _)) => dead.push(key),
+            Some((
+                Flow::Live {
+                    early_drop,
+                    last_seen,
+                },
+                value,
+            )) => {
+                used += 1;
+                if key.dir == nat::dir::REPLY {
+                    live.push((!early_drop, last_seen, key, value));
+                }
             }
-            Some(Flow::Dead) | None => {}
+            None => {}
         }
     }
-    // Entries, not flows, fill the table: a forward entry's flow holds two.
-    let size = |k: &CtKey<A>| if k.dir == nat::dir::FORWARD { 2 } else { 1 };
-    let mut used: usize = live.iter().map(|(_, _, k, _)| size(k)).sum();
+    let mut done = Sweep::default();
+    for key in &dead {
+        // Judged again: a program may have given the key to a new flow since.
+        if let Some((Flow::Dead, value)) = state(table, key, now)
+            && remove_flow(table, key, &value) > 0
+        {
+            done.expired += 1;
+        }
+    }
     if used * 100 > capacity * HIGH_WATER {
         live.sort_unstable_by_key(|(keep, seen, _, _)| (*keep, *seen));
         for (_, _, key, value) in &live {
             if used * 100 <= capacity * LOW_WATER {
                 break;
             }
-            if remove_flow(table, key, value) {
-                done.evicted += 1;
-                used -= size(key);
-            }
+            used = used.saturating_sub(remove_flow(table, key, value));
+            done.evicted += 1;
         }
     }
     done.left = used;
     done
-}
-
-/// Addresses, ports and protocol of a key.
-type Tuple<A> = (A, A, u16, u16, u8);
-
-fn tuple<A: Copy>(k: &CtKey<A>) -> Tuple<A> {
-    (k.saddr, k.daddr, k.sport, k.dport, k.proto)
 }
 
 /// The reply entry a forward entry names (as the programs' `known_flow` builds it).
@@ -230,13 +225,13 @@ enum Flow {
     },
 }
 
-/// A flow's state as the programs judge it, read now (not from the walk: a program may
-/// have given the key to a new flow since). None: the entry is gone.
+/// A flow's state as the programs judge it, and the entry, read now (not from the walk: a
+/// program may have given the key to a new flow since). None: the entry is gone.
 fn state<A: Copy + Default + PartialEq>(
     table: &HashMap<MapData, CtKey<A>, CtValue<A>>,
     key: &CtKey<A>,
     now: u64,
-) -> Option<Flow>
+) -> Option<(Flow, CtValue<A>)>
 where
     CtKey<A>: Pod,
     CtValue<A>: Pod,
@@ -245,7 +240,7 @@ where
     let reply = (key.dir == nat::dir::FORWARD)
         .then(|| table.get(&reply_key(key, &value), 0).ok())
         .flatten();
-    Some(judge(key, &value, reply.as_ref(), now))
+    Some((judge(key, &value, reply.as_ref(), now), value))
 }
 
 /// The programs' rule (`known_flow`, `reply_nat`): a forward entry holds while the reply
@@ -271,20 +266,41 @@ fn judge<A>(key: &CtKey<A>, value: &CtValue<A>, reply: Option<&CtValue<A>>, now:
     }
 }
 
-/// Deletes a flow: the entry, and for a forward entry the reply entry it names.
+/// Deletes a flow's entry, and with a reply entry the forward entry that names it (its
+/// client and frontend are in the reply entry): how many entries went.
 fn remove_flow<A: Copy + Default + PartialEq>(
     table: &mut HashMap<MapData, CtKey<A>, CtValue<A>>,
     key: &CtKey<A>,
     value: &CtValue<A>,
-) -> bool
+) -> usize
 where
     CtKey<A>: Pod,
     CtValue<A>: Pod,
 {
-    if key.dir == nat::dir::FORWARD {
-        let _ = table.remove(&reply_key(key, value));
+    let mut gone = usize::from(table.remove(key).is_ok());
+    if key.dir == nat::dir::REPLY {
+        gone += usize::from(table.remove(&forward_key(key, value)).is_ok());
     }
-    table.remove(key).is_ok()
+    gone
+}
+
+/// The forward entry whose reply entry is `k` (as the programs' `new_flow` writes both):
+/// the client is the reply's destination, or with SNAT in the entry; the frontend is in
+/// the entry.
+fn forward_key<A: Copy + Default + PartialEq>(k: &CtKey<A>, v: &CtValue<A>) -> CtKey<A>
+where
+    CtValue<A>: Pod,
+{
+    let snat = v.snat_addr != A::default();
+    CtKey {
+        saddr: if snat { v.snat_addr } else { k.daddr },
+        daddr: v.addr,
+        sport: if snat { v.snat_port } else { k.dport },
+        dport: v.port,
+        proto: k.proto,
+        dir: nat::dir::FORWARD,
+        _pad: [0; 2],
+    }
 }
 
 /// The programs' clock (bpf_ktime_get_ns, CLOCK_MONOTONIC; the coarse variant lags it by a
@@ -379,6 +395,55 @@ mod tests {
                 live,
                 "proto {p} flags {flags:#x} idle {idle} s"
             );
+        }
+    }
+
+    /// A flow's two keys lead to each other as the programs' `new_flow` writes them, with
+    /// and without SNAT, so the collector takes a flow whole.
+    #[test]
+    fn a_flows_entries_name_each_other() {
+        let (client, frontend, backend, snat) = (1u32, 2u32, 3u32, 4u32);
+        let fields = |k: CtKey<u32>| (k.saddr, k.daddr, k.sport, k.dport, k.proto, k.dir);
+        for with_snat in [false, true] {
+            let fwd = CtKey {
+                saddr: client,
+                daddr: frontend,
+                sport: 40000,
+                dport: 30080,
+                proto: proto::TCP,
+                dir: nat::dir::FORWARD,
+                _pad: [0; 2],
+            };
+            let (src, sport) = if with_snat {
+                (snat, 61000)
+            } else {
+                (client, 40000)
+            };
+            let fwd_entry = CtValue {
+                addr: backend,
+                port: 8080,
+                snat_addr: if with_snat { snat } else { 0 },
+                snat_port: if with_snat { 61000 } else { 0 },
+                ..Default::default()
+            };
+            let reply = CtKey {
+                saddr: backend,
+                daddr: src,
+                sport: 8080,
+                dport: sport,
+                proto: proto::TCP,
+                dir: nat::dir::REPLY,
+                _pad: [0; 2],
+            };
+            let reply_entry = CtValue {
+                addr: frontend,
+                port: 30080,
+                snat_addr: if with_snat { client } else { 0 },
+                snat_port: if with_snat { 40000 } else { 0 },
+                ..Default::default()
+            };
+            assert_eq!(fields(reply_key(&fwd, &fwd_entry)), fields(reply));
+            assert_eq!(fields(forward_key(&reply, &reply_entry)), fields(fwd));
         }
     }
 
