@@ -478,45 +478,10 @@ fn explain_in_rule_mode(mode: &str) {
 /// connections land within them, and `inspect flows` lists those connections' flows.
 #[test]
 fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
-    let (mut bed, _pods) = bed_with_pods("explainnp", 2);
-    let ext = bed
-        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
-        .expect("client");
-    let manifest = web_node_port_manifest(&[pod_ip(1), pod_ip(2)]);
-    std::fs::write(bed.dir().join("web.yaml"), manifest).unwrap();
-    let bpffs = Bpffs::mount(bed.dir());
-    let pins = bpffs.0.join("fastpath");
-    let (pins, admin) = (pins.to_str().unwrap(), format!("127.0.0.1:{}", free_port()));
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--manifests",
-            bed.dir().join("web.yaml").to_str().unwrap(),
-            "--netns",
-            bed.node_netns(),
-            "--nodeport-devices",
-            &ext.node_veth,
-            "--metrics-bind-address",
-            &admin,
-            "--bpf-pin-dir",
-            pins,
-        ],
-    );
-    let target = format!("{}:30080", bed.node_ipv4());
-    let from_ext = |count: usize| {
-        let mut cmd = Command::new(PROBE);
-        cmd.args([
-            "--netns",
-            &ext.netns,
-            "tcp",
-            &target,
-            "--count",
-            &count.to_string(),
-            "--timeout-ms",
-            "1000",
-        ]);
-        xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
-    };
+    let np = NodePortBed::new("explainnp");
+    let daemon = np.daemon(&[]);
+    let (pins, admin, target) = (np.pins(), np.admin.as_str(), np.target());
+    let from_ext = |count: usize| np.connect_from_ext(count);
     assert!(
         eventually(20, || from_ext(1)[0].is_ok()),
         "the NodePort never answered; log:\n{}",
@@ -530,7 +495,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
         "--from",
         "198.18.2.1",
         "--admin",
-        &admin,
+        admin,
         "--bpf-pin-dir",
         pins,
         "-o",
@@ -553,7 +518,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
     assert_eq!(reached(&attempts), pod_names(&want));
 
     // The ClusterIP is the client's own node's business in eBPF mode.
-    let ex = explain(&admin, pins, "tcp", WEB);
+    let ex = explain(admin, pins, "tcp", WEB);
     assert_eq!(ex["verdict"], "translated");
     let out = tool(&[
         "explain",
@@ -562,7 +527,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
         "--from",
         "198.18.2.1",
         "--admin",
-        &admin,
+        admin,
         "-o",
         "json",
     ]);
@@ -574,7 +539,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
         "inspect",
         "flows",
         "--admin",
-        &admin,
+        admin,
         "--bpf-pin-dir",
         pins,
         "-o",
@@ -594,7 +559,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
         assert!(want.contains(f["backend"].as_str().unwrap()), "{f}");
         assert!(f["snat"].is_null(), "local backends see the client: {f}");
     }
-    let table = tool(&["inspect", "flows", "--admin", &admin, "--bpf-pin-dir", pins]);
+    let table = tool(&["inspect", "flows", "--admin", admin, "--bpf-pin-dir", pins]);
     eprintln!(
         "$ fastpath inspect flows\n{}",
         table.lines().take(4).collect::<Vec<_>>().join("\n")
@@ -606,7 +571,7 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
         "--from",
         "198.18.2.1",
         "--admin",
-        &admin,
+        admin,
         "--bpf-pin-dir",
         pins,
     ]);
@@ -619,56 +584,19 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
 /// every 30 s by default).
 #[test]
 fn ended_node_port_connections_leave_the_flow_table_after_the_closing_timeout() {
-    let (mut bed, _pods) = bed_with_pods("ctgc", 2);
-    let ext = bed
-        .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
-        .expect("client");
-    std::fs::write(
-        bed.dir().join("web.yaml"),
-        web_node_port_manifest(&[pod_ip(1), pod_ip(2)]),
-    )
-    .unwrap();
-    let bpffs = Bpffs::mount(bed.dir());
-    let pins = bpffs.0.join("fastpath");
-    let (pins, admin) = (pins.to_str().unwrap(), format!("127.0.0.1:{}", free_port()));
-    let daemon = Daemon::start(
-        bed.cgroup_path(),
-        &[
-            "--manifests",
-            bed.dir().join("web.yaml").to_str().unwrap(),
-            "--netns",
-            bed.node_netns(),
-            "--nodeport-devices",
-            &ext.node_veth,
-            "--metrics-bind-address",
-            &admin,
-            "--bpf-pin-dir",
-            pins,
-            "--conntrack-gc-interval",
-            "1s",
-        ],
-    );
-    let target = format!("{}:30080", bed.node_ipv4());
-    let from_ext = |count: &str| {
-        let mut cmd = Command::new(PROBE);
-        cmd.args(["--netns", &ext.netns, "tcp", &target]).args([
-            "--count",
-            count,
-            "--timeout-ms",
-            "1000",
-        ]);
-        xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
-    };
+    let np = NodePortBed::new("ctgc");
+    let daemon = np.daemon(&["--conntrack-gc-interval", "1s"]);
+    let (pins, admin) = (np.pins(), np.admin.as_str());
     assert!(
-        eventually(20, || from_ext("1")[0].is_ok()),
+        eventually(20, || np.connect_from_ext(1)[0].is_ok()),
         "the NodePort never answered; log:\n{}",
         daemon.log()
     );
-    let outcomes = from_ext("10");
+    let outcomes = np.connect_from_ext(10);
     assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
     let ended_at = std::time::Instant::now();
     let flows = || -> usize {
-        let flows = json(&["inspect", "flows", "--admin", &admin, "--bpf-pin-dir", pins]);
+        let flows = json(&["inspect", "flows", "--admin", admin, "--bpf-pin-dir", pins]);
         flows.as_array().map_or(0, Vec::len)
     };
     let listed = flows();
@@ -682,4 +610,72 @@ fn ended_node_port_connections_leave_the_flow_table_after_the_closing_timeout() 
         daemon.log()
     );
     assert!(ended_at.elapsed() >= std::time::Duration::from_secs(10));
+}
+
+/// Two pods behind a NodePort (`web_node_port_manifest`), a client on another host, and
+/// maps pinned on a private bpffs.
+struct NodePortBed {
+    // Fields drop in this order: the bpffs is unmounted before the bed's folder goes.
+    _bpffs: Bpffs,
+    pins: std::path::PathBuf,
+    admin: String,
+    ext: xtask::testbed::Pod,
+    bed: xtask::testbed::Testbed,
+}
+
+impl NodePortBed {
+    fn new(tag: &str) -> Self {
+        let (mut bed, _pods) = bed_with_pods(tag, 2);
+        let ext = bed
+            .add_pod("ext", Ipv4Addr::new(198, 18, 2, 1), None)
+            .expect("client");
+        let manifest = web_node_port_manifest(&[pod_ip(1), pod_ip(2)]);
+        std::fs::write(bed.dir().join("web.yaml"), manifest).unwrap();
+        let bpffs = Bpffs::mount(bed.dir());
+        let pins = bpffs.0.join("fastpath");
+        let admin = format!("127.0.0.1:{}", free_port());
+        Self {
+            _bpffs: bpffs,
+            pins,
+            admin,
+            ext,
+            bed,
+        }
+    }
+
+    fn pins(&self) -> &str {
+        self.pins.to_str().unwrap()
+    }
+
+    fn target(&self) -> String {
+        format!("{}:30080", self.bed.node_ipv4())
+    }
+
+    /// The daemon with node ports on the client's device, the admin server and the pins,
+    /// and `extra`.
+    fn daemon(&self, extra: &[&str]) -> Daemon {
+        let manifests = self.bed.dir().join("web.yaml");
+        let args = [
+            "--manifests",
+            manifests.to_str().unwrap(),
+            "--netns",
+            self.bed.node_netns(),
+            "--nodeport-devices",
+            &self.ext.node_veth,
+            "--metrics-bind-address",
+            &self.admin,
+            "--bpf-pin-dir",
+            self.pins(),
+        ];
+        Daemon::start(self.bed.cgroup_path(), &[&args[..], extra].concat())
+    }
+
+    /// `count` TCP connections from the client to the node port.
+    fn connect_from_ext(&self, count: usize) -> Vec<xtask::probe::Outcome> {
+        let mut cmd = Command::new(PROBE);
+        let (target, count) = (self.target(), count.to_string());
+        cmd.args(["--netns", &self.ext.netns, "tcp", &target])
+            .args(["--count", &count, "--timeout-ms", "1000"]);
+        xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
+    }
 }

@@ -192,20 +192,16 @@ fn a_full_flow_table_drops_new_flows_until_the_collector_makes_room() {
         .spawn()
         .expect("probe runs");
     std::thread::sleep(std::time::Duration::from_millis(300));
-    // Short-lived clients, each a flow of its own (a socket per request).
-    let many = pod_probe(
-        &bed,
-        &client,
-        &[
-            "udp",
-            WEB_DNS,
-            "--fresh-socket",
-            "--count",
-            "60",
-            "--timeout-ms",
-            "300",
-        ],
-    );
+    // A socket per request, as many short-lived clients (each a flow of its own).
+    let fresh = |count: &str| {
+        let args = ["udp", WEB_DNS, "--fresh-socket", "--count", count];
+        pod_probe(
+            &bed,
+            &client,
+            &[&args[..], &["--timeout-ms", "300"]].concat(),
+        )
+    };
+    let many = fresh("60");
     let answered = many.iter().filter(|o| o.is_ok()).count();
     assert!(
         answered < many.len(),
@@ -232,19 +228,7 @@ fn a_full_flow_table_drops_new_flows_until_the_collector_makes_room() {
         busy.iter().filter(|o| !o.is_ok()).collect::<Vec<_>>()
     );
     std::thread::sleep(std::time::Duration::from_millis(1500));
-    let after = pod_probe(
-        &bed,
-        &client,
-        &[
-            "udp",
-            WEB_DNS,
-            "--fresh-socket",
-            "--count",
-            "5",
-            "--timeout-ms",
-            "300",
-        ],
-    );
+    let after = fresh("5");
     assert!(
         after.iter().all(|o| o.is_ok()),
         "new flows are served once there is room: {after:?}"
