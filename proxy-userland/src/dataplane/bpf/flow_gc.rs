@@ -112,17 +112,26 @@ impl FlowTables {
                 if !full && !pressed && last.elapsed() < interval {
                     continue;
                 }
+                let dropped = now_drops.wrapping_sub(drops);
                 drops = now_drops;
                 let done = self.sweep(stop);
                 last = Instant::now();
                 pressed = done.evicted > 0;
-                if done.evicted > 0 || full {
+                if full {
                     tracing::warn!(
+                        dropped,
                         expired = done.expired,
                         evicted = done.evicted,
                         left = done.left,
                         "the flow table was full: new flows were dropped (see \
                          fastpath_packets_total{{result=\"dropped_flow_table_full\"}})"
+                    );
+                } else if pressed {
+                    tracing::warn!(
+                        expired = done.expired,
+                        evicted = done.evicted,
+                        left = done.left,
+                        "the flow table was nearly full: the longest idle flows were evicted"
                     );
                 } else {
                     tracing::debug!(expired = done.expired, left = done.left, "flow table swept");
