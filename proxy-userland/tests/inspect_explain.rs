@@ -679,3 +679,92 @@ impl NodePortBed {
         xtask::probe::parse(&xtask::cmd::output(&mut cmd).expect("probe runs"))
     }
 }
+
+/// A node upgraded with its maps pinned: the flow tables a daemon before the hash map
+/// pinned are LRU maps. The new daemon keeps them (their flows go on), says so, and the
+/// node port works through them: new flows land in the pinned table, as `inspect flows`
+/// shows.
+#[test]
+fn a_flow_table_an_earlier_version_pinned_as_an_lru_map_is_kept_and_used() {
+    let np = NodePortBed::new("ctlru");
+    let maps = np.pins.join("maps-v1");
+    std::fs::create_dir_all(&maps).unwrap();
+    for (name, key, value) in [
+        (
+            "FP_CT4",
+            std::mem::size_of::<proxy_common::Ct4Key>(),
+            std::mem::size_of::<proxy_common::Ct4Value>(),
+        ),
+        (
+            "FP_CT6",
+            std::mem::size_of::<proxy_common::Ct6Key>(),
+            std::mem::size_of::<proxy_common::Ct6Value>(),
+        ),
+    ] {
+        pin_lru_map(&maps.join(name), name, key as u32, value as u32, 4096);
+    }
+    let daemon = np.daemon(&[]);
+    assert!(
+        eventually(20, || np.connect_from_ext(1)[0].is_ok()),
+        "the NodePort never answered; log:\n{}",
+        daemon.log()
+    );
+    let outcomes = np.connect_from_ext(5);
+    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    assert!(
+        daemon
+            .log()
+            .contains("the flow table is an LRU map pinned by an earlier version"),
+        "log:\n{}",
+        daemon.log()
+    );
+    let flows = json(&[
+        "inspect",
+        "flows",
+        "--admin",
+        &np.admin,
+        "--bpf-pin-dir",
+        np.pins(),
+    ]);
+    let listed = flows.as_array().map_or(0, Vec::len);
+    assert!(
+        listed >= 6,
+        "{listed} flows in the pinned LRU table: {flows:#}"
+    );
+}
+
+/// Creates an LRU hash map (what `FP_CT4`/`FP_CT6` were before) and pins it at `path`.
+fn pin_lru_map(path: &std::path::Path, name: &str, key: u32, value: u32, max: u32) {
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_OBJ_PIN: libc::c_long = 6;
+    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+    // union bpf_attr for BPF_MAP_CREATE: type, key and value sizes, max entries, flags,
+    // inner map fd, NUMA node, then the name (16 bytes at offset 28).
+    let mut attr = [0u8; 128];
+    for (at, v) in [(0, BPF_MAP_TYPE_LRU_HASH), (4, key), (8, value), (12, max)] {
+        attr[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+    }
+    attr[28..28 + name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: bpf(2) reads `attr`, a live buffer of the size passed.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), attr.len()) };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // union bpf_attr for BPF_OBJ_PIN: the path's address, then the fd.
+    let mut pin = [0u8; 128];
+    pin[0..8].copy_from_slice(&(c_path.as_ptr() as u64).to_ne_bytes());
+    pin[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
+    // SAFETY: as above; `c_path` outlives the call.
+    let pinned = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, pin.as_ptr(), pin.len()) };
+    assert_eq!(
+        pinned,
+        0,
+        "BPF_OBJ_PIN: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: `fd` is ours; the pin keeps the map.
+    unsafe { libc::close(fd as i32) };
+}
