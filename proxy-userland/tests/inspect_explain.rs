@@ -586,19 +586,9 @@ fn explain_and_inspect_flows_follow_node_port_traffic_from_another_host() {
 fn ended_node_port_connections_leave_the_flow_table_after_the_closing_timeout() {
     let np = NodePortBed::new("ctgc");
     let daemon = np.daemon(&["--conntrack-gc-interval", "1s"]);
-    let (pins, admin) = (np.pins(), np.admin.as_str());
-    assert!(
-        eventually(20, || np.connect_from_ext(1)[0].is_ok()),
-        "the NodePort never answered; log:\n{}",
-        daemon.log()
-    );
-    let outcomes = np.connect_from_ext(10);
-    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    np.connections_once_up(&daemon, 10);
     let ended_at = std::time::Instant::now();
-    let flows = || -> usize {
-        let flows = json(&["inspect", "flows", "--admin", admin, "--bpf-pin-dir", pins]);
-        flows.as_array().map_or(0, Vec::len)
-    };
+    let flows = || np.flows().as_array().map_or(0, Vec::len);
     let listed = flows();
     assert!(listed >= 11, "{listed} flows listed");
     std::thread::sleep(std::time::Duration::from_secs(5));
@@ -670,6 +660,29 @@ impl NodePortBed {
         Daemon::start(self.bed.cgroup_path(), &[&args[..], extra].concat())
     }
 
+    /// Once the node port answers, `count` more connections, which must all succeed.
+    fn connections_once_up(&self, daemon: &Daemon, count: usize) {
+        assert!(
+            eventually(20, || self.connect_from_ext(1)[0].is_ok()),
+            "the NodePort never answered; log:\n{}",
+            daemon.log()
+        );
+        let outcomes = self.connect_from_ext(count);
+        assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    }
+
+    /// `fastpath inspect flows`, as JSON.
+    fn flows(&self) -> Value {
+        json(&[
+            "inspect",
+            "flows",
+            "--admin",
+            &self.admin,
+            "--bpf-pin-dir",
+            self.pins(),
+        ])
+    }
+
     /// `count` TCP connections from the client to the node port.
     fn connect_from_ext(&self, count: usize) -> Vec<xtask::probe::Outcome> {
         let mut cmd = Command::new(PROBE);
@@ -704,13 +717,7 @@ fn a_flow_table_an_earlier_version_pinned_as_an_lru_map_is_kept_and_used() {
         pin_lru_map(&maps.join(name), name, key as u32, value as u32, 4096);
     }
     let daemon = np.daemon(&[]);
-    assert!(
-        eventually(20, || np.connect_from_ext(1)[0].is_ok()),
-        "the NodePort never answered; log:\n{}",
-        daemon.log()
-    );
-    let outcomes = np.connect_from_ext(5);
-    assert!(outcomes.iter().all(|o| o.is_ok()), "{outcomes:?}");
+    np.connections_once_up(&daemon, 5);
     assert!(
         daemon
             .log()
@@ -718,14 +725,7 @@ fn a_flow_table_an_earlier_version_pinned_as_an_lru_map_is_kept_and_used() {
         "log:\n{}",
         daemon.log()
     );
-    let flows = json(&[
-        "inspect",
-        "flows",
-        "--admin",
-        &np.admin,
-        "--bpf-pin-dir",
-        np.pins(),
-    ]);
+    let flows = np.flows();
     let listed = flows.as_array().map_or(0, Vec::len);
     assert!(
         listed >= 6,
