@@ -165,22 +165,21 @@ where
         if walked >= capacity || stop.load(Ordering::Relaxed) {
             break;
         }
-        let Ok((key, _)) = entry else { break };
-        match state(table, &key, now) {
-            Some((Flow::Dead, _)) => dead.push(key),
-            Some((
+        let Ok((key, value)) = entry else { break };
+        match state_of(table, &key, value, now) {
+            (Flow::Dead, _) => dead.push(key),
+            (
                 Flow::Live {
                     early_drop,
                     last_seen,
                 },
                 value,
-            )) => {
+            ) => {
                 used += 1;
                 if key.dir == nat::dir::REPLY {
                     live.push((!early_drop, last_seen, key, value));
                 }
             }
-            None => {}
         }
     }
     let mut done = Sweep::default();
@@ -198,8 +197,11 @@ where
             if used * 100 <= capacity * LOW_WATER {
                 break;
             }
-            used = used.saturating_sub(remove_flow(table, key, value));
-            done.evicted += 1;
+            let gone = remove_flow(table, key, value);
+            if gone > 0 {
+                used = used.saturating_sub(gone);
+                done.evicted += 1;
+            }
         }
     }
     done.left = used;
@@ -246,10 +248,24 @@ where
     CtValue<A>: Pod,
 {
     let value = table.get(key, 0).ok()?;
+    Some(state_of(table, key, value, now))
+}
+
+/// As [`state`], for an entry just read: only a forward entry's reply entry is looked up.
+fn state_of<A: Copy + Default + PartialEq>(
+    table: &HashMap<MapData, CtKey<A>, CtValue<A>>,
+    key: &CtKey<A>,
+    value: CtValue<A>,
+    now: u64,
+) -> (Flow, CtValue<A>)
+where
+    CtKey<A>: Pod,
+    CtValue<A>: Pod,
+{
     let reply = (key.dir == nat::dir::FORWARD)
         .then(|| table.get(&reply_key(key, &value), 0).ok())
         .flatten();
-    Some((judge(key, &value, reply.as_ref(), now), value))
+    (judge(key, &value, reply.as_ref(), now), value)
 }
 
 /// The programs' rule (`known_flow`, `reply_nat`): a forward entry holds while the reply
