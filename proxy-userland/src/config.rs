@@ -7,6 +7,7 @@
 
 pub mod file;
 pub mod mode;
+mod tunables;
 pub mod values;
 
 use std::{
@@ -694,6 +695,7 @@ impl Args {
             ) {
                 self.log_level = level;
             }
+            tunables::merge(self, fp, origin, &given)?;
         }
 
         for field in cfg.ignored_fields() {
@@ -992,6 +994,45 @@ mod tests {
         assert!(Args::try_from_iter(["fastpath", "--bpf-host-routing=always"]).is_err());
     }
 
+    /// The eBPF tunables a ConfigMap sets are taken as their flags would take them; a flag
+    /// on the command line still wins.
+    #[test]
+    fn ebpf_tunables_come_from_the_file_unless_flags_give_them() {
+        let file = "fastpath:\n  bpfLbMapMax: 4096\n  bpfCtMax: 65536\n  \
+                    conntrackGcInterval: 2m\n  bpfLbAlgorithm: maglev\n  \
+                    bpfLbMaglevTableSize: 1021\n  bpfLbMaglevHashSeed: 7\n  bpfLbMode: hybrid\n";
+        let a = merged(&[], file).unwrap();
+        assert_eq!(a.bpf_lb_map_max, Some(4096));
+        assert_eq!(a.bpf_ct_max, Some(65536));
+        assert_eq!(a.conntrack_gc_interval, Duration::from_secs(120));
+        assert_eq!(a.bpf_lb_algorithm, LbAlgorithm::Maglev);
+        assert_eq!(a.bpf_lb_maglev_table_size, 1021);
+        assert_eq!(a.bpf_lb_maglev_hash_seed, 7);
+        assert_eq!(a.bpf_lb_mode, LbMode::Hybrid);
+        let flags = [
+            "--bpf-ct-max=64",
+            "--conntrack-gc-interval=5s",
+            "--bpf-lb-algorithm=random",
+            "--bpf-lb-mode=snat",
+        ];
+        let a = merged(&flags, file).unwrap();
+        assert_eq!(a.bpf_ct_max, Some(64));
+        assert_eq!(a.conntrack_gc_interval, Duration::from_secs(5));
+        assert_eq!(a.bpf_lb_algorithm, LbAlgorithm::Random);
+        assert_eq!(a.bpf_lb_mode, LbMode::Snat);
+        assert_eq!(
+            a.bpf_lb_maglev_table_size, 1021,
+            "the file's, no flag for it"
+        );
+        let a = merged(
+            &[],
+            "fastpath: {bpfLbAlgorithm: \"\", conntrackGcInterval: \"\"}\n",
+        )
+        .unwrap();
+        assert_eq!(a.bpf_lb_algorithm, LbAlgorithm::Random, "empty is unset");
+        assert_eq!(a.conntrack_gc_interval, Duration::from_secs(30));
+    }
+
     #[test]
     fn defaults_match_kube_proxy() {
         let a = Args::try_from_iter(["fastpath"]).unwrap();
@@ -1241,6 +1282,36 @@ mod tests {
                 "not \"auto\", \"true\" or \"false\"",
             ),
             (
+                "fastpath: {bpfCtMax: 8}\n",
+                "fastpath.bpfCtMax",
+                "8 is not in 16..=16777216",
+            ),
+            (
+                "fastpath: {bpfLbMapMax: 0}\n",
+                "fastpath.bpfLbMapMax",
+                "0 is not in 1..=16777216",
+            ),
+            (
+                "fastpath: {conntrackGcInterval: 100ms}\n",
+                "fastpath.conntrackGcInterval",
+                "under 1s",
+            ),
+            (
+                "fastpath: {bpfLbAlgorithm: round-robin}\n",
+                "fastpath.bpfLbAlgorithm",
+                "possible values: random, maglev",
+            ),
+            (
+                "fastpath: {bpfLbMaglevTableSize: 1000}\n",
+                "fastpath.bpfLbMaglevTableSize",
+                "not one of the table sizes",
+            ),
+            (
+                "fastpath: {bpfLbMode: direct}\n",
+                "fastpath.bpfLbMode",
+                "possible values: snat, dsr, hybrid",
+            ),
+            (
                 "fastpath: {serviceClusterIPRange: 198.19.0.0/16/2}\n",
                 "fastpath.serviceClusterIPRange",
                 "not a CIDR",
@@ -1269,6 +1340,8 @@ mod tests {
         assert!(e.contains("oomScoreAdj"), "{e}");
         let e = error(&[], "fastpath: {nodesetup: true}\n");
         assert!(e.contains("nodesetup"), "{e}");
+        let e = error(&[], "fastpath: {bpfCtMax: lots}\n");
+        assert!(e.contains("bpfCtMax") && e.contains("invalid type"), "{e}");
     }
 
     #[test]

@@ -743,7 +743,28 @@ pub fn start_as_shipped(bed: &Testbed, extra: &[&str]) -> Shipped {
 /// As [`start_as_shipped`], run through `outer` first when it is not empty (e.g. a shell
 /// that joins a cgroup and execs the rest).
 pub fn start_as_shipped_wrapped(outer: &[&str], bed: &Testbed, extra: &[&str]) -> Shipped {
+    start_shipped(outer, bed, &|text| text.to_string(), extra)
+}
+
+/// As [`start_as_shipped`], with the ConfigMap's config as `edit` leaves it: what an
+/// operator changes there, where the DaemonSet's flags stay as shipped.
+pub fn start_as_configured(
+    bed: &Testbed,
+    edit: &dyn Fn(&str) -> String,
+    extra: &[&str],
+) -> Shipped {
+    start_shipped(&[], bed, edit, extra)
+}
+
+fn start_shipped(
+    outer: &[&str],
+    bed: &Testbed,
+    edit: &dyn Fn(&str) -> String,
+    extra: &[&str],
+) -> Shipped {
     let config = shipped_config(bed.dir());
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, edit(&text)).unwrap();
     // The DaemonSet pins under /sys/fs/bpf; a private bpffs goes with the test.
     let pins = Bpffs::mount(bed.dir());
     let mut wrapper: Vec<String> = outer.iter().map(|s| s.to_string()).collect();

@@ -462,3 +462,20 @@ fn check_least_privilege(pod: &k8s_openapi::api::core::v1::PodSpec) {
     );
     assert!(init.resources.as_ref().is_some_and(|r| r.limits.is_some()));
 }
+
+/// The ConfigMap spells out the eBPF load balancer's settings for operators to change;
+/// shipped, they are the flags' defaults, so a node configured by it behaves as the flags
+/// document and as the tests that run without it.
+#[test]
+fn the_shipped_ebpf_settings_are_the_flags_defaults() {
+    let shipped = daemon_config(&load());
+    let defaults = Args::try_from_iter(["fastpath"]).unwrap();
+    assert_eq!(shipped.bpf_lb_algorithm, defaults.bpf_lb_algorithm);
+    assert_eq!(shipped.bpf_lb_mode, defaults.bpf_lb_mode);
+    assert_eq!(
+        shipped.conntrack_gc_interval,
+        defaults.conntrack_gc_interval
+    );
+    assert_eq!(defaults.bpf_ct_max, None);
+    assert_eq!(shipped.bpf_ct_max, Some(proxy_common::maps::CT_MAX));
+}

@@ -143,11 +143,12 @@ fn the_daemon_reports_a_service_the_kernel_refuses_and_serves_the_others() {
     drop(shipped);
 }
 
-/// The packet path's flow table, as shipped but made small (`--bpf-ct-max=64`: 32 flows)
-/// so that one pod's UDP fills it through the pod path: a new flow that finds the table
-/// full is dropped and counted; within a second the collector makes room (the longest idle
-/// flows go, as an LRU map's would) and says so in the log; new flows are served again,
-/// and a client that keeps sending through one socket keeps its flow throughout.
+/// The packet path's flow table, as shipped but made small (`bpfCtMax: 64` in the
+/// ConfigMap: 32 flows) so that one pod's UDP fills it through the pod path: a new flow
+/// that finds the table full is dropped and counted; within a second the collector makes
+/// room (the longest idle flows go, as an LRU map's would) and says so in the log; new
+/// flows are served again, and a client that keeps sending through one socket keeps its
+/// flow throughout.
 #[test]
 fn a_full_flow_table_drops_new_flows_until_the_collector_makes_room() {
     let (bed, client) = bed_with_client("ctfull", false);
@@ -158,11 +159,17 @@ fn a_full_flow_table_drops_new_flows_until_the_collector_makes_room() {
     )
     .unwrap();
     let metrics_port = free_port();
-    let shipped = start_as_shipped(
+    // Set where an operator would: in the ConfigMap.
+    let small = |config: &str| {
+        let edited = config.replace("bpfCtMax: 262144", "bpfCtMax: 64");
+        assert_ne!(edited, config, "the ConfigMap sets bpfCtMax");
+        edited
+    };
+    let shipped = start_as_configured(
         &bed,
+        &small,
         &[
             &format!("--manifests={}", dir.0.display()),
-            "--bpf-ct-max=64",
             &format!("--metrics-bind-address=127.0.0.1:{metrics_port}"),
             // The packet counters reach /metrics with each sync.
             "--sync-period=2s",

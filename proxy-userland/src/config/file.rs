@@ -133,6 +133,14 @@ pub struct Fastpath {
     /// `--service-cluster-ip-range`: comma-separated, one CIDR per family.
     #[serde(rename = "serviceClusterIPRange")]
     pub service_cluster_ip_range: Option<String>,
+    /// The eBPF dataplane's tunables (see `super::tunables`), as their flags take them.
+    pub bpf_lb_map_max: Option<u64>,
+    pub bpf_ct_max: Option<u64>,
+    pub conntrack_gc_interval: Option<String>,
+    pub bpf_lb_algorithm: Option<String>,
+    pub bpf_lb_maglev_table_size: Option<u64>,
+    pub bpf_lb_maglev_hash_seed: Option<u64>,
+    pub bpf_lb_mode: Option<String>,
 }
 
 /// Why a config file cannot be used.
