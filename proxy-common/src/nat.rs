@@ -80,6 +80,27 @@ pub struct CtValue<A> {
 }
 pub type Ct4Value = CtValue<u32>;
 pub type Ct6Value = CtValue<Addr6>;
+
+impl<A: Copy> CtValue<A> {
+    /// The key of the reply entry that forward entry `self`, of a flow from
+    /// `client`:`client_port`, names: the backend answers the SNAT address and port when
+    /// the flow has them (`snat`: `snat_addr` is not zero), else the client. The programs
+    /// pair a flow's two entries by it, and the daemon's collector judges them by it.
+    /// `snat` comes from the caller: comparing an IPv6 address here would make LLVM call
+    /// `bcmp` in the programs.
+    #[inline(always)]
+    pub fn reply_key(&self, snat: bool, client: A, client_port: u16, proto: u8) -> CtKey<A> {
+        CtKey {
+            saddr: self.addr,
+            daddr: if snat { self.snat_addr } else { client },
+            sport: self.port,
+            dport: if snat { self.snat_port } else { client_port },
+            proto,
+            dir: dir::REPLY,
+            _pad: [0; 2],
+        }
+    }
+}
 const _: () = assert!(core::mem::size_of::<Ct4Value>() == 32);
 const _: () = assert!(core::mem::size_of::<Ct6Value>() == 56);
 

@@ -504,15 +504,7 @@ fn backend_holds<I: Ip>(e: &CtValue<I::Addr>) -> bool {
 #[inline(always)]
 fn known_flow<I: Ip>(f: &Flow<I::Addr>, e: &mut CtValue<I::Addr>, now: u64) -> bool {
     let snat = !I::is_zero(&e.snat_addr);
-    let reply_key = CtKey {
-        saddr: e.addr,
-        daddr: if snat { e.snat_addr } else { f.saddr },
-        sport: e.port,
-        dport: if snat { e.snat_port } else { f.sport },
-        proto: f.proto,
-        dir: nat::dir::REPLY,
-        _pad: [0; 2],
-    };
+    let reply_key = e.reply_key(snat, f.saddr, f.sport, f.proto);
     let Some(r) = I::ct().get_ptr_mut(reply_key) else {
         return false;
     };

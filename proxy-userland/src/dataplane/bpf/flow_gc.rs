@@ -213,16 +213,7 @@ fn reply_key<A: Copy + Default + PartialEq>(k: &CtKey<A>, v: &CtValue<A>) -> CtK
 where
     CtValue<A>: Pod,
 {
-    let snat = v.snat_addr != A::default();
-    CtKey {
-        saddr: v.addr,
-        daddr: if snat { v.snat_addr } else { k.saddr },
-        sport: v.port,
-        dport: if snat { v.snat_port } else { k.sport },
-        proto: k.proto,
-        dir: nat::dir::REPLY,
-        _pad: [0; 2],
-    }
+    v.reply_key(v.snat_addr != A::default(), k.saddr, k.sport, k.proto)
 }
 
 #[derive(Debug, PartialEq, Eq)]
