@@ -377,10 +377,7 @@ impl Daemon {
     /// As [`Daemon::start`], run through `wrapper` (e.g. `setpriv` with its options) when
     /// it is not empty.
     pub fn start_wrapped(wrapper: &[&str], cgroup: &Path, args: &[&str]) -> Self {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let log =
-            std::env::temp_dir().join(format!("fastpath-test-{}-{n}.log", std::process::id()));
+        let log = Self::new_log("started");
         let mut cmd = match wrapper.split_first() {
             Some((program, rest)) => {
                 let mut c = Command::new(program);
@@ -417,11 +414,7 @@ impl Daemon {
     /// `wrapper` (e.g. nsenter, setpriv), then `fastpath args`, with no flag of ours
     /// added: for running the daemon as deploy/ runs it.
     pub fn start_as_deployed(wrapper: &[&str], args: &[&str]) -> Self {
-        let log = std::env::temp_dir().join(format!(
-            "fastpath-test-{}-deployed-{}.log",
-            std::process::id(),
-            args.len()
-        ));
+        let log = Self::new_log("deployed");
         let (program, rest) = wrapper.split_first().expect("a wrapper");
         let child = Command::new(program)
             .args(rest)
@@ -435,6 +428,17 @@ impl Daemon {
             .spawn()
             .expect("fastpath starts");
         Daemon { child, log }
+    }
+
+    /// A log file no other daemon of this test binary writes: tests run in parallel, and
+    /// two daemons sharing a log truncate each other's.
+    fn new_log(how: &str) -> PathBuf {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        std::env::temp_dir().join(format!(
+            "fastpath-test-{}-{how}-{n}.log",
+            std::process::id()
+        ))
     }
 
     pub fn log(&self) -> String {
