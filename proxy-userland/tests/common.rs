@@ -956,3 +956,31 @@ fn own_programs() -> Vec<OwnProgram> {
     }
     programs
 }
+
+/// `enum bpf_map_type` values the tests create maps of.
+pub const BPF_MAP_TYPE_HASH: u32 = 1;
+pub const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+
+/// A new map of `kind` (preallocated, as the programs' own), named `name`, with raw
+/// bpf(2): what an earlier version pinned, or a table for the daemon's code to work on.
+pub fn create_map(kind: u32, name: &str, key: u32, value: u32, max: u32) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd as _;
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    // union bpf_attr for BPF_MAP_CREATE: type, key and value sizes, max entries, flags,
+    // inner map fd, NUMA node, then the name (16 bytes at offset 28).
+    let mut attr = [0u8; 128];
+    for (at, v) in [(0, kind), (4, key), (8, value), (12, max)] {
+        attr[at..at + 4].copy_from_slice(&v.to_ne_bytes());
+    }
+    attr[28..28 + name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: bpf(2) reads `attr`, a live buffer of the size passed.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), attr.len()) };
+    assert!(
+        fd >= 0,
+        "BPF_MAP_CREATE: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a new descriptor the kernel just gave us, owned by nothing else.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) }
+}

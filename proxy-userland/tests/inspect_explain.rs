@@ -735,29 +735,16 @@ fn a_flow_table_an_earlier_version_pinned_as_an_lru_map_is_kept_and_used() {
 
 /// Creates an LRU hash map (what `FP_CT4`/`FP_CT6` were before) and pins it at `path`.
 fn pin_lru_map(path: &std::path::Path, name: &str, key: u32, value: u32, max: u32) {
-    const BPF_MAP_CREATE: libc::c_long = 0;
+    use std::os::fd::AsRawFd as _;
     const BPF_OBJ_PIN: libc::c_long = 6;
-    const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
-    // union bpf_attr for BPF_MAP_CREATE: type, key and value sizes, max entries, flags,
-    // inner map fd, NUMA node, then the name (16 bytes at offset 28).
-    let mut attr = [0u8; 128];
-    for (at, v) in [(0, BPF_MAP_TYPE_LRU_HASH), (4, key), (8, value), (12, max)] {
-        attr[at..at + 4].copy_from_slice(&v.to_ne_bytes());
-    }
-    attr[28..28 + name.len()].copy_from_slice(name.as_bytes());
-    // SAFETY: bpf(2) reads `attr`, a live buffer of the size passed.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, attr.as_ptr(), attr.len()) };
-    assert!(
-        fd >= 0,
-        "BPF_MAP_CREATE: {}",
-        std::io::Error::last_os_error()
-    );
+    let fd = create_map(BPF_MAP_TYPE_LRU_HASH, name, key, value, max);
     let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     // union bpf_attr for BPF_OBJ_PIN: the path's address, then the fd.
     let mut pin = [0u8; 128];
     pin[0..8].copy_from_slice(&(c_path.as_ptr() as u64).to_ne_bytes());
-    pin[8..12].copy_from_slice(&(fd as u32).to_ne_bytes());
-    // SAFETY: as above; `c_path` outlives the call.
+    pin[8..12].copy_from_slice(&(fd.as_raw_fd() as u32).to_ne_bytes());
+    // SAFETY: bpf(2) reads `pin`, a live buffer of the size passed; `c_path` outlives the
+    // call. The pin keeps the map when `fd` closes.
     let pinned = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_PIN, pin.as_ptr(), pin.len()) };
     assert_eq!(
         pinned,
@@ -765,6 +752,4 @@ fn pin_lru_map(path: &std::path::Path, name: &str, key: u32, value: u32, max: u3
         "BPF_OBJ_PIN: {}",
         std::io::Error::last_os_error()
     );
-    // SAFETY: `fd` is ours; the pin keeps the map.
-    unsafe { libc::close(fd as i32) };
 }

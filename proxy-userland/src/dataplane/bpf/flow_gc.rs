@@ -24,10 +24,12 @@ use std::{
 
 use aya::{
     Pod,
-    maps::{HashMap, IterableMap as _, MapData, PerCpuArray},
+    maps::{HashMap, IterableMap as _, MapData},
 };
 use proxy_common::{CtKey, CtValue, nat};
 
+pub use super::maps::FlowTables;
+use super::maps::batch;
 use crate::dataplane::watcher::Watcher;
 
 /// How often idle entries are looked for by default (`--conntrack-gc-interval`).
@@ -39,12 +41,8 @@ pub const HIGH_WATER: usize = 90;
 /// ... down to this.
 pub const LOW_WATER: usize = 80;
 
-/// Handles of the collector's own on both flow tables and the programs' counters.
-pub struct FlowTables {
-    pub ct4: HashMap<MapData, CtKey<u32>, CtValue<u32>>,
-    pub ct6: HashMap<MapData, CtKey<proxy_common::Addr6>, CtValue<proxy_common::Addr6>>,
-    pub stats: PerCpuArray<MapData, u64>,
-}
+/// Set once a batch read failed: later sweeps may say so less loudly.
+static BATCH_REFUSED: AtomicBool = AtomicBool::new(false);
 
 /// What one sweep of one table did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -114,8 +112,10 @@ impl FlowTables {
                 }
                 let dropped = now_drops.wrapping_sub(drops);
                 drops = now_drops;
+                let started = Instant::now();
                 let done = self.sweep(stop);
                 last = Instant::now();
+                let took_ms = (last - started).as_millis() as u64;
                 pressed = done.evicted > 0;
                 if full {
                     tracing::warn!(
@@ -123,6 +123,7 @@ impl FlowTables {
                         expired = done.expired,
                         evicted = done.evicted,
                         left = done.left,
+                        took_ms,
                         "the flow table was full: new flows were dropped (see \
                          fastpath_packets_total{{result=\"dropped_flow_table_full\"}})"
                     );
@@ -131,19 +132,26 @@ impl FlowTables {
                         expired = done.expired,
                         evicted = done.evicted,
                         left = done.left,
+                        took_ms,
                         "the flow table was nearly full: the longest idle flows were evicted"
                     );
                 } else {
-                    tracing::debug!(expired = done.expired, left = done.left, "flow table swept");
+                    tracing::debug!(
+                        expired = done.expired,
+                        left = done.left,
+                        took_ms,
+                        "flow table swept"
+                    );
                 }
             }
         })
     }
 }
 
-/// One table's sweep. Entries are deleted after the walk, which a deleted key would
-/// restart from the first key (a program may delete one too: the walk is bounded by the
-/// table's size).
+/// One table's sweep: the table read in batches (or key by key where the kernel cannot),
+/// then the dead entries deleted. Not during the walk: a walk by keys starts over from the
+/// first key when its key is deleted (a program may delete one too: that walk is bounded
+/// by the table's size).
 fn sweep<A: Copy + Default + PartialEq>(
     table: &mut HashMap<MapData, CtKey<A>, CtValue<A>>,
     now: u64,
@@ -156,32 +164,31 @@ where
     let Ok(capacity) = table.map().info().map(|i| i.max_entries() as usize) else {
         return Sweep::default();
     };
-    let mut dead = Vec::new();
-    // Every flow has one reply entry (a DSR flow on its backend's node has nothing else):
-    // the live flows by theirs, (evict first, last packet, key, entry).
-    let mut live = Vec::new();
-    let mut used = 0;
-    for (walked, entry) in table.iter().enumerate() {
-        if walked >= capacity || stop.load(Ordering::Relaxed) {
-            break;
+    let read = |walk: &mut Walk<A>| {
+        batch::read_all(table.map(), |key, value| {
+            walk.note(table, key, value, now, stop)
+        })
+    };
+    let mut walk = Walk::new(capacity);
+    if let Err(e) = read(&mut walk) {
+        if !BATCH_REFUSED.swap(true, Ordering::Relaxed) {
+            tracing::info!("the flow table cannot be read in batches ({e}): read by keys");
         }
-        let Ok((key, value)) = entry else { break };
-        match state_of(table, &key, value, now) {
-            (Flow::Dead, _) => dead.push(key),
-            (
-                Flow::Live {
-                    early_drop,
-                    last_seen,
-                },
-                value,
-            ) => {
-                used += 1;
-                if key.dir == nat::dir::REPLY {
-                    live.push((!early_drop, last_seen, key, value));
-                }
+        // Walked by keys from the start: what the batches noted would be noted twice.
+        walk = Walk::new(capacity);
+        for entry in table.iter() {
+            let Ok((key, value)) = entry else { break };
+            if !walk.note(table, key, value, now, stop) {
+                break;
             }
         }
     }
+    let Walk {
+        dead,
+        mut live,
+        mut used,
+        ..
+    } = walk;
     let mut done = Sweep::default();
     for key in &dead {
         // Judged again: a program may have given the key to a new flow since.
@@ -206,6 +213,67 @@ where
     }
     done.left = used;
     done
+}
+
+/// What a sweep's walk found.
+struct Walk<A> {
+    /// Keys of entries past their time.
+    dead: Vec<CtKey<A>>,
+    /// Every flow has one reply entry (a DSR flow on its backend's node has nothing else):
+    /// the live flows by theirs, (evict first, last packet, key, entry).
+    live: Vec<(bool, u64, CtKey<A>, CtValue<A>)>,
+    /// Live entries.
+    used: usize,
+    walked: usize,
+    /// The table's size: a walk never reads more entries than it holds.
+    capacity: usize,
+}
+
+impl<A: Copy + Default + PartialEq> Walk<A>
+where
+    CtKey<A>: Pod,
+    CtValue<A>: Pod,
+{
+    fn new(capacity: usize) -> Self {
+        Self {
+            dead: Vec::new(),
+            live: Vec::new(),
+            used: 0,
+            walked: 0,
+            capacity,
+        }
+    }
+
+    /// Judges one entry read; false: the walk is to stop.
+    fn note(
+        &mut self,
+        table: &HashMap<MapData, CtKey<A>, CtValue<A>>,
+        key: CtKey<A>,
+        value: CtValue<A>,
+        now: u64,
+        stop: &AtomicBool,
+    ) -> bool {
+        self.walked += 1;
+        if self.walked > self.capacity || stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        match state_of(table, &key, value, now) {
+            (Flow::Dead, _) => self.dead.push(key),
+            (
+                Flow::Live {
+                    early_drop,
+                    last_seen,
+                },
+                value,
+            ) => {
+                self.used += 1;
+                if key.dir == nat::dir::REPLY {
+                    self.live.push((!early_drop, last_seen, key, value));
+                }
+            }
+        }
+        true
+    }
 }
 
 /// The reply entry a forward entry names (as the programs' `known_flow` builds it).

@@ -27,13 +27,13 @@ use proxy_common::{
     service::scope,
 };
 
-use super::{flow_gc::FlowTables, loader::LoadError};
+use super::loader::LoadError;
 use crate::{
     dataplane::frontends::{BackendAddr, Frontend, FrontendScope},
     model::Protocol,
 };
 
-mod batch;
+pub(crate) mod batch;
 mod census;
 mod deferred;
 mod filter;
@@ -42,6 +42,14 @@ mod ranges;
 
 pub use census::{CENSUS_PERIOD, CensusThread, LruCensus, LruCounts};
 pub use deferred::Writer as DeferredWriter;
+
+/// Handles on both flow tables and the programs' counters, of the flow-table collector's
+/// own (see [`flow_gc`](super::flow_gc), which sweeps with them).
+pub struct FlowTables {
+    pub ct4: HashMap<MapData, Ct4Key, Ct4Value>,
+    pub ct6: HashMap<MapData, Ct6Key, Ct6Value>,
+    pub stats: PerCpuArray<MapData, u64>,
+}
 
 pub struct ServiceMaps {
     services4: HashMap<MapData, Service4Key, ServiceValue>,
@@ -538,7 +546,7 @@ impl ServiceMaps {
     }
 
     /// Handles of their own on the flow tables and the programs' counters, for the
-    /// collector's thread (see [`flow_gc`](super::flow_gc)).
+    /// collector's thread.
     pub fn flow_tables(&self) -> Result<FlowTables, MapError> {
         Ok(FlowTables {
             ct4: census::own_handle(&self.ct4)?,
