@@ -109,22 +109,12 @@ pub fn update_batch_fd<K: Pod, V: Pod>(fd: RawFd, keys: &[K], values: &[V]) -> i
         map_fd: fd as u32,
         ..BatchAttr::default()
     };
-    // SAFETY: `attr` is the kernel's `bpf_attr.batch` layout (a prefix of the union, whose
-    // size is passed); `keys` and `values` are `Pod` slices of `count` entries of the map's
-    // key and value types that outlive the call; the kernel only reads them, and writes the
-    // number of entries done back into `attr.count`, unread.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_UPDATE_BATCH,
-            &mut attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>(),
-        )
-    };
-    if ret == 0 {
+    // SAFETY: `keys` and `values` are `Pod` slices of `count` entries of the map's key and
+    // value types that outlive the call; the kernel only reads them, and writes the number
+    // of entries done back into `attr.count`, unread.
+    let Err(e) = (unsafe { batch_call(BPF_MAP_UPDATE_BATCH, &mut attr) }) else {
         return Ok(());
-    }
-    let e = io::Error::last_os_error();
+    };
     if matches!(
         e.raw_os_error(),
         Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
@@ -184,28 +174,44 @@ fn lookup_batch<K: Pod, V: Pod>(
         map_fd: fd as u32,
         ..BatchAttr::default()
     };
-    // SAFETY: `attr` is the kernel's `bpf_attr.batch` layout (a prefix of the union, whose
-    // size is passed). A hash map's batch token is a u32 bucket index: `in_batch` (read)
-    // and `out_batch` (written) point at live u32s. `keys` and `values` are writable `Pod`
+    // SAFETY: a hash map's batch token is a u32 bucket index: `in_batch` (read) and
+    // `out_batch` (written) point at live u32s. `keys` and `values` are writable `Pod`
     // slices of at least `count` entries of the map's key and value types; the kernel
     // writes at most `count` of each, and the number written into `attr.count`.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_LOOKUP_BATCH,
-            &mut attr as *mut BatchAttr,
-            std::mem::size_of::<BatchAttr>(),
-        )
-    };
+    let done = unsafe { batch_call(BPF_MAP_LOOKUP_BATCH, &mut attr) };
     let n = (attr.count as usize).min(capacity);
-    if ret == 0 {
+    let Err(e) = done else {
         return Ok((n, true, out_batch));
-    }
-    let e = io::Error::last_os_error();
+    };
     match e.raw_os_error() {
         // The last buckets were read.
         Some(libc::ENOENT) => Ok((n, false, out_batch)),
         _ => Err(e),
+    }
+}
+
+/// bpf(2) with `cmd`, one of the batch commands, and `attr`.
+///
+/// # Safety
+///
+/// Every pointer in `attr` must be valid for what `cmd` does with it (read or written,
+/// `count` entries of the map's key and value types) for the whole call.
+unsafe fn batch_call(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is the kernel's `bpf_attr.batch` layout (a prefix of the union, whose
+    // size is passed), live and writable for the call; what it points at is the caller's
+    // promise.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>(),
+        )
+    };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 
