@@ -124,11 +124,11 @@ pub fn update_batch_fd<K: Pod, V: Pod>(fd: RawFd, keys: &[K], values: &[V]) -> i
     Err(e)
 }
 
-/// Calls `each` with every entry of `map`, a hash map, until it returns false; Err: the
-/// kernel refused the first batch read (old kernels: EINVAL), and the caller walks the map
-/// key by key instead. A bpf() call reads [`READ_CHUNK`] entries where a walk by keys
-/// makes two per entry: a collector's sweep of a full 262,144-entry table went from about
-/// half a million calls to under a hundred.
+/// Calls `each` with every entry of `map`, a hash map, until it returns false; Err: a
+/// batch read failed (an old kernel refuses the first: EINVAL), maybe after some entries
+/// went to `each`, and the caller walks the map key by key instead. A bpf() call reads
+/// [`READ_CHUNK`] entries where a walk by keys makes two per entry: reading a full
+/// 262,144-entry table takes 64 calls instead of about half a million.
 ///
 /// Each bucket is read whole, once: entries that programs add or delete meanwhile are seen
 /// or not, but none twice, where a walk by keys starts over when its key is deleted.
