@@ -17,7 +17,7 @@ use crate::{
     PROCEED,
     ip::bytes,
     kernel,
-    maps::{SOCK_REVNAT4, SOCK_REVNAT6},
+    maps::{Lookup as _, SOCK_REVNAT4, SOCK_REVNAT6},
 };
 
 const AF_INET: u32 = 2;
@@ -45,8 +45,11 @@ pub fn try_release(ctx: &SockContext) -> Result<i32, ()> {
                 port,
                 _pad: [0; 2],
             };
-            // Absent for a socket no hook translated: nothing to do.
-            let _ = SOCK_REVNAT4.remove(key);
+            // Absent for a socket no hook translated: a lookup finds that out without the
+            // bucket lock a delete takes.
+            if SOCK_REVNAT4.lookup(key).is_some() {
+                let _ = SOCK_REVNAT4.remove(key);
+            }
         }
         AF_INET6 => {
             // SAFETY: as above; the four u32 words of dst_ip6, read one at a time.
@@ -65,7 +68,9 @@ pub fn try_release(ctx: &SockContext) -> Result<i32, ()> {
                 port,
                 _pad: [0; 6],
             };
-            let _ = SOCK_REVNAT6.remove(key);
+            if SOCK_REVNAT6.lookup(key).is_some() {
+                let _ = SOCK_REVNAT6.remove(key);
+            }
         }
         _ => {}
     }
