@@ -445,12 +445,6 @@ impl Args {
             field: field.to_string(),
             message,
         };
-        let set = |s: &Option<String>| {
-            s.as_deref()
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(str::to_string)
-        };
         let duration = |field: &str, s: &Option<String>| typed(origin, field, s, values::duration);
         let seconds = |field: &str, s: &Option<String>| typed(origin, field, s, values::seconds);
         let listen = |field: &str, s: &Option<String>| -> Result<Option<Listen>, ConfigError> {
@@ -879,6 +873,15 @@ impl Args {
             oom_score_adj: Some(self.oom_score_adj),
         })
     }
+}
+
+/// A file's string setting, trimmed; None where it is empty, which kube-proxy's defaulting
+/// treats as unset.
+fn set(s: &Option<String>) -> Option<String> {
+    s.as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
 }
 
 /// A file field through one of the [`values`] parsers; an empty string is unset, and an

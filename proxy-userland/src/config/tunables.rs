@@ -10,7 +10,7 @@
 
 use clap::{CommandFactory, parser::ValueSource};
 
-use super::{Args, ConfigError, file::Fastpath};
+use super::{Args, ConfigError, file::Fastpath, set};
 
 /// Takes the tunables `fp` sets whose flags were not `given` on the command line.
 pub(super) fn merge(
@@ -20,12 +20,6 @@ pub(super) fn merge(
     given: &impl Fn(&str) -> bool,
 ) -> Result<(), ConfigError> {
     let number = |n: Option<u64>| n.map(|n| n.to_string());
-    let text = |s: &Option<String>| {
-        s.as_deref()
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
-    };
     let file = File { origin, given };
     if let Some(v) = file.read("bpfLbMapMax", "bpf_lb_map_max", number(fp.bpf_lb_map_max))? {
         args.bpf_lb_map_max = Some(v);
@@ -33,11 +27,11 @@ pub(super) fn merge(
     if let Some(v) = file.read("bpfCtMax", "bpf_ct_max", number(fp.bpf_ct_max))? {
         args.bpf_ct_max = Some(v);
     }
-    let gc = text(&fp.conntrack_gc_interval);
+    let gc = set(&fp.conntrack_gc_interval);
     if let Some(v) = file.read("conntrackGcInterval", "conntrack_gc_interval", gc)? {
         args.conntrack_gc_interval = v;
     }
-    let algorithm = text(&fp.bpf_lb_algorithm);
+    let algorithm = set(&fp.bpf_lb_algorithm);
     if let Some(v) = file.read("bpfLbAlgorithm", "bpf_lb_algorithm", algorithm)? {
         args.bpf_lb_algorithm = v;
     }
@@ -49,7 +43,7 @@ pub(super) fn merge(
     if let Some(v) = file.read("bpfLbMaglevHashSeed", "bpf_lb_maglev_hash_seed", seed)? {
         args.bpf_lb_maglev_hash_seed = v;
     }
-    if let Some(v) = file.read("bpfLbMode", "bpf_lb_mode", text(&fp.bpf_lb_mode))? {
+    if let Some(v) = file.read("bpfLbMode", "bpf_lb_mode", set(&fp.bpf_lb_mode))? {
         args.bpf_lb_mode = v;
     }
     Ok(())
